@@ -1,0 +1,124 @@
+"""Activation bytes saved for backward, per layer and per pipeline stage.
+
+The per-layer count follows Korthikanti et al. 2022 (arXiv:2205.05198) Sec. 4 and Table 2,
+generalised to GQA (K and V of width ``kv``), SwiGLU (three ffn-wide tensors), models without
+dropout, context parallelism and fused (flash) attention. With b sequences of s tokens per
+micro-batch, ``T = b s / cp`` tokens on a rank, 2-byte activations and 1-byte dropout masks:
+
+* sequence-split tensors (replicated over TP unless sequence parallel): the inputs of both
+  norms (4Th), of the QKV and first MLP matmul (2Th + 2Th) and two dropout masks (2Th);
+* tensor-split tensors (divided by tp): Q, K, V and the attention output (2T(2q + 2kv)) and
+  the MLP's ffn-wide tensors (GeLU 4Tf, SwiGLU 6Tf);
+* the attention core: eager attention stores softmax output, dropout mask and dropout output
+  (5 a s T bytes with dropout, 2 a s T without); fused attention stores only the fp32
+  log-sum-exp (4 a T).
+
+For a GPT layer (q = kv = h, f = 4h, dropout, eager) this is Table 2: ``sbh(34 + 5as/h)`` with
+no parallelism, ``sbh(10 + 24/t + 5as/(ht))`` with TP, ``sbh/t (34 + 5as/h)`` with TP+SP;
+selective recomputation drops the attention core; full recomputation keeps the layer input,
+``2sbh`` (divided by t under SP).
+"""
+
+from __future__ import annotations
+
+from costmodel.config import ParallelConfig
+from costmodel.model import ModelSpec
+
+MASK_BYTES = 1
+"""Bytes per element of a dropout mask (torch.bool)."""
+LOGIT_BYTES = 4
+"""Logits and their softmax are kept in fp32 for the loss (Megatron's vocab-parallel CE)."""
+TOKEN_ID_BYTES = 8
+"""int64 token ids kept by the embedding for its backward."""
+
+
+def _tokens(config: ParallelConfig) -> int:
+    return config.micro_batch_size * config.seq_len // config.cp
+
+
+def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recompute: str,
+                           moe: bool = False) -> float:
+    """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
+    t, act = config.tp, config.bytes_per_activation
+    tokens = _tokens(config)
+    seq_div = t if config.sp else 1
+    h = model.hidden_size
+    if recompute == "full":
+        return act * tokens * h / seq_div
+    dropout_masks = 2 * MASK_BYTES * tokens * h if model.dropout else 0
+    seq_split = 4 * act * tokens * h + dropout_masks
+    attention = act * tokens * (2 * model.q_size + 2 * model.kv_size)
+    mlp = _mlp_activation_bytes(model, config, tokens=tokens, moe=moe)
+    total = seq_split / seq_div + (attention + mlp) / t
+    if recompute == "none":
+        total += attention_core_bytes(model, config)
+    return total
+
+
+def _mlp_activation_bytes(model: ModelSpec, config: ParallelConfig, *, tokens: int,
+                          moe: bool) -> float:
+    """ffn-wide tensors of the MLP (before dividing by tp); MoE adds routing buffers."""
+    act = config.bytes_per_activation
+    per_token_tensors = 3 if model.activation == "swiglu" else 2
+    if not moe:
+        return act * tokens * model.ffn_hidden_size * per_token_tensors
+    routed = tokens * model.moe_top_k
+    experts = act * routed * model.expert_ffn_size * per_token_tensors
+    # Router logits (fp32) and the permuted token copies sent to and back from the experts;
+    # these are not split over TP, so undo the caller's division by tp.
+    routing = 4 * tokens * model.num_experts + 2 * act * routed * model.hidden_size
+    return experts + routing * config.tp
+
+
+def attention_core_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """Attention-core tensors of one layer and micro-batch on one rank (dropped by selective).
+
+    Eager: softmax output (+ dropout mask and output) of the a x (s/cp) x s score matrix per
+    sequence. Fused: the fp32 log-sum-exp per head and query.
+    """
+    queries = _tokens(config)
+    heads = model.num_heads / config.tp
+    if config.flash_attention:
+        return 4.0 * heads * queries
+    act = config.bytes_per_activation
+    per_score = act + (MASK_BYTES + act if model.dropout else 0)
+    return per_score * heads * queries * config.seq_len
+
+
+def embedding_activation_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """First stage, per micro-batch in flight: token ids and the embedding dropout mask.
+
+    Megatron-LM's theoretical memory counts ``8 s b`` and ``s b h`` here, divided by tp.
+    """
+    tokens = _tokens(config)
+    mask = MASK_BYTES * tokens * model.hidden_size if model.dropout else 0
+    return (TOKEN_ID_BYTES * tokens + mask) / config.tp
+
+
+def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
+                          logit_copies: float) -> float:
+    """Last stage, one micro-batch: final-norm and LM-head inputs plus the logits.
+
+    Megatron-LM counts ``4 s b h (1 + V/h)``: two 2-byte h-wide tensors and fp32 logits over
+    the vocabulary-parallel shard; ``logit_copies`` says how many fp32-sized logit tensors the
+    framework's loss keeps alive (1 for Megatron's fused vocab-parallel cross entropy).
+    """
+    tokens = _tokens(config)
+    act = config.bytes_per_activation
+    h_part = 2 * act * tokens * model.hidden_size / (config.tp if config.sp else 1)
+    logits = logit_copies * LOGIT_BYTES * tokens * model.vocab_rows / config.tp
+    return h_part + logits
+
+
+def in_flight_microbatches(config: ParallelConfig, stage: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
+
+    1F1B: stage i of p holds min(p - i, m) (Narayanan et al. 2021 Sec. 2.2). Interleaved with v
+    chunks: min(2(p - i - 1) + (v - 1) p + 1, m v) chunk-micro-batches of 1/v of the stage's
+    layers, which for i = 0 is Megatron's ``p (1 + (p-1)/(p v))`` penalty.
+    """
+    p, v, m = config.pp, config.vpp, config.grad_accum_steps
+    if v == 1:
+        return float(min(p - stage, m))
+    chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+    return chunks / v

@@ -1,0 +1,132 @@
+"""``Calibration``: the fitted efficiencies and overheads of the time and memory model.
+
+Values are data (``data/calibration.json`` by default, or a user file from ``meshplan profile``
+/ ``validate --refit``); every value says what it was fitted on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceCalibration:
+    """Compute efficiencies of one accelerator kind."""
+
+    matmul_efficiency: float
+    """Fraction of dense peak a large GEMM reaches (asymptote for big matrices)."""
+    matmul_overhead_s: float
+    """Fixed cost per GEMM call (launch, tail effects); makes small GEMMs less efficient."""
+    attention_efficiency: float
+    """Fraction of dense peak reached by attention score / value matmuls."""
+    memory_efficiency: float
+    """Fraction of HBM bandwidth reached by element-wise kernels."""
+
+    def __post_init__(self) -> None:
+        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        if self.matmul_overhead_s < 0:
+            raise ValueError(f"matmul_overhead_s must be >= 0, got {self.matmul_overhead_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """All fitted constants of the cost model."""
+
+    devices: dict[str, DeviceCalibration] = field(hash=False)
+    """Per GPU catalog key; ``default`` is used for GPUs without their own entry."""
+    elementwise_traffic_factor: float
+    """HBM bytes moved by element-wise kernels per byte of stored activations (fwd)."""
+    nvlink_efficiency: float
+    """Achieved fraction of NVLink bandwidth in collectives (NCCL bus bandwidth / link)."""
+    network_efficiency: float
+    """Achieved fraction of NIC bandwidth in collectives across nodes."""
+    tp_overlap: float
+    """Fraction of TP/SP collective time hidden behind compute."""
+    dp_overlap: float
+    """Fraction of the backward pass that data-parallel gradient traffic can hide behind."""
+    pp_overlap: float
+    """Fraction of pipeline point-to-point time hidden behind compute."""
+    offload_overlap: float
+    """Fraction of offload PCIe traffic hidden behind compute."""
+    host_adam_flop_per_param: float
+    """Host FLOPs per parameter of one CPU Adam step (includes memory stalls)."""
+    allocator_fragmentation: float
+    """Reserved / allocated - 1 of the caching allocator."""
+    communicator_bytes: float
+    """Per-rank memory of communicator buffers (NCCL channels), added to reserved."""
+    source: dict[str, str] = field(default_factory=dict, hash=False)
+    """What each value was fitted on."""
+
+    def device(self, gpu_key: str) -> DeviceCalibration:
+        return self.devices.get(gpu_key) or self.devices["default"]
+
+    def __post_init__(self) -> None:
+        if "default" not in self.devices:
+            raise ValueError("calibration needs a 'default' device entry")
+        for name in ("nvlink_efficiency", "network_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        for name in ("tp_overlap", "dp_overlap", "pp_overlap", "offload_overlap"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_TOP_KEYS = {f.name for f in dataclasses.fields(Calibration)}
+_DEVICE_KEYS = {f.name for f in dataclasses.fields(DeviceCalibration)}
+
+
+def calibration_from_dict(data: dict[str, Any], *, origin: str) -> Calibration:
+    unknown = sorted(set(data) - _TOP_KEYS - {"about"})
+    if unknown:
+        raise ValueError(f"calibration {origin}: unknown keys {unknown}; accepted: "
+                         f"{sorted(_TOP_KEYS)}")
+    values = {k: v for k, v in data.items() if k != "about"}
+    devices = {}
+    for key, entry in values.get("devices", {}).items():
+        bad = sorted(set(entry) - _DEVICE_KEYS)
+        if bad:
+            raise ValueError(f"calibration {origin}: device {key!r} has unknown keys {bad}; "
+                             f"accepted: {sorted(_DEVICE_KEYS)}")
+        devices[key] = DeviceCalibration(**entry)
+    values["devices"] = devices
+    try:
+        return Calibration(**values)
+    except TypeError as err:
+        raise ValueError(f"calibration {origin}: {err}") from None
+
+
+@functools.cache
+def default_calibration() -> Calibration:
+    text = resources.files("costmodel.data").joinpath("calibration.json").read_text()
+    return calibration_from_dict(json.loads(text), origin="(built-in)")
+
+
+def load_calibration(path: str | None) -> Calibration:
+    """The built-in calibration, or the one in the JSON file ``path``."""
+    if path is None:
+        return default_calibration()
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"calibration file {path!r} does not exist")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"calibration file {path!r} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"calibration file {path!r} must hold a JSON object")
+    merged = default_calibration().to_dict()
+    merged.update({k: v for k, v in data.items() if k != "devices"})
+    merged["devices"] = {**merged["devices"], **data.get("devices", {})}
+    return calibration_from_dict(merged, origin=repr(path))

@@ -1,0 +1,240 @@
+"""``estimate``: memory per stage and time per step of one configuration, and its JSON form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from costmodel import flops
+from costmodel.calibration import Calibration, default_calibration
+from costmodel.config import FRAMEWORKS, ParallelConfig, check_fits_model
+from costmodel.hardware import ClusterSpec
+from costmodel.memory import (StageMemory, host_bytes_per_node, stage_layer_range, stage_memory,
+                              stage_params)
+from costmodel.model import ModelSpec
+from costmodel.timing import (BACKWARD_FACTOR, StageTime, dp_step_s, optimizer_step_s,
+                              stage_links, stage_microbatch_time)
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank; ``per_stage`` lists every pipeline stage."""
+
+    peak_bytes: float
+    peak_reserved_bytes: float
+    model_states_bytes: float
+    per_stage: tuple[StageMemory, ...]
+    cpu_bytes_per_node: float
+    nvme_bytes_per_node: float
+    capacity_bytes: float
+    """Device memory of one GPU."""
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return max(self.per_stage, key=lambda s: s.reserved_bytes).stage
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Seconds per step; the terms add up to ``step_s`` (communication as exposed time)."""
+
+    step_s: float
+    compute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    ep_comm_s: float
+    pp_comm_s: float
+    pp_bubble_s: float
+    dp_comm_s: float
+    offload_s: float
+    optimizer_s: float
+    exposed_comm_s: float
+    dp_comm_total_s: float
+    """Data-parallel traffic before overlap with compute."""
+    bottleneck_stage: int
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_s: float
+    model_flop_per_step: float
+    model_flop_per_s_per_gpu: float
+    mfu: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Everything the cost model predicts for one configuration."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    config: ParallelConfig
+    framework: str
+    memory: MemoryEstimate
+    time: TimeEstimate
+    throughput: Throughput
+    fits: bool
+    why_not: str
+    """Empty when ``fits``; otherwise which capacity is exceeded."""
+
+
+def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+             framework: str = "meshplan", calibration: Calibration | None = None) -> Estimate:
+    """Predict memory and step time of ``config`` for ``model`` on ``cluster``.
+
+    Raises ValueError if the configuration cannot run the model on the cluster.
+    """
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    check_fits_model(config, model, num_gpus=cluster.num_gpus)
+    cal = calibration or default_calibration()
+    memory = _memory(model, cluster, config, framework, cal)
+    time = _time(model, cluster, config, framework, cal)
+    model_flop = flops.model_flop_per_step(model, global_batch_size=config.global_batch_size,
+                                           seq_len=config.seq_len)
+    per_gpu = model_flop / time.step_s / cluster.num_gpus
+    throughput = Throughput(
+        tokens_per_s=config.global_batch_size * config.seq_len / time.step_s,
+        model_flop_per_step=model_flop, model_flop_per_s_per_gpu=per_gpu,
+        mfu=per_gpu / cluster.gpu.peak(config.dtype))
+    why = _why_not(memory, cluster, config)
+    return Estimate(model=model, cluster=cluster, config=config, framework=framework,
+                    memory=memory, time=time, throughput=throughput, fits=not why, why_not=why)
+
+
+def _stage_key(model: ModelSpec, config: ParallelConfig, stage: int) -> tuple:
+    """Stages with equal keys take equal time (catalog clusters are symmetric, so their
+    communication groups see the same links)."""
+    layers = stage_layer_range(model, config, stage)
+    moe = tuple(model.is_moe_layer(i) for i in layers) if model.is_moe else ()
+    return (len(layers), moe, stage == 0, stage == config.pp - 1,
+            config.stage_recompute(stage))
+
+
+def _memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, framework: str,
+            cal: Calibration) -> MemoryEstimate:
+    stages: list[StageMemory] = []
+    for s in range(config.pp):  # not cached: in-flight micro-batches differ per stage
+        stages.append(stage_memory(model, cluster, config, s, framework=framework,
+                                   calibration=cal))
+    worst = max(stages, key=lambda m: m.peak_bytes)
+    host = host_bytes_per_node(model, cluster, config, stages, framework=framework)
+    nvme = host if config.offload_device == "nvme" and config.offload != "none" else 0.0
+    cpu = 0.0 if nvme else host
+    return MemoryEstimate(peak_bytes=worst.peak_bytes,
+                          peak_reserved_bytes=max(m.reserved_bytes for m in stages),
+                          model_states_bytes=worst.model_states_bytes, per_stage=tuple(stages),
+                          cpu_bytes_per_node=cpu, nvme_bytes_per_node=nvme,
+                          capacity_bytes=cluster.gpu.hbm_bytes)
+
+
+def _time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, framework: str,
+          cal: Calibration) -> TimeEstimate:
+    m, v = config.grad_accum_steps, config.vpp
+    per_stage: list[StageTime] = []
+    dp_total = dp_exposed = optimizer = offload_step = 0.0
+    cache: dict[tuple, tuple[StageTime, float, float, float, float]] = {}
+    for s in range(config.pp):
+        key = _stage_key(model, config, s)
+        if key not in cache:
+            params = stage_params(model, config, s)
+            links = stage_links(cluster, config, s)
+            st = stage_microbatch_time(model, cluster, config, cal, s, params=params,
+                                       links=links, framework=framework)
+            last_bwd = st.compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
+            comm, exposed = dp_step_s(config, cal, params=params, link=links.dp,
+                                      last_backward_s=last_bwd, framework=framework)
+            opt, off = optimizer_step_s(config, cluster, cal, params=params)
+            cache[key] = (st, comm, exposed, opt, off)
+        st, comm, exposed, opt, off = cache[key]
+        per_stage.append(st)
+        dp_total, dp_exposed = max(dp_total, comm), max(dp_exposed, exposed)
+        optimizer, offload_step = max(optimizer, opt), max(offload_step, off)
+    totals = [st.total_s for st in per_stage]
+    b = max(range(config.pp), key=lambda i: totals[i])
+    top = per_stage[b]
+    bubble = (sum(totals) - totals[b]) / v
+    dp_mb = m * top.dp_comm_s
+    exposed = m * (top.tp_comm_s + top.cp_comm_s + top.ep_comm_s + top.pp_comm_s) \
+        + dp_mb + dp_exposed
+    offload = m * top.offload_s + offload_step
+    step = m * top.compute_s + bubble + exposed + offload + optimizer
+    return TimeEstimate(step_s=step, compute_s=m * top.compute_s, tp_comm_s=m * top.tp_comm_s,
+                        cp_comm_s=m * top.cp_comm_s, ep_comm_s=m * top.ep_comm_s,
+                        pp_comm_s=m * top.pp_comm_s, pp_bubble_s=bubble,
+                        dp_comm_s=dp_mb + dp_exposed, offload_s=offload, optimizer_s=optimizer,
+                        exposed_comm_s=exposed, dp_comm_total_s=dp_total + dp_mb,
+                        bottleneck_stage=b)
+
+
+def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfig) -> str:
+    if memory.peak_reserved_bytes > cluster.gpu.hbm_bytes:
+        stage = memory.bottleneck_stage
+        return (f"stage {stage} needs {memory.peak_reserved_bytes / 2**30:.1f} GiB reserved per "
+                f"GPU, more than the {cluster.gpu.hbm_bytes / 2**30:.1f} GiB of a "
+                f"{cluster.gpu.key}")
+    if memory.cpu_bytes_per_node > cluster.host_bytes:
+        return (f"offloaded states need {memory.cpu_bytes_per_node / 2**30:.1f} GiB of host "
+                f"memory per node, more than its {cluster.host_bytes / 2**30:.1f} GiB")
+    if memory.nvme_bytes_per_node > cluster.nvme_bytes:
+        return (f"offloaded states need {memory.nvme_bytes_per_node / 1e12:.2f} TB of NVMe per "
+                f"node, more than its {cluster.nvme_bytes / 1e12:.2f} TB")
+    return ""
+
+
+# ----- JSON (schema_version 1, DESIGN.md) ---------------------------------------------------------
+
+def config_to_dict(config: ParallelConfig, model: ModelSpec) -> dict[str, Any]:
+    """The ``plan`` object of the estimate JSON."""
+    recompute = config.recompute if isinstance(config.recompute, str) else list(config.recompute)
+    return {"tp": config.tp, "pp": config.pp, "dp": config.dp, "cp": config.cp, "ep": config.ep,
+            "sp": config.sp, "zero_stage": config.zero_stage, "offload": config.offload,
+            "offload_device": config.offload_device, "recompute": recompute,
+            "micro_batch_size": config.micro_batch_size,
+            "global_batch_size": config.global_batch_size,
+            "grad_accum_steps": config.grad_accum_steps, "vpp": config.vpp,
+            "seq_len": config.seq_len,
+            "layers_per_stage": list(config.stage_layers(model.num_layers)),
+            "mesh_order": list(config.mesh_order), "flash_attention": config.flash_attention,
+            "dtype": config.dtype}
+
+
+def estimate_to_dict(est: Estimate) -> dict[str, Any]:
+    """The ``estimate --json`` document (DESIGN.md, schema_version 1), plus extra keys."""
+    mem, t, th = est.memory, est.time, est.throughput
+    stages = [{"stage": s.stage, "layers": s.layers, "params_bytes": int(s.params_bytes),
+               "grads_bytes": int(s.grads_bytes), "optimizer_bytes": int(s.optimizer_bytes),
+               "activations_bytes": int(s.activations_bytes),
+               "buffers_bytes": int(s.buffers_bytes), "peak_bytes": int(s.peak_bytes),
+               "reserved_bytes": int(s.reserved_bytes),
+               "offloaded_bytes": int(s.offloaded_bytes)} for s in mem.per_stage]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": est.model.name, "num_params": est.model.num_params},
+        "cluster": {"name": est.cluster.name, "gpu": est.cluster.gpu.key,
+                    "nodes": est.cluster.nodes, "gpus_per_node": est.cluster.gpus_per_node,
+                    "num_gpus": est.cluster.num_gpus},
+        "framework": est.framework,
+        "fits": est.fits,
+        "why_not": est.why_not,
+        "plan": config_to_dict(est.config, est.model),
+        "memory": {"peak_bytes": int(mem.peak_bytes),
+                   "peak_reserved_bytes": int(mem.peak_reserved_bytes),
+                   "model_states_bytes": int(mem.model_states_bytes),
+                   "capacity_bytes": int(mem.capacity_bytes),
+                   "per_stage": stages,
+                   "cpu_bytes_per_node": int(mem.cpu_bytes_per_node),
+                   "nvme_bytes_per_node": int(mem.nvme_bytes_per_node)},
+        "time": {"step_s": t.step_s, "compute_s": t.compute_s, "tp_comm_s": t.tp_comm_s,
+                 "cp_comm_s": t.cp_comm_s, "ep_comm_s": t.ep_comm_s, "pp_comm_s": t.pp_comm_s,
+                 "pp_bubble_s": t.pp_bubble_s, "dp_comm_s": t.dp_comm_s,
+                 "offload_s": t.offload_s, "exposed_comm_s": t.exposed_comm_s,
+                 "optimizer_s": t.optimizer_s, "dp_comm_total_s": t.dp_comm_total_s,
+                 "bottleneck_stage": t.bottleneck_stage},
+        "throughput": {"tokens_per_s": th.tokens_per_s,
+                       "model_flop_per_step": th.model_flop_per_step,
+                       "model_flop_per_s_per_gpu": th.model_flop_per_s_per_gpu,
+                       "mfu": th.mfu},
+    }

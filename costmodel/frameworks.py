@@ -1,0 +1,157 @@
+"""What each training framework really allocates for parameters, gradients and optimizer states.
+
+Bytes per parameter on one rank, given the ZeRO stage and the shard degree N (the data-parallel
+group the states are split over). All assume mixed-precision Adam unless the compute dtype is
+fp32, where there are no low-precision copies.
+
+* ``ideal``: the ZeRO paper's accounting (Rajbhandari et al. 2020, arXiv:1910.02054, Sec. 3.1
+  and Table 1): 2 (fp16 params) + 2 (fp16 grads) + K=12 (fp32 params, momentum, variance).
+  Stage 1 shards the 12, stage 2 also the grads, stage 3 also the params.
+* ``megatron``: Megatron-LM keeps bf16 params (2), fp32 main gradients (4) and fp32 master
+  params + Adam (12): 18 bytes, ``6 + 12/N`` with the distributed optimizer (Megatron-LM
+  ``theoretical_memory_usage.py``). Stages 2 and 3 follow Megatron-FSDP's sharding.
+* ``deepspeed``: DeepSpeed ZeRO 1/2 keep fp16 params (2) and fp16 grads (2) plus an fp32
+  gradient partition (4) and fp32 master + Adam (12); ZeRO-2 is ``2 + 18/N`` and ZeRO-3
+  ``18/N`` plus 4 bytes per parameter of the largest layer, as DeepSpeed 0.19's
+  ``estimate_zero2/3_model_states_mem_needs`` compute. Stage 0 (BF16_Optimizer) keeps fp32
+  gradient accumulators.
+* ``torchtitan`` / ``meshplan``: FSDP2 holds fp32 sharded parameters (4), fp32 gradients (4)
+  and Adam moments (8) = 16/N, gathering bf16 copies on the fly; stages 0/1 run DDP
+  (replicated fp32 params and grads, a gradient-bucket copy) with the optimizer state sharded
+  at stage 1 (ZeroRedundancyOptimizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ADAM_STATE_BYTES = 8
+"""Adam momentum and variance, fp32."""
+FP32_BYTES = 4
+DS_BUFFER_FACTOR = 1.5
+"""``additional_buffer_factor`` default of DeepSpeed's estimators (host memory)."""
+DS_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's default ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements)."""
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model states on one rank (device) and what was moved off it (host)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    offloaded: float
+
+    def __add__(self, other: "StateBytes") -> "StateBytes":
+        return StateBytes(self.params + other.params, self.grads + other.grads,
+                          self.optimizer + other.optimizer, self.offloaded + other.offloaded)
+
+
+def _per_param(framework: str, zero_stage: int, shard: int, fp32: bool) -> tuple[float, ...]:
+    """(params, grads, optimizer) bytes per parameter on one rank, before offload."""
+    n = float(shard)
+    if fp32:  # no low-precision copies: params, grads, Adam moments
+        p, g, o = FP32_BYTES, FP32_BYTES, ADAM_STATE_BYTES
+        return (p / n if zero_stage == 3 else p, g / n if zero_stage >= 2 else g,
+                o / n if zero_stage >= 1 else o)
+    if framework == "ideal":
+        return (2 / n if zero_stage == 3 else 2, 2 / n if zero_stage >= 2 else 2,
+                12 / n if zero_stage >= 1 else 12)
+    if framework == "megatron":
+        return (2 / n if zero_stage == 3 else 2, 4 / n if zero_stage >= 2 else 4,
+                12 / n if zero_stage >= 1 else 12)
+    if framework == "deepspeed":
+        return {0: (2, 6, 12), 1: (2, 2 + 4 / n, 12 / n), 2: (2, 6 / n, 12 / n),
+                3: (2 / n, 4 / n, 12 / n)}[zero_stage]
+    # meshplan, torchtitan: fp32 master params are the module's own parameters.
+    if zero_stage >= 2:
+        return (4 / n, 4 / n, 8 / n)
+    return (4, 4, 8 / n if zero_stage == 1 else 8)
+
+
+def model_state_bytes(framework: str, *, params: float, shard: int, zero_stage: int,
+                      offload: str, fp32: bool = False) -> StateBytes:
+    """Model-state bytes on one rank holding ``params`` parameters, states sharded ``shard`` ways.
+
+    ``offload`` ``optimizer`` moves the optimizer states (and, for DeepSpeed, the fp32 gradient
+    partition) to the host; ``optimizer+params`` also the (ZeRO-3 sharded) parameters.
+    """
+    p, g, o = (params * x for x in _per_param(framework, zero_stage, shard, fp32))
+    offloaded = 0.0
+    if offload in ("optimizer", "optimizer+params"):
+        offloaded += o
+        o = 0.0
+        if framework == "deepspeed":
+            # DeepSpeed keeps only fp16 params on the GPU (ZeRO-2: 2 bytes/param, ZeRO-3: 2/N).
+            moved = g - (params * 2 if zero_stage <= 1 else 0)
+            offloaded += moved
+            g -= moved
+    if offload == "optimizer+params":
+        offloaded += p
+        p = 0.0
+    return StateBytes(p, g, o, offloaded)
+
+
+def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: float,
+                           largest_layer_params: float, fp32: bool = False) -> float:
+    """Communication and gather buffers on one rank (bytes).
+
+    ``stage_params``: parameters this rank holds before sharding; ``largest_layer_params``:
+    the largest module the framework gathers at once (per TP shard).
+    """
+    compute_bytes = 4 if fp32 else 2
+    if framework == "ideal":
+        return 0.0
+    if framework == "deepspeed":
+        if zero_stage == 3:  # DeepSpeed's estimator: fp16 param + fp16 grad of the largest layer
+            return 4.0 * largest_layer_params
+        if zero_stage in (1, 2):  # reduce and all-gather buckets, fp16
+            return 2 * compute_bytes * min(DS_BUCKET_ELEMENTS, stage_params)
+        return 0.0
+    if framework == "megatron":
+        if zero_stage == 3:
+            return 2 * compute_bytes * largest_layer_params
+        return 0.0
+    # meshplan / torchtitan
+    if zero_stage <= 1:  # DDP gradient buckets: one more copy of the gradients
+        return FP32_BYTES * stage_params
+    if zero_stage == 2:  # unsharded params live from forward to backward
+        return compute_bytes * stage_params
+    # ZeRO-3: current + prefetched block in compute dtype, one block of unsharded fp32 grads
+    return (2 * compute_bytes + FP32_BYTES) * largest_layer_params
+
+
+def logit_copies(framework: str, fp32: bool) -> float:
+    """fp32-sized vocabulary tensors alive at the loss (see activations.head_activation_bytes)."""
+    if framework in ("megatron", "ideal"):
+        return 1.0
+    # logits in compute dtype, an fp32 upcast and the saved log-softmax
+    return 2.0 if fp32 else 2.5
+
+
+def deepspeed_host_bytes_per_node(*, total_params: float, zero_stage: int, offload: str,
+                                  gpus_per_node: int, nodes: int,
+                                  largest_layer_params: float, zero_init: bool = True) -> float:
+    """Host memory per node that DeepSpeed's estimators ask for (bytes).
+
+    DeepSpeed 0.19 ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_...``: with
+    offload, ZeRO-2 needs ``P * max(4 * gpus, 16) * 1.5``; ZeRO-3 ``P * 18/nodes * 1.5``
+    (params offloaded) or ``P * 16/nodes * 1.5`` (optimizer only) under ``zero.Init``; without
+    offload ZeRO-2 needs ``P * 4 * gpus_per_node * 1.5`` to load the checkpoint and ZeRO-3 with
+    ``zero.Init`` ``largest_layer * 4 * gpus_per_node * 1.5``. Without ``zero.Init`` ZeRO-3
+    needs ``P * max(4 * gpus_per_node, 18 or 16 / nodes) * 1.5``.
+    """
+    factor = DS_BUFFER_FACTOR
+    total_gpus = gpus_per_node * nodes
+    if zero_stage < 3:
+        if offload != "none":
+            return total_params * max(4 * total_gpus, 16) * factor
+        return total_params * 4 * gpus_per_node * factor
+    if offload == "none":
+        held = largest_layer_params if zero_init else total_params
+        return held * 4 * gpus_per_node * factor
+    per_param = 18 if offload == "optimizer+params" else 16
+    if zero_init:
+        return total_params * per_param / nodes * factor
+    return total_params * max(4 * gpus_per_node, per_param / nodes) * factor

@@ -1,0 +1,159 @@
+"""Memory per pipeline stage on one rank: model states, activations, buffers; allocated and reserved.
+
+Ranks of one stage hold the same amounts (TP, CP and DP ranks are symmetric); stages differ by
+their layer count, the embedding on the first stage, the LM head and logits on the last, and the
+micro-batches in flight under the pipeline schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel import activations as act
+from costmodel.calibration import Calibration
+from costmodel.config import ParallelConfig
+from costmodel.frameworks import (StateBytes, deepspeed_host_bytes_per_node,
+                                  framework_buffer_bytes, logit_copies, model_state_bytes)
+from costmodel.hardware import ClusterSpec
+from costmodel.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank of a stage holds before ZeRO sharding."""
+
+    dense: float
+    """Replicated over dp * cp (attention, dense MLPs, norms, embeddings)."""
+    expert: float
+    """Expert MLP weights, replicated over dp * cp / ep."""
+    largest_layer: float
+    """The largest block gathered at once under ZeRO-3 (per TP shard)."""
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one rank of pipeline stage ``stage``."""
+
+    stage: int
+    layers: int
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    buffers_bytes: float
+    offloaded_bytes: float
+    peak_bytes: float
+    reserved_bytes: float
+
+    @property
+    def model_states_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def stage_layer_range(model: ModelSpec, config: ParallelConfig, stage: int) -> range:
+    layers = config.stage_layers(model.num_layers)
+    start = sum(layers[:stage])
+    return range(start, start + layers[stage])
+
+
+def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageParams:
+    """Parameters per rank of ``stage``: its layers, plus embedding (first) and head (last).
+
+    With tied embeddings and pp > 1 the last stage keeps its own copy of the word embedding for
+    the LM head, as Megatron-LM does. Everything is split over tp; expert weights over tp * ep.
+    """
+    t = config.tp
+    expert_one = model.mlp_params(model.expert_ffn_size) if model.is_moe else 0
+    dense = expert = 0.0
+    largest = 0.0
+    for i in stage_layer_range(model, config, stage):
+        layer = model.layer_params(i)
+        if model.is_moe_layer(i):
+            experts = model.num_experts * expert_one
+            dense += layer - experts
+            expert += experts
+            largest = max(largest, (layer - experts) / t + experts / (t * config.ep))
+        else:
+            dense += layer
+            largest = max(largest, layer / t)
+    if stage == 0:
+        dense += model.embedding_params
+        largest = max(largest, model.vocab_rows * model.hidden_size / t)
+    if stage == config.pp - 1:
+        dense += model.head_params
+        if model.tied_embeddings and config.pp > 1:
+            dense += model.vocab_rows * model.hidden_size
+        largest = max(largest, model.vocab_rows * model.hidden_size / t)
+    return StageParams(dense=dense / t, expert=expert / (t * config.ep), largest_layer=largest)
+
+
+def stage_states(model: ModelSpec, config: ParallelConfig, stage: int,
+                 framework: str) -> tuple[StateBytes, StageParams]:
+    params = stage_params(model, config, stage)
+    fp32 = config.dtype == "fp32"
+    shard = config.dp * config.cp
+    states = model_state_bytes(framework, params=params.dense, shard=shard,
+                               zero_stage=config.zero_stage, offload=config.offload, fp32=fp32)
+    if params.expert:
+        states = states + model_state_bytes(
+            framework, params=params.expert, shard=max(1, shard // config.ep),
+            zero_stage=config.zero_stage, offload=config.offload, fp32=fp32)
+    return states, params
+
+
+def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
+                           framework: str) -> float:
+    """Peak activation bytes of ``stage``: in-flight micro-batches of its layers and extras."""
+    mode = config.stage_recompute(stage)
+    layer_range = stage_layer_range(model, config, stage)
+    moe_layers = sum(1 for i in layer_range if model.is_moe_layer(i))
+    dense_layers = len(layer_range) - moe_layers
+    per_mb = dense_layers * act.layer_activation_bytes(model, config, recompute=mode)
+    if moe_layers:
+        per_mb += moe_layers * act.layer_activation_bytes(model, config, recompute=mode, moe=True)
+    in_flight = act.in_flight_microbatches(config, stage)
+    total = in_flight * per_mb
+    if stage == 0:
+        total += in_flight * act.embedding_activation_bytes(model, config)
+    if stage == config.pp - 1:
+        total += act.head_activation_bytes(
+            model, config, logit_copies=logit_copies(framework, config.dtype == "fp32"))
+    if mode == "full":
+        # Recomputing a layer rebuilds its full activations once, on top of what is stored.
+        total += act.layer_activation_bytes(model, config, recompute="none",
+                                            moe=moe_layers > 0)
+    return total
+
+
+def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
+                 framework: str, calibration: Calibration) -> StageMemory:
+    """Allocated peak and reserved bytes on one rank of ``stage``."""
+    states, params = stage_states(model, config, stage, framework)
+    activations = stage_activation_bytes(model, config, stage, framework)
+    buffers = framework_buffer_bytes(
+        framework, zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
+        largest_layer_params=params.largest_layer, fp32=config.dtype == "fp32")
+    peak = states.params + states.grads + states.optimizer + activations + buffers
+    comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
+    reserved = peak * (1 + calibration.allocator_fragmentation) + comm
+    return StageMemory(stage=stage, layers=len(stage_layer_range(model, config, stage)),
+                       params_bytes=states.params, grads_bytes=states.grads,
+                       optimizer_bytes=states.optimizer, activations_bytes=activations,
+                       buffers_bytes=buffers, offloaded_bytes=states.offloaded,
+                       peak_bytes=peak, reserved_bytes=reserved)
+
+
+def host_bytes_per_node(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                        stages: list[StageMemory], *, framework: str) -> float:
+    """Host (or NVMe) bytes per node for offloaded states.
+
+    DeepSpeed: what its estimators ask for (``deepspeed_host_bytes_per_node``, with zero.Init).
+    Others: the largest stage's offloaded states times the GPUs of a node.
+    """
+    if framework == "deepspeed" and config.offload != "none":
+        largest = max(stage_params(model, config, s).largest_layer for s in range(config.pp))
+        return deepspeed_host_bytes_per_node(
+            total_params=model.num_params, zero_stage=config.zero_stage, offload=config.offload,
+            gpus_per_node=cluster.gpus_per_node, nodes=cluster.nodes,
+            largest_layer_params=largest)
+    return max(s.offloaded_bytes for s in stages) * min(cluster.gpus_per_node, cluster.num_gpus)

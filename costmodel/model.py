@@ -1,0 +1,243 @@
+"""Model description: ``ModelSpec`` for decoder-only transformers and its parameter counts.
+
+A ``ModelSpec`` holds only architecture numbers. Counting follows the module structure of a
+GPT/Llama decoder as Megatron-LM and the runtime build it:
+
+* attention: Q, K, V and output projections (GQA shrinks K and V to ``num_kv_heads`` heads);
+* MLP: two matrices (GeLU) or three (SwiGLU), or ``num_experts`` such MLPs plus a router;
+* two norms per layer, a final norm, the word embedding (padded vocabulary), an optional learned
+  position embedding, an optional embedding norm (BLOOM) and an LM head unless tied.
+
+Narayanan et al. 2021 (arXiv:2104.04473) Eq. 2, ``P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh))``,
+is this count for a GPT model with biases, LayerNorm and learned positions, less the final
+LayerNorm (2h parameters) which Eq. 2 leaves out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Activation = Literal["gelu", "swiglu"]
+Norm = Literal["layernorm", "rmsnorm"]
+PositionEmbedding = Literal["learned", "rope", "alibi"]
+
+_ACTIVATIONS = ("gelu", "swiglu")
+_NORMS = ("layernorm", "rmsnorm")
+_POSITIONS = ("learned", "rope", "alibi")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer, by its architecture numbers."""
+
+    name: str
+    """Catalog or user name, shown in reports."""
+    num_layers: int
+    """Transformer blocks (l)."""
+    hidden_size: int
+    """Model width (h)."""
+    num_heads: int
+    """Attention (query) heads (a)."""
+    ffn_hidden_size: int
+    """Width of the MLP's inner layer (4h for GPT-3; 8h/3 rounded for Llama)."""
+    vocab_size: int
+    """Tokenizer vocabulary (V)."""
+    seq_len: int
+    """Default training sequence length (s); a plan may override it."""
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means ``num_heads`` (plain MHA)."""
+    head_dim: int | None = None
+    """Per-head width; None means ``hidden_size // num_heads``."""
+    padded_vocab_size: int | None = None
+    """Embedding rows after padding for tensor-parallel divisibility; None means ``vocab_size``."""
+    activation: Activation = "gelu"
+    """MLP nonlinearity: ``gelu`` (two matrices) or ``swiglu`` (three)."""
+    norm: Norm = "layernorm"
+    """``layernorm`` (weight and bias) or ``rmsnorm`` (weight only)."""
+    position_embedding: PositionEmbedding = "learned"
+    """``learned`` adds an s x h table; ``rope`` and ``alibi`` add no parameters."""
+    linear_bias: bool = True
+    """Biases on every linear layer (GPT-3, BLOOM); Llama has none."""
+    qkv_bias: bool = False
+    """Bias on the Q/K/V projections only (Qwen-style), ignored when ``linear_bias``."""
+    tied_embeddings: bool = True
+    """LM head shares the word-embedding matrix."""
+    embedding_norm: bool = False
+    """A norm right after the word embedding (BLOOM)."""
+    dropout: bool = False
+    """Dropout after attention and MLP (GPT-3/Megatron era); adds 1-byte masks to activations."""
+    num_experts: int = 0
+    """MoE experts per MoE layer; 0 for a dense model."""
+    moe_top_k: int = 0
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """Expert MLP inner width; None means ``ffn_hidden_size``."""
+    moe_layer_freq: int = 1
+    """Every k-th layer is MoE (1: all layers)."""
+    reported_params: float | None = None
+    """Parameter count the model's authors report, for reference only."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size",
+                      "vocab_size", "seq_len", "moe_layer_freq"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        for field in ("num_kv_heads", "head_dim", "padded_vocab_size", "moe_ffn_hidden_size"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):
+                raise ValueError(f"{field} must be a positive integer or null, got {value!r}")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {self.activation!r}")
+        if self.norm not in _NORMS:
+            raise ValueError(f"norm must be one of {_NORMS}, got {self.norm!r}")
+        if self.position_embedding not in _POSITIONS:
+            raise ValueError(f"position_embedding must be one of {_POSITIONS}, "
+                             f"got {self.position_embedding!r}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                             f"{self.num_heads}; give head_dim explicitly")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads "
+                             f"{self.kv_heads}")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size {self.padded_vocab_size} is smaller than "
+                             f"vocab_size {self.vocab_size}")
+        if self.num_experts < 0 or self.moe_top_k < 0:
+            raise ValueError(f"num_experts and moe_top_k must be >= 0, got "
+                             f"{self.num_experts}, {self.moe_top_k}")
+        if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
+            raise ValueError(f"moe_top_k must be in 1..num_experts={self.num_experts}, "
+                             f"got {self.moe_top_k}")
+
+    # ----- derived sizes -------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output (a * d)."""
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each of the key and value projection outputs (a_kv * d)."""
+        return self.kv_heads * self.head_size
+
+    @property
+    def vocab_rows(self) -> int:
+        """Embedding rows actually allocated (the padded vocabulary)."""
+        return self.padded_vocab_size if self.padded_vocab_size is not None else self.vocab_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None \
+            else self.ffn_hidden_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers // self.moe_layer_freq if self.is_moe else 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer ``index`` (0-based) is an MoE layer: every ``moe_layer_freq``-th, last first."""
+        return self.is_moe and (index + 1) % self.moe_layer_freq == 0
+
+    # ----- parameter counts ----------------------------------------------------------------
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: 2h for LayerNorm (weight, bias), h for RMSNorm."""
+        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
+
+    @property
+    def attention_params(self) -> int:
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
+        weights = h * q + 2 * h * kv + q * h
+        if self.linear_bias:
+            return weights + q + 2 * kv + h
+        return weights + (q + 2 * kv if self.qkv_bias else 0)
+
+    def mlp_params(self, ffn: int | None = None) -> int:
+        """One dense MLP of inner width ``ffn`` (default the model's)."""
+        h, f = self.hidden_size, ffn if ffn is not None else self.ffn_hidden_size
+        matrices = 3 if self.activation == "swiglu" else 2
+        bias = ((matrices - 1) * f + h) if self.linear_bias else 0
+        return matrices * h * f + bias
+
+    @property
+    def dense_layer_params(self) -> int:
+        return self.attention_params + self.mlp_params() + 2 * self.norm_params
+
+    @property
+    def moe_layer_params(self) -> int:
+        router = self.hidden_size * self.num_experts
+        return (self.attention_params + 2 * self.norm_params + router
+                + self.num_experts * self.mlp_params(self.expert_ffn_size))
+
+    def layer_params(self, index: int) -> int:
+        return self.moe_layer_params if self.is_moe_layer(index) else self.dense_layer_params
+
+    @property
+    def layers_params(self) -> int:
+        """All transformer blocks together."""
+        moe = self.num_moe_layers
+        return moe * self.moe_layer_params + (self.num_layers - moe) * self.dense_layer_params
+
+    @property
+    def embedding_params(self) -> int:
+        """Input side: word embedding, learned positions, embedding norm."""
+        params = self.vocab_rows * self.hidden_size
+        if self.position_embedding == "learned":
+            params += self.seq_len * self.hidden_size
+        if self.embedding_norm:
+            params += self.norm_params
+        return params
+
+    @property
+    def head_params(self) -> int:
+        """Output side: final norm and, if untied, the LM head matrix."""
+        lm_head = 0 if self.tied_embeddings else self.vocab_rows * self.hidden_size
+        return self.norm_params + lm_head
+
+    @property
+    def num_params(self) -> int:
+        """Total trainable parameters (tied matrices counted once)."""
+        return self.embedding_params + self.layers_params + self.head_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters touched per token (MoE counts ``moe_top_k`` experts)."""
+        if not self.is_moe:
+            return self.num_params
+        inactive = (self.num_experts - self.moe_top_k) * self.mlp_params(self.expert_ffn_size)
+        return self.num_params - self.num_moe_layers * inactive
+
+    # ----- matmul sizes used by the FLOP count ---------------------------------------------
+    @property
+    def attention_matmul_params(self) -> int:
+        """Weights multiplied per token in attention projections (biases excluded)."""
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
+        return 2 * h * q + 2 * h * kv
+
+    def mlp_matmul_params(self, ffn: int | None = None) -> int:
+        f = ffn if ffn is not None else self.ffn_hidden_size
+        return (3 if self.activation == "swiglu" else 2) * self.hidden_size * f
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec))

@@ -1,0 +1,364 @@
+"""Model catalog and loading: a catalog name, a ModelSpec JSON file or a HuggingFace config.json.
+
+``load_model`` is what ``--model`` resolves through (DESIGN.md). The catalog lives in
+``costmodel/data/models.json``: ``{"models": {name: {ModelSpec fields...}}}``, each entry with the
+``source`` of its numbers and the authors' ``reported_params``; tests/costmodel/test_models.py
+checks ``ModelSpec.num_params`` against them.
+
+A ModelSpec JSON file holds the dataclass field names as keys (``name`` defaults to the file
+stem). A HuggingFace ``config.json`` is recognised by its keys (``model_type``, ``n_layer``,
+``num_hidden_layers``...) and translated by ``from_hf_config`` for the Llama/Mistral/Mixtral/
+Qwen2, GPT-2, GPT-NeoX, BLOOM and OPT key styles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import logging
+import os
+import types
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+from costmodel.model import MODEL_FIELDS, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+CATALOG_FILE = "models.json"
+"""Catalog file name inside the ``costmodel/data`` package folder."""
+BLOOM_DEFAULT_SEQ_LEN = 2048
+"""BLOOM's training sequence length (BigScience 2022, arXiv:2211.05100, Table 3); BLOOM's HF
+configs carry no sequence length since ALiBi has no position table."""
+GPT_FFN_MULTIPLIER = 4
+"""MLP width over model width in GPT-2/GPT-3/BLOOM (Radford et al. 2019; Brown et al. 2020)."""
+
+_REQUIRED_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec)
+                         if f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+_BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec) if f.type == "bool")
+_HF_MARKER_KEYS = ("model_type", "architectures", "num_hidden_layers", "n_layer", "n_embd",
+                   "n_embed", "n_head", "num_attention_heads")
+"""Keys that only a HuggingFace config has (a ModelSpec file says num_layers, num_heads)."""
+_MISSING = object()
+
+
+# ----- catalog ---------------------------------------------------------------------------------
+def model_catalog() -> dict[str, ModelSpec]:
+    """All catalog models by name (a fresh dict each call; the specs are frozen)."""
+    return dict(_catalog())
+
+
+@functools.cache
+def _catalog() -> Mapping[str, ModelSpec]:
+    origin = f"costmodel/data/{CATALOG_FILE}"
+    text = (resources.files("costmodel") / "data" / CATALOG_FILE).read_text(encoding="utf-8")
+    data = _parse_json(text, origin=origin)
+    entries = data.get("models")
+    if not isinstance(entries, dict):
+        raise ValueError(f"{origin}: expected an object under 'models', "
+                         f"got {type(entries).__name__}")
+    specs = {}
+    for name, entry in entries.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{origin}: model {name!r} must be an object, got {entry!r}")
+        if entry.get("name", name) != name:
+            raise ValueError(f"{origin}: model {name!r} has a different 'name' {entry['name']!r}")
+        specs[name] = spec_from_dict(entry, origin=f"{origin} model {name!r}", default_name=name)
+    return types.MappingProxyType(specs)
+
+
+# ----- loading ---------------------------------------------------------------------------------
+def load_model(ref: str | os.PathLike[str], *, seq_len: int | None = None) -> ModelSpec:
+    """Resolve ``ref``, a catalog name or a path to a JSON file, into a ``ModelSpec``.
+
+    Catalog names win over files of the same name and match case-insensitively. A path may be a
+    ModelSpec JSON (keys are ModelSpec fields), a HuggingFace ``config.json``, or a folder that
+    holds a ``config.json`` (a downloaded HF snapshot). ``seq_len`` replaces the model's default
+    sequence length; for learned positions that also resizes the counted position table, as
+    ``ModelSpec.embedding_params`` counts ``seq_len`` rows.
+    """
+    spec = _resolve(os.fspath(ref))
+    if seq_len is not None:
+        spec = dataclasses.replace(spec, seq_len=seq_len)
+    return spec
+
+
+def _resolve(ref: str) -> ModelSpec:
+    catalog = _catalog()
+    if ref in catalog or ref.lower() in catalog:
+        return catalog[ref if ref in catalog else ref.lower()]
+    path = Path(ref).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file():
+        return load_model_file(path)
+    if _looks_like_path(ref):
+        raise ValueError(f"model file {ref!r} does not exist (resolved to {path.resolve()}); "
+                         f"give an existing ModelSpec JSON or HF config.json, or a catalog name")
+    close = difflib.get_close_matches(ref.lower(), list(catalog), n=5, cutoff=0.5)
+    hint = (f"closest catalog names: {', '.join(close)}" if close
+            else f"catalog names: {', '.join(catalog)}")
+    raise ValueError(f"unknown model {ref!r}; {hint}. A path to a ModelSpec JSON file or a "
+                     f"HuggingFace config.json is also accepted")
+
+
+def _looks_like_path(ref: str) -> bool:
+    return ("/" in ref or os.sep in ref or ref.lower().endswith(".json")
+            or ref.startswith(("~", ".")))
+
+
+def load_model_file(path: str | Path) -> ModelSpec:
+    """Load a ModelSpec JSON or a HuggingFace config.json, told apart by their keys."""
+    path = Path(path)
+    data = _parse_json(path.read_text(encoding="utf-8"), origin=str(path))
+    if is_hf_config(data):
+        spec = from_hf_config(data, name=_hf_model_name(data, path=path))
+        return dataclasses.replace(spec, source=f"{spec.source}: {path}")
+    return spec_from_dict(data, origin=str(path), default_name=path.stem)
+
+
+def _parse_json(text: str, *, origin: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{origin}: not valid JSON: {err.msg} at line {err.lineno} column "
+                         f"{err.colno} (char {err.pos})") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{origin}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def spec_from_dict(data: Mapping[str, Any], *, origin: str,
+                   default_name: str | None = None) -> ModelSpec:
+    """Build a ``ModelSpec`` from a mapping keyed by its field names, naming bad or missing keys.
+
+    ``origin`` (a file, a catalog entry) prefixes every error message; ``default_name`` fills in
+    a missing ``name``.
+    """
+    unknown = sorted(set(data) - set(MODEL_FIELDS))
+    if unknown:
+        raise ValueError(f"{origin}: unknown ModelSpec key(s) {unknown}; accepted keys: "
+                         f"{', '.join(MODEL_FIELDS)}")
+    fields = dict(data)
+    if default_name is not None:
+        fields.setdefault("name", default_name)
+    missing = [key for key in _REQUIRED_FIELDS if key not in fields]
+    if missing:
+        raise ValueError(f"{origin}: missing required ModelSpec key(s) {missing}; required: "
+                         f"{', '.join(_REQUIRED_FIELDS)}")
+    not_bool = {key: fields[key] for key in _BOOL_FIELDS
+                if key in fields and not isinstance(fields[key], bool)}
+    if not_bool:
+        raise ValueError(f"{origin}: {not_bool} must be true or false")
+    try:
+        return ModelSpec(**fields)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{origin}: {err}") from err
+
+
+# ----- HuggingFace configs ---------------------------------------------------------------------
+def is_hf_config(data: Mapping[str, Any]) -> bool:
+    """True if ``data`` has keys only a HuggingFace config has (not ModelSpec field names)."""
+    return any(key in data for key in _HF_MARKER_KEYS)
+
+
+def _hf_model_name(config: Mapping[str, Any], *, path: Path) -> str:
+    """``_name_or_path``'s last part, else the folder of a ``config.json``, else the file stem."""
+    name_or_path = str(config.get("_name_or_path") or "").rstrip("/")
+    if name_or_path:
+        return name_or_path.rsplit("/", 1)[-1]
+    if path.stem == "config" and path.parent.name:
+        return path.parent.name
+    return path.stem
+
+
+def _get(config: Mapping[str, Any], *keys: str, name: str, default: Any = _MISSING) -> Any:
+    """The value of the first of ``keys`` present (and not null) in ``config``."""
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    if default is _MISSING:
+        raise ValueError(f"HF config of {name!r} has none of the keys {list(keys)} "
+                         f"(model_type {config.get('model_type')!r})")
+    return default
+
+
+def _dropout(config: Mapping[str, Any], keys_defaults: Mapping[str, float]) -> bool:
+    """Any dropout probability in the config (or its HF default when absent) above zero."""
+    return any(float(config.get(key) if config.get(key) is not None else default) > 0
+               for key, default in keys_defaults.items())
+
+
+def _canonical_head_dim(head_dim: int | None, *, hidden_size: int, num_heads: int) -> int | None:
+    """None when ``head_dim`` is the implied ``hidden_size // num_heads`` (as in the catalog)."""
+    implied = hidden_size // num_heads if hidden_size % num_heads == 0 else None
+    return None if head_dim == implied else head_dim
+
+
+def _from_llama(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """Llama / Mistral / Mixtral / Qwen2 (transformers ``LlamaConfig`` and kin).
+
+    The MLP is gated (gate, up and down projections) whatever ``hidden_act`` says (``silu`` in
+    all of these), which is ModelSpec's three-matrix ``swiglu``. Qwen2 has biases on Q/K/V
+    only (``qkv_bias``). Mixtral's ``num_local_experts`` / ``num_experts_per_tok`` become
+    ``num_experts`` / ``moe_top_k`` with experts as wide as ``intermediate_size``.
+    """
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError(f"HF config of {name!r}: attention_bias/mlp_bias on a Llama-style model "
+                         f"cannot be expressed by ModelSpec (all-or-Q/K/V biases only); write a "
+                         f"ModelSpec JSON instead")
+    hidden = _get(config, "hidden_size", name=name)
+    heads = _get(config, "num_attention_heads", name=name)
+    experts = _get(config, "num_local_experts", name=name, default=0)
+    return dict(
+        num_layers=_get(config, "num_hidden_layers", name=name), hidden_size=hidden,
+        num_heads=heads, num_kv_heads=_get(config, "num_key_value_heads", name=name, default=None),
+        head_dim=_canonical_head_dim(config.get("head_dim"), hidden_size=hidden, num_heads=heads),
+        ffn_hidden_size=_get(config, "intermediate_size", name=name),
+        vocab_size=_get(config, "vocab_size", name=name),
+        seq_len=_get(config, "max_position_embeddings", name=name),
+        activation="swiglu", norm="rmsnorm", position_embedding="rope", linear_bias=False,
+        qkv_bias=config.get("model_type") == "qwen2",
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        dropout=_dropout(config, {"attention_dropout": 0.0}),
+        num_experts=experts,
+        moe_top_k=_get(config, "num_experts_per_tok", name=name, default=0) if experts else 0)
+
+
+def _from_gpt2(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """GPT-2 (``GPT2Config``): learned positions, LayerNorm, biases, tied head.
+
+    ``n_inner`` null means 4 * ``n_embd``; the vocabulary is not padded (50257 rows).
+    """
+    hidden = _get(config, "n_embd", name=name)
+    return dict(
+        num_layers=_get(config, "n_layer", name=name), hidden_size=hidden,
+        num_heads=_get(config, "n_head", name=name),
+        ffn_hidden_size=_get(config, "n_inner", name=name, default=GPT_FFN_MULTIPLIER * hidden),
+        vocab_size=_get(config, "vocab_size", name=name),
+        seq_len=_get(config, "n_positions", "n_ctx", name=name),
+        activation="gelu", norm="layernorm", position_embedding="learned", linear_bias=True,
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+        dropout=_dropout(config, {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}))
+
+
+def _from_gpt_neox(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """GPT-NeoX / Pythia (``GPTNeoXConfig``): rotary, LayerNorm, biases, untied head.
+
+    Separate attention and MLP LayerNorms (two per layer) and a final one, as ModelSpec counts;
+    the parallel residual changes no parameter. ``attention_bias`` false cannot be expressed.
+    """
+    if not config.get("attention_bias", True):
+        raise ValueError(f"HF config of {name!r}: GPT-NeoX without attention_bias (MLP still "
+                         f"biased) cannot be expressed by ModelSpec; write a ModelSpec JSON")
+    return dict(
+        num_layers=_get(config, "num_hidden_layers", name=name),
+        hidden_size=_get(config, "hidden_size", name=name),
+        num_heads=_get(config, "num_attention_heads", name=name),
+        ffn_hidden_size=_get(config, "intermediate_size", name=name),
+        vocab_size=_get(config, "vocab_size", name=name),
+        seq_len=_get(config, "max_position_embeddings", name=name),
+        activation="gelu", norm="layernorm", position_embedding="rope", linear_bias=True,
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        dropout=_dropout(config, {"hidden_dropout": 0.0, "attention_dropout": 0.0}))
+
+
+def _from_bloom(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """BLOOM (``BloomConfig``): ALiBi, embedding LayerNorm, biases, tied head, MLP 4h.
+
+    ``vocab_size`` in BLOOM configs is already the padded 250880 rows; the sequence length is
+    ``seq_length`` when given, else ``BLOOM_DEFAULT_SEQ_LEN``.
+    """
+    hidden = _get(config, "hidden_size", "n_embed", name=name)
+    return dict(
+        num_layers=_get(config, "n_layer", "num_hidden_layers", name=name), hidden_size=hidden,
+        num_heads=_get(config, "n_head", "num_attention_heads", name=name),
+        ffn_hidden_size=GPT_FFN_MULTIPLIER * hidden,
+        vocab_size=_get(config, "vocab_size", name=name),
+        seq_len=_get(config, "seq_length", "max_position_embeddings", name=name,
+                     default=BLOOM_DEFAULT_SEQ_LEN),
+        activation="gelu", norm="layernorm", position_embedding="alibi", linear_bias=True,
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)), embedding_norm=True,
+        dropout=_dropout(config, {"hidden_dropout": 0.0, "attention_dropout": 0.0}))
+
+
+def _from_opt(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """OPT (``OPTConfig``): learned positions, LayerNorm, biases, tied head; ReLU MLP.
+
+    ReLU maps to ModelSpec's ``gelu`` (same two matrices, same parameters and FLOPs). OPT's
+    position table has ``max_position_embeddings + 2`` rows (an offset of 2 kept from fairseq);
+    ModelSpec counts ``seq_len`` rows, so the count is 2 * hidden_size below the checkpoint's
+    (1,536 of OPT-125m's 125,239,296). ``word_embed_proj_dim`` other than ``hidden_size``
+    (OPT-350m's 512-wide embedding with in/out projections) cannot be expressed. Post-LN
+    configs (``do_layer_norm_before`` false, OPT-350m only) lack the final LayerNorm; ModelSpec
+    still counts it.
+    """
+    hidden = _get(config, "hidden_size", name=name)
+    proj = _get(config, "word_embed_proj_dim", name=name, default=hidden)
+    if proj != hidden:
+        raise ValueError(f"HF config of {name!r}: word_embed_proj_dim {proj} != hidden_size "
+                         f"{hidden} (projected embeddings) cannot be expressed by ModelSpec; "
+                         f"only word_embed_proj_dim == hidden_size is accepted")
+    return dict(
+        num_layers=_get(config, "num_hidden_layers", name=name), hidden_size=hidden,
+        num_heads=_get(config, "num_attention_heads", name=name),
+        ffn_hidden_size=_get(config, "ffn_dim", name=name),
+        vocab_size=_get(config, "vocab_size", name=name),
+        seq_len=_get(config, "max_position_embeddings", name=name),
+        activation="gelu", norm="layernorm", position_embedding="learned",
+        linear_bias=bool(config.get("enable_bias", True)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
+        dropout=_dropout(config, {"dropout": 0.1, "attention_dropout": 0.0}))
+
+
+_HF_STYLES: dict[str, Callable[[Mapping[str, Any], str], dict[str, Any]]] = {
+    "llama": _from_llama, "gpt2": _from_gpt2, "gpt_neox": _from_gpt_neox,
+    "bloom": _from_bloom, "opt": _from_opt,
+}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "llama",
+                   "gpt2": "gpt2", "gpt_neox": "gpt_neox", "bloom": "bloom", "opt": "opt"}
+"""HuggingFace ``model_type`` to the key style that reads it."""
+
+
+def hf_config_style(config: Mapping[str, Any]) -> str:
+    """Which key style reads ``config``: by ``model_type``, else by its distinctive keys."""
+    model_type = config.get("model_type")
+    if model_type is not None:
+        if model_type not in _HF_MODEL_TYPES:
+            raise ValueError(f"HF model_type {model_type!r} is not supported; supported: "
+                             f"{', '.join(_HF_MODEL_TYPES)} (or write a ModelSpec JSON)")
+        return _HF_MODEL_TYPES[model_type]
+    if "n_embd" in config:
+        return "gpt2"
+    if "ffn_dim" in config:
+        return "opt"
+    if "n_layer" in config or "n_embed" in config:
+        return "bloom"
+    if "rotary_pct" in config or "use_parallel_residual" in config:
+        return "gpt_neox"
+    if "num_hidden_layers" in config and "intermediate_size" in config:
+        return "llama"
+    raise ValueError(f"cannot tell the HF key style of a config with keys {sorted(config)}; "
+                     f"add a model_type (one of {', '.join(_HF_MODEL_TYPES)})")
+
+
+def from_hf_config(config: Mapping[str, Any], *, name: str) -> ModelSpec:
+    """Translate a HuggingFace ``config.json`` (as a dict) into a ``ModelSpec`` called ``name``.
+
+    Styles: Llama/Mistral/Mixtral/Qwen2, GPT-2, GPT-NeoX, BLOOM, OPT (see each ``_from_*``
+    for what it maps and what it leaves out). Invalid sizes surface as ModelSpec's ValueError.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"HF config of {name!r} must be a mapping, got {type(config).__name__}")
+    style = hf_config_style(config)
+    fields = _HF_STYLES[style](config, name)
+    logger.debug("HF config %r read with the %s key style", name, style)
+    try:
+        return ModelSpec(name=name, source=f"HuggingFace config ({style} key style)", **fields)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"HF config of {name!r}: {err}") from err

@@ -1,0 +1,312 @@
+"""Step time: compute per stage and micro-batch, communication, pipeline bubble, DP and offload.
+
+Per micro-batch, a stage runs its layers forward and backward (backward = 2x forward, as the
+FLOP convention has it) plus recomputation. Matmul time is FLOPs over peak times a calibrated
+efficiency plus a fixed cost per GEMM call, so small matrices (high tp, small micro-batches)
+run less efficiently; element-wise kernels move calibrated multiples of the activation bytes
+through HBM. TP/SP, CP, EP and PP communication per micro-batch use the alpha-beta costs of
+``collectives.py`` on the groups' links in the cluster graph.
+
+The pipeline (Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2): with per-micro-batch stage
+times t_i, m micro-batches and v virtual chunks, a step takes
+``m * max_i t_i + (sum_i t_i - max_i t_i) / v``; for equal stages the second term is the
+bubble ``(p - 1) / v * t``, i.e. the fraction ``(p - 1) / (v m)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel import activations as act
+from costmodel import collectives as coll
+from costmodel.calibration import Calibration
+from costmodel.config import ParallelConfig, axis_group, ep_group, rank_of
+from costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
+from costmodel.hardware import ClusterSpec
+from costmodel.memory import StageParams, stage_layer_range
+from costmodel.model import ModelSpec
+
+BACKWARD_FACTOR = 2.0
+"""Backward costs twice the forward (weight and input gradients)."""
+OPTIMIZER_BYTES_PER_PARAM = 36.0
+"""HBM traffic of a fused Adam step per parameter: read and write params, grads, master, m, v."""
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Seconds per micro-batch on one stage, by term (communication already as exposed)."""
+
+    compute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    ep_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    offload_s: float
+
+    @property
+    def total_s(self) -> float:
+        return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
+                + self.pp_comm_s + self.dp_comm_s + self.offload_s)
+
+
+@dataclass(frozen=True)
+class Links:
+    """Communication groups of one stage, as seen by its first rank."""
+
+    tp: coll.GroupLink
+    cp: coll.GroupLink
+    dp: coll.GroupLink
+    ep: coll.GroupLink
+    pp_next: coll.GroupLink | None
+
+
+def stage_links(cluster: ClusterSpec, config: ParallelConfig, stage: int) -> Links:
+    pp_next = None
+    if stage + 1 < config.pp:
+        pp_next = coll.group_link(cluster, (rank_of(config, {"pp": stage}),
+                                            rank_of(config, {"pp": stage + 1})))
+    dp_ranks = tuple(rank_of(config, {"pp": stage, "cp": c, "dp": d})
+                     for d in range(config.dp) for c in range(config.cp))
+    return Links(tp=coll.group_link(cluster, axis_group(config, "tp", stage=stage)),
+                 cp=coll.group_link(cluster, axis_group(config, "cp", stage=stage)),
+                 dp=coll.group_link(cluster, tuple(sorted(dp_ranks))),
+                 ep=coll.group_link(cluster, ep_group(config)),
+                 pp_next=pp_next)
+
+
+def _gemm_s(flop: float, calls: int, *, peak: float, efficiency: float, overhead_s: float) -> float:
+    return flop / (peak * efficiency) + calls * overhead_s if flop > 0 else 0.0
+
+
+def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                    calibration: Calibration, *, moe: bool) -> tuple[float, float]:
+    """(whole layer, attention core) forward seconds of one layer for one micro-batch."""
+    device = calibration.device(cluster.gpu.key)
+    peak = cluster.gpu.peak(config.dtype)
+    tokens = config.micro_batch_size * config.seq_len / config.cp
+    t = config.tp
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    mats = 3 if model.activation == "swiglu" else 2
+    proj_flop = 2 * tokens * h * (2 * q + 2 * kv) / t
+    if moe:
+        mlp_flop = 2 * tokens * model.moe_top_k * mats * h * model.expert_ffn_size / t
+        mlp_flop += 2 * tokens * h * model.num_experts  # router
+    else:
+        mlp_flop = 2 * tokens * mats * h * model.ffn_hidden_size / t
+    gemm = _gemm_s(proj_flop + mlp_flop, 2 + mats, peak=peak,
+                   efficiency=device.matmul_efficiency, overhead_s=device.matmul_overhead_s)
+    causal = config.flash_attention  # fused kernels skip the masked half of the scores
+    attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
+                                                       causal=causal) / t
+    core = _gemm_s(attention_flop, 2, peak=peak, efficiency=device.attention_efficiency,
+                   overhead_s=device.matmul_overhead_s)
+    bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    traffic = calibration.elementwise_traffic_factor
+    core_bytes = act.attention_core_bytes(model, config) if not config.flash_attention else 0.0
+    layer_bytes = act.layer_activation_bytes(model, config, recompute="none", moe=moe)
+    core += traffic * core_bytes / bandwidth
+    elementwise = traffic * (layer_bytes - core_bytes) / bandwidth
+    return gemm + core + elementwise, core
+
+
+def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
+                         calibration: Calibration, *, recompute: str) -> float:
+    """TP/SP collectives of one layer and micro-batch: 2 forward, 2 backward (+2 recompute).
+
+    Each moves the layer's hidden state (b s h / cp elements); with SP an all-gather plus a
+    reduce-scatter replace each all-reduce at the same volume (Korthikanti et al. Sec. 4.2.2).
+    """
+    if config.tp == 1:
+        return 0.0
+    size = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
+        / config.cp * model.hidden_size
+    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    one = (coll.all_gather_s(link, size, **effs) + coll.reduce_scatter_s(link, size, **effs)
+           if config.sp else coll.all_reduce_s(link, size, **effs))
+    count = 4 + (2 if recompute == "full" else 0)
+    return count / 2 * one if config.sp else count * one
+
+
+def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
+                         calibration: Calibration, *, attention_fwd_s: float) -> float:
+    """Ring exchange of K and V chunks (forward) and of K, V, dK, dV (backward), exposed part.
+
+    Each of the cp - 1 steps passes this rank's K and V chunk to its ring neighbour and
+    overlaps with that step's attention block (Liu et al. 2023, Ring Attention).
+    """
+    if config.cp == 1:
+        return 0.0
+    chunk = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
+        / config.cp * 2 * model.kv_size / config.tp
+    bandwidth = coll._effective(link, calibration.nvlink_efficiency,
+                                calibration.network_efficiency)
+    step = chunk / bandwidth + link.latency_s
+    fwd = (config.cp - 1) * step
+    bwd = 2 * fwd
+    hidden = (1 + BACKWARD_FACTOR) * attention_fwd_s
+    return max(0.0, fwd + bwd - hidden)
+
+
+def _ep_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
+                         calibration: Calibration) -> float:
+    """Token dispatch and combine all-to-all per MoE layer: 2 forward, 2 backward."""
+    if config.ep == 1:
+        return 0.0
+    size = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
+        / config.cp * model.moe_top_k * model.hidden_size / config.tp
+    one = coll.all_to_all_s(link, size, intra_eff=calibration.nvlink_efficiency,
+                            inter_eff=calibration.network_efficiency)
+    return 4 * one
+
+
+def _pp_comm_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | None,
+               calibration: Calibration) -> float:
+    """Activation send forward and gradient send backward per micro-batch (v per chunk).
+
+    With tp > 1 only 1/t of the tensor crosses stages (Narayanan et al. Sec. 4.1
+    scatter/gather optimisation); the all-gather after it runs over NVLink and is ignored.
+    """
+    if link is None:
+        return 0.0
+    size = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
+        / config.cp * model.hidden_size / config.tp
+    one = coll.send_recv_s(link, size, intra_eff=calibration.nvlink_efficiency,
+                           inter_eff=calibration.network_efficiency)
+    return 2 * config.vpp * one * (1 - calibration.pp_overlap)
+
+
+def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                          calibration: Calibration, stage: int, *, params: StageParams,
+                          links: Links, framework: str) -> StageTime:
+    """Seconds one micro-batch spends on ``stage`` (forward, backward, recompute, comm)."""
+    mode = config.stage_recompute(stage)
+    layer_range = stage_layer_range(model, config, stage)
+    compute = tp = cp = ep = 0.0
+    fwd_cache: dict[bool, tuple[float, float]] = {}
+    tp_layer = _tp_comm_per_layer_s(model, config, links.tp, calibration, recompute=mode)
+    for i in layer_range:
+        moe = model.is_moe_layer(i)
+        if moe not in fwd_cache:
+            fwd_cache[moe] = layer_forward_s(model, cluster, config, calibration, moe=moe)
+        fwd, core = fwd_cache[moe]
+        extra = fwd if mode == "full" else (core if mode == "selective" else 0.0)
+        compute += (1 + BACKWARD_FACTOR) * fwd + extra
+        tp += tp_layer
+        cp += _cp_comm_per_layer_s(model, config, links.cp, calibration, attention_fwd_s=core)
+        if moe:
+            ep += _ep_comm_per_layer_s(model, config, links.ep, calibration)
+    if stage == config.pp - 1:
+        compute += _lm_head_s(model, cluster, config, calibration)
+    tp *= 1 - calibration.tp_overlap
+    pp = _pp_comm_s(model, config, links.pp_next, calibration)
+    if stage > 0 and links.pp_next is None:
+        pp = _pp_comm_s(model, config, coll.group_link(
+            cluster, (rank_of(config, {"pp": stage - 1}), rank_of(config, {"pp": stage}))),
+            calibration)
+    dp = _zero_per_microbatch_s(config, cluster, calibration, params=params, link=links.dp,
+                                compute_s=compute, framework=framework)
+    offload = _param_offload_per_microbatch_s(config, cluster, calibration, params=params,
+                                              compute_s=compute)
+    return StageTime(compute_s=compute, tp_comm_s=tp, cp_comm_s=cp, ep_comm_s=ep,
+                     pp_comm_s=pp, dp_comm_s=dp, offload_s=offload)
+
+
+def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+               calibration: Calibration) -> float:
+    """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits."""
+    device = calibration.device(cluster.gpu.key)
+    tokens = config.micro_batch_size * config.seq_len / config.cp
+    flop = tokens * lm_head_flop_per_token(model) / config.tp
+    gemm = _gemm_s((1 + BACKWARD_FACTOR) * flop, 3, peak=cluster.gpu.peak(config.dtype),
+                   efficiency=device.matmul_efficiency, overhead_s=device.matmul_overhead_s)
+    logits_bytes = act.LOGIT_BYTES * tokens * model.vocab_rows / config.tp
+    bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    return gemm + calibration.elementwise_traffic_factor * logits_bytes / bandwidth
+
+
+def grad_comm_bytes(framework: str, dtype: str) -> int:
+    """Bytes per gradient element on the wire: fp32 for Megatron (main grads), FSDP2/DDP with
+    fp32 reduction (meshplan, torchtitan); the compute dtype for DeepSpeed and ``ideal``."""
+    if dtype == "fp32" or framework in ("megatron", "meshplan", "torchtitan"):
+        return 4
+    return 2
+
+
+def _zero_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec,
+                           calibration: Calibration, *, params: StageParams,
+                           link: coll.GroupLink, compute_s: float, framework: str) -> float:
+    """Exposed ZeRO-2/3 traffic of one micro-batch: gradient reduce-scatter (2, 3) and the
+    parameter all-gathers of forward and backward (3), hidden behind ``compute_s`` up to
+    ``dp_overlap``."""
+    if config.zero_stage < 2 or link.size == 1:
+        return 0.0
+    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    total = params.dense + params.expert
+    comm = coll.reduce_scatter_s(link, total * grad_comm_bytes(framework, config.dtype), **effs)
+    if config.zero_stage == 3:
+        comm += 2 * coll.all_gather_s(link, total * config.bytes_per_activation, **effs)
+    return max(0.0, comm - calibration.dp_overlap * compute_s)
+
+
+def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec,
+                                    calibration: Calibration, *, params: StageParams,
+                                    compute_s: float) -> float:
+    """Parameters offloaded under ZeRO-3 cross PCIe for forward and backward each micro-batch."""
+    if config.offload != "optimizer+params":
+        return 0.0
+    shard = (params.dense + params.expert) / (config.dp * config.cp)
+    transfer = 2 * shard * config.bytes_per_activation / cluster.pcie_bytes_per_s
+    if config.offload_device == "nvme":
+        transfer += 2 * shard * config.bytes_per_activation * cluster.gpus_per_node \
+            / cluster.nvme_bytes_per_s
+    return max(0.0, transfer - calibration.offload_overlap * compute_s)
+
+
+def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: StageParams,
+              link: coll.GroupLink, last_backward_s: float, framework: str) -> tuple[float, float]:
+    """(total, exposed) seconds of the once-per-step data-parallel traffic of one stage.
+
+    ZeRO 0/1: gradient all-reduce (reduce-scatter + all-gather of parameters for 1, same
+    volume); ZeRO-2: the all-gather of updated parameters. The gradient reduction can hide
+    behind the last micro-batch's backward up to ``dp_overlap``.
+    """
+    if link.size == 1:
+        return 0.0, 0.0
+    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    grad_bytes = grad_comm_bytes(framework, config.dtype)
+    total_params = params.dense + params.expert
+    if config.zero_stage == 0:
+        comm = coll.all_reduce_s(link, total_params * grad_bytes, **effs)
+    elif config.zero_stage == 1:
+        comm = (coll.reduce_scatter_s(link, total_params * grad_bytes, **effs)
+                + coll.all_gather_s(link, total_params * config.bytes_per_activation, **effs))
+    elif config.zero_stage == 2:
+        comm = coll.all_gather_s(link, total_params * config.bytes_per_activation, **effs)
+    else:
+        return 0.0, 0.0
+    hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0
+    return comm, max(0.0, comm - hideable)
+
+
+def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: Calibration,
+                     *, params: StageParams) -> tuple[float, float]:
+    """(device optimizer, offload) seconds of the optimizer step of one stage.
+
+    On the device: a fused Adam moves ``OPTIMIZER_BYTES_PER_PARAM`` per sharded parameter
+    through HBM. Offloaded: gradients go down and parameters come back over PCIe, the host
+    runs Adam at ``host_adam_flop_per_param`` per parameter for all GPUs of the node, and NVMe
+    offload reads and writes the optimizer state once.
+    """
+    shard = config.dp * config.cp if config.zero_stage >= 1 else 1
+    local = (params.dense + params.expert) / shard
+    device = calibration.device(cluster.gpu.key)
+    if config.offload == "none":
+        bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+        return local * OPTIMIZER_BYTES_PER_PARAM / bandwidth, 0.0
+    per_node = local * min(cluster.gpus_per_node, cluster.num_gpus)
+    pcie = local * (4 + config.bytes_per_activation) / cluster.pcie_bytes_per_s
+    host = per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s
+    nvme = 2 * per_node * 12 / cluster.nvme_bytes_per_s if config.offload_device == "nvme" \
+        else 0.0
+    return 0.0, pcie + host + nvme
