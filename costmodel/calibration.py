@@ -24,12 +24,15 @@ class DeviceCalibration:
     matmul_overhead_s: float
     """Fixed cost per GEMM call (launch, tail effects); makes small GEMMs less efficient."""
     attention_efficiency: float
-    """Fraction of dense peak reached by attention score / value matmuls."""
+    """Fraction of dense peak reached by eager attention score / value batched matmuls."""
+    flash_attention_efficiency: float
+    """Fraction of dense peak reached by fused (flash) attention kernels."""
     memory_efficiency: float
     """Fraction of HBM bandwidth reached by element-wise kernels."""
 
     def __post_init__(self) -> None:
-        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+        for name in ("matmul_efficiency", "attention_efficiency", "flash_attention_efficiency",
+                     "memory_efficiency"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
@@ -45,6 +48,10 @@ class Calibration:
     """Per GPU catalog key; ``default`` is used for GPUs without their own entry."""
     elementwise_traffic_factor: float
     """HBM bytes moved by element-wise kernels per byte of stored activations (fwd)."""
+    attention_core_traffic_factor: float
+    """HBM bytes moved by the eager softmax/dropout kernels per byte of stored score tensors."""
+    framework_compute_factor: dict[str, float] = field(hash=False)
+    """Compute-time multiplier per framework (kernel fusion, scheduler overheads); 1 if absent."""
     nvlink_efficiency: float
     """Achieved fraction of NVLink bandwidth in collectives (NCCL bus bandwidth / link)."""
     network_efficiency: float
@@ -68,6 +75,9 @@ class Calibration:
 
     def device(self, gpu_key: str) -> DeviceCalibration:
         return self.devices.get(gpu_key) or self.devices["default"]
+
+    def compute_factor(self, framework: str) -> float:
+        return self.framework_compute_factor.get(framework, 1.0)
 
     def __post_init__(self) -> None:
         if "default" not in self.devices:

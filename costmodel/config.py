@@ -155,9 +155,9 @@ def check_fits_model(config: ParallelConfig, model: ModelSpec, *, num_gpus: int)
     if len(layers) != config.pp or sum(layers) != model.num_layers or min(layers) < 1:
         raise ValueError(f"layers_per_stage {list(layers)} must list {config.pp} positive "
                          f"counts summing to {model.num_layers}")
-    if config.vpp > 1 and any(n % config.vpp for n in layers):
-        raise ValueError(f"with vpp {config.vpp} every stage's layer count must be divisible "
-                         f"by vpp; got {list(layers)}")
+    if config.vpp > 1 and min(layers) < config.vpp:
+        raise ValueError(f"with vpp {config.vpp} every stage needs at least vpp layers (one per "
+                         f"virtual chunk); got {list(layers)}")
     if config.ep > 1:
         if not model.is_moe:
             raise ValueError(f"ep {config.ep} > 1 needs an MoE model; {model.name} is dense")

@@ -94,11 +94,13 @@ def model_state_bytes(framework: str, *, params: float, shard: int, zero_stage: 
 
 
 def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: float,
-                           largest_layer_params: float, fp32: bool = False) -> float:
+                           largest_layer_params: float, fp32: bool = False,
+                           data_parallel: bool = True) -> float:
     """Communication and gather buffers on one rank (bytes).
 
     ``stage_params``: parameters this rank holds before sharding; ``largest_layer_params``:
-    the largest module the framework gathers at once (per TP shard).
+    the largest module the framework gathers at once (per TP shard); ``data_parallel``: False
+    when there is a single replica (no DDP buckets, nothing to reduce).
     """
     compute_bytes = 4 if fp32 else 2
     if framework == "ideal":
@@ -115,7 +117,7 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
         return 0.0
     # meshplan / torchtitan
     if zero_stage <= 1:  # DDP gradient buckets: one more copy of the gradients
-        return FP32_BYTES * stage_params
+        return FP32_BYTES * stage_params if data_parallel else 0.0
     if zero_stage == 2:  # unsharded params live from forward to backward
         return compute_bytes * stage_params
     # ZeRO-3: current + prefetched block in compute dtype, one block of unsharded fp32 grads

@@ -118,11 +118,24 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     if stage == config.pp - 1:
         total += act.head_activation_bytes(
             model, config, logit_copies=logit_copies(framework, config.dtype == "fp32"))
-    if mode == "full":
-        # Recomputing a layer rebuilds its full activations once, on top of what is stored.
-        total += act.layer_activation_bytes(model, config, recompute="none",
-                                            moe=moe_layers > 0)
     return total
+
+
+def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
+    """Activations rebuilt by recomputation during one layer's backward, on top of those stored.
+
+    Full: the layer's whole activations less its stored input (the recomputation starts from
+    that same tensor). Selective: the attention core. None: nothing. Counted as a buffer, not
+    as stored activations (Megatron-LM's and Korthikanti's counts leave it out).
+    """
+    mode = config.stage_recompute(stage)
+    if mode == "none":
+        return 0.0
+    if mode == "selective":
+        return act.attention_core_bytes(model, config)
+    moe = any(model.is_moe_layer(i) for i in stage_layer_range(model, config, stage))
+    return (act.layer_activation_bytes(model, config, recompute="none", moe=moe)
+            - act.layer_activation_bytes(model, config, recompute="full"))
 
 
 def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
@@ -132,7 +145,10 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     activations = stage_activation_bytes(model, config, stage, framework)
     buffers = framework_buffer_bytes(
         framework, zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
-        largest_layer_params=params.largest_layer, fp32=config.dtype == "fp32")
+        largest_layer_params=params.largest_layer, fp32=config.dtype == "fp32",
+        data_parallel=config.dp * config.cp > 1)
+    if framework != "ideal":
+        buffers += recompute_workspace_bytes(model, config, stage)
     peak = states.params + states.grads + states.optimizer + activations + buffers
     comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
     reserved = peak * (1 + calibration.allocator_fragmentation) + comm

@@ -28,6 +28,9 @@ from costmodel.model import ModelSpec
 
 BACKWARD_FACTOR = 2.0
 """Backward costs twice the forward (weight and input gradients)."""
+FLASH_BACKWARD_FACTOR = 2.5
+"""Fused attention's backward recomputes the scores: 5 matmuls against the forward's 2
+(Dao 2023, FlashAttention-2, arXiv:2307.08691, Sec. 3.1.2)."""
 OPTIMIZER_BYTES_PER_PARAM = 36.0
 """HBM traffic of a fused Adam step per parameter: read and write params, grads, master, m, v."""
 
@@ -99,14 +102,15 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
                                                        causal=causal) / t
-    core = _gemm_s(attention_flop, 2, peak=peak, efficiency=device.attention_efficiency,
+    efficiency = (device.flash_attention_efficiency if config.flash_attention
+                  else device.attention_efficiency)
+    core = _gemm_s(attention_flop, 2, peak=peak, efficiency=efficiency,
                    overhead_s=device.matmul_overhead_s)
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
-    traffic = calibration.elementwise_traffic_factor
     core_bytes = act.attention_core_bytes(model, config) if not config.flash_attention else 0.0
     layer_bytes = act.layer_activation_bytes(model, config, recompute="none", moe=moe)
-    core += traffic * core_bytes / bandwidth
-    elementwise = traffic * (layer_bytes - core_bytes) / bandwidth
+    core += calibration.attention_core_traffic_factor * core_bytes / bandwidth
+    elementwise = calibration.elementwise_traffic_factor * (layer_bytes - core_bytes) / bandwidth
     return gemm + core + elementwise, core
 
 
@@ -191,6 +195,8 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
             fwd_cache[moe] = layer_forward_s(model, cluster, config, calibration, moe=moe)
         fwd, core = fwd_cache[moe]
         extra = fwd if mode == "full" else (core if mode == "selective" else 0.0)
+        if config.flash_attention:
+            extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * core
         compute += (1 + BACKWARD_FACTOR) * fwd + extra
         tp += tp_layer
         cp += _cp_comm_per_layer_s(model, config, links.cp, calibration, attention_fwd_s=core)
@@ -198,6 +204,7 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
             ep += _ep_comm_per_layer_s(model, config, links.ep, calibration)
     if stage == config.pp - 1:
         compute += _lm_head_s(model, cluster, config, calibration)
+    compute *= calibration.compute_factor(framework)
     tp *= 1 - calibration.tp_overlap
     pp = _pp_comm_s(model, config, links.pp_next, calibration)
     if stage > 0 and links.pp_next is None:

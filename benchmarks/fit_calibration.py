@@ -1,0 +1,164 @@
+"""Fit the default calibration on the published runs marked ``fit``.
+
+Minimises the squared log error of predicted vs published step time over the ``fit`` runs of
+``costmodel/data/reference_runs.json`` plus the per-layer forward/backward times of Korthikanti
+et al. 2022 Table 4, and writes the result to ``costmodel/data/calibration.json`` (``--write``)
+or prints it. Runs marked ``holdout`` are never used here; ``benchmarks/accuracy.py`` reports
+them separately.
+
+    python benchmarks/fit_calibration.py            # print the fitted values and errors
+    python benchmarks/fit_calibration.py --write    # update costmodel/data/calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import minimize
+
+from costmodel import ParallelConfig, default_calibration, load_cluster, load_model
+from costmodel.calibration import Calibration
+from costmodel.reference import predict, reference_runs
+from costmodel.timing import BACKWARD_FACTOR, _tp_comm_per_layer_s, layer_forward_s, stage_links
+
+CALIBRATION_FILE = Path(__file__).resolve().parents[1] / "costmodel" / "data" / "calibration.json"
+
+# Korthikanti et al. 2022 Table 4: one 22B layer (h 6144, 64 heads, s 2048, b 4) on tp 8,
+# forward and backward milliseconds per configuration.
+TABLE4_LAYER_MS = {
+    ("none", False): (7.7, 11.9),
+    ("none", True): (7.2, 11.8),
+    ("full", False): (7.7, 19.5),
+    ("selective", False): (7.7, 13.2),
+    ("selective", True): (7.2, 13.1),
+}
+
+PARAMETERS = (  # name, initial value, lower, upper
+    ("a100_matmul_efficiency", 0.75, 0.4, 0.95),
+    ("a100_matmul_overhead_s", 2e-5, 1e-7, 2e-4),
+    ("a100_attention_efficiency", 0.5, 0.1, 0.9),
+    ("h100_matmul_efficiency", 0.65, 0.3, 0.95),
+    ("elementwise_traffic_factor", 2.0, 0.5, 8.0),
+    ("attention_core_traffic_factor", 1.5, 0.3, 8.0),
+    ("nvlink_efficiency", 0.75, 0.4, 0.95),
+    ("dp_overlap", 0.5, 0.0, 1.0),
+    ("deepspeed_compute_factor", 1.1, 0.8, 2.0),
+)
+
+
+def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
+    v = {name: float(value) for (name, *_), value in zip(PARAMETERS, x)}
+    a100 = dataclasses.replace(base.device("a100-80gb"),
+                               matmul_efficiency=v["a100_matmul_efficiency"],
+                               matmul_overhead_s=v["a100_matmul_overhead_s"],
+                               attention_efficiency=v["a100_attention_efficiency"])
+    ratio = v["h100_matmul_efficiency"] / v["a100_matmul_efficiency"]
+    h100 = dataclasses.replace(base.device("h100-sxm"),
+                               matmul_efficiency=v["h100_matmul_efficiency"],
+                               matmul_overhead_s=v["a100_matmul_overhead_s"],
+                               attention_efficiency=min(1.0, a100.attention_efficiency * ratio))
+    devices = dict(base.devices)
+    devices.update({"a100-80gb": a100, "a100-40gb": a100, "h100-sxm": h100, "h200": h100,
+                    "b200": h100, "default": a100})  # the GPUs of one generation share values
+    factors = dict(base.framework_compute_factor, deepspeed=v["deepspeed_compute_factor"])
+    return dataclasses.replace(
+        base, devices=devices, elementwise_traffic_factor=v["elementwise_traffic_factor"],
+        attention_core_traffic_factor=v["attention_core_traffic_factor"],
+        nvlink_efficiency=v["nvlink_efficiency"], dp_overlap=v["dp_overlap"],
+        framework_compute_factor=factors)
+
+
+def table4_predictions_ms(cal: Calibration) -> dict[tuple[str, bool], tuple[float, float]]:
+    model = load_model("megatron-22b")
+    cluster = load_cluster("dgx-a100-80gb", nodes=1)
+    out = {}
+    for (mode, sp) in TABLE4_LAYER_MS:
+        config = ParallelConfig(tp=8, micro_batch_size=4, global_batch_size=4, seq_len=2048,
+                                sp=sp, recompute=mode, flash_attention=False)
+        fwd, core = layer_forward_s(model, cluster, config, cal, moe=False)
+        link = stage_links(cluster, config, 0).tp
+        tp_fwd = _tp_comm_per_layer_s(model, config, link, cal, recompute="none") / 2
+        extra = fwd + tp_fwd if mode == "full" else (core if mode == "selective" else 0.0)
+        out[(mode, sp)] = ((fwd + tp_fwd) * 1e3, (BACKWARD_FACTOR * fwd + tp_fwd + extra) * 1e3)
+    return out
+
+
+def residuals(cal: Calibration) -> tuple[list[float], list[tuple[str, float, float]]]:
+    """Log errors of every fit target, and (name, predicted, published) rows."""
+    errors, rows = [], []
+    for run in reference_runs():
+        if run.set != "fit":
+            continue
+        predicted = predict(run, cal).time.step_s
+        errors.append(math.log(predicted / run.measured_step_s))
+        rows.append((run.id, predicted, run.measured_step_s))
+    for key, (fwd, bwd) in table4_predictions_ms(cal).items():
+        pub_fwd, pub_bwd = TABLE4_LAYER_MS[key]
+        name = f"table4-{key[0]}{'-sp' if key[1] else ''}"
+        errors += [0.5 * math.log(fwd / pub_fwd), 0.5 * math.log(bwd / pub_bwd)]
+        rows += [(name + "-fwd-ms", fwd, pub_fwd), (name + "-bwd-ms", bwd, pub_bwd)]
+    return errors, rows
+
+
+def _current(base: Calibration, name: str) -> float:
+    """The base calibration's value of fit parameter ``name`` (the starting point)."""
+    device = {"a100": base.device("a100-80gb"), "h100": base.device("h100-sxm")}
+    prefix, _, field = name.partition("_")
+    if prefix in device:
+        return getattr(device[prefix], field)
+    if name == "deepspeed_compute_factor":
+        return base.compute_factor("deepspeed")
+    return getattr(base, name)
+
+
+def fit(base: Calibration) -> Calibration:
+    lower = np.array([p[2] for p in PARAMETERS])
+    upper = np.array([p[3] for p in PARAMETERS])
+
+    def objective(z: np.ndarray) -> float:
+        x = lower + (upper - lower) / (1 + np.exp(-z))  # keep inside bounds
+        errors, _ = residuals(calibration_from_vector(base, x))
+        return float(np.mean(np.square(errors)) + 0.5 * np.max(np.abs(errors)) ** 2)
+
+    x0 = np.array([_current(base, p[0]) for p in PARAMETERS])
+    x0 = np.clip(x0, lower + 1e-3 * (upper - lower), upper - 1e-3 * (upper - lower))
+    z0 = -np.log((upper - lower) / (x0 - lower) - 1)
+    result = minimize(objective, z0, method="Nelder-Mead",
+                      options={"maxiter": 1500, "xatol": 1e-4, "fatol": 1e-7})
+    x = lower + (upper - lower) / (1 + np.exp(-result.x))
+    return calibration_from_vector(base, x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="update calibration.json")
+    args = parser.parse_args()
+    base = default_calibration()
+    fitted = fit(base)
+    _, rows = residuals(fitted)
+    for name, predicted, published in rows:
+        print(f"{name:36s} predicted {predicted:9.3f} published {published:9.3f} "
+              f"error {predicted / published - 1:+.1%}")
+    data = fitted.to_dict()
+    data["source"] = dict(data["source"], fit=(
+        "benchmarks/fit_calibration.py: A100 matmul/attention efficiency, GEMM overhead, "
+        "element-wise traffic factors, NVLink efficiency and DP overlap fitted on the 'fit' runs "
+        "of reference_runs.json (Narayanan et al. 2021 Table 1: 1.7B, 7.5B, 39.1B, 145.6B; "
+        "Korthikanti et al. 2022 Table 5: 22B and 175B, full and SP+selective) and Korthikanti "
+        "Table 4 layer times; H100 matmul efficiency on Llama 3 Table 4 (8,192 GPUs); DeepSpeed "
+        "compute factor on MT-NLG (280 nodes)."))
+    print(json.dumps(data, indent=2))
+    if args.write:
+        data = {"about": json.loads(CALIBRATION_FILE.read_text()).get("about", ""), **data}
+        CALIBRATION_FILE.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {CALIBRATION_FILE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Published training runs (``data/reference_runs.json``) as cost-model inputs with measured times.
+
+Used to fit the default calibration (runs marked ``fit``) and by the accuracy benchmark, which
+also reports runs marked ``holdout`` that the calibration never saw.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from costmodel import flops
+from costmodel.calibration import Calibration
+from costmodel.config import RECOMPUTE_MODES, ParallelConfig
+from costmodel.estimate import Estimate, estimate
+from costmodel.hardware import ClusterSpec, load_cluster
+from costmodel.model import ModelSpec
+from costmodel.models import load_model
+
+TUNE_MICRO_BATCHES = (1, 2, 4, 8, 16)
+"""Micro-batch sizes tried when a source does not publish its micro-batch."""
+TUNE_VPP = (1, 2, 3, 4, 6, 8)
+"""Virtual pipeline chunks tried when a source does not publish them."""
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """One published run: what was run, where, and how long a step took."""
+
+    id: str
+    set: str
+    """``fit`` (used to fit the default calibration) or ``holdout``."""
+    model: ModelSpec
+    cluster: ClusterSpec
+    framework: str
+    config: ParallelConfig
+    tune: tuple[str, ...]
+    measured_step_s: float
+    source: str
+    golden: bool = False
+    """Also in the project's golden reference set (tests/data/published.json)."""
+
+
+@functools.cache
+def reference_runs() -> tuple[ReferenceRun, ...]:
+    text = resources.files("costmodel.data").joinpath("reference_runs.json").read_text()
+    return tuple(_run_from_dict(raw) for raw in json.loads(text)["runs"])
+
+
+def _run_from_dict(raw: dict[str, Any]) -> ReferenceRun:
+    model = load_model(raw["model"])
+    cluster = load_cluster(raw["cluster"], nodes=raw["nodes"])
+    values = dict(raw["config"])
+    for key in ("layers_per_stage", "mesh_order"):
+        if key in values:
+            values[key] = tuple(values[key])
+    config = ParallelConfig(**values)
+    return ReferenceRun(id=raw["id"], set=raw["set"], model=model, cluster=cluster,
+                        framework=raw["framework"], config=config, tune=tuple(raw["tune"]),
+                        measured_step_s=_measured_step_s(raw["measured"], model, config,
+                                                         cluster.num_gpus),
+                        source=raw["source"], golden=raw.get("golden", False))
+
+
+def _measured_step_s(measured: dict[str, float], model: ModelSpec, config: ParallelConfig,
+                     num_gpus: int) -> float:
+    """Step seconds from what the source reports.
+
+    ``hardware_flop_per_s_per_gpu``: Narayanan et al. 2021 Eq. 3 FLOPs (with recomputation)
+    per step over that rate; ``model_flop_per_s_per_gpu``: model FLOPs (Korthikanti Eq. 7)
+    over that rate.
+    """
+    if "step_s" in measured:
+        return float(measured["step_s"])
+    kwargs = dict(global_batch_size=config.global_batch_size, seq_len=config.seq_len)
+    if "hardware_flop_per_s_per_gpu" in measured:
+        work = flops.hardware_flop_per_step(model, recompute=config.stage_recompute(0), **kwargs)
+        return work / (measured["hardware_flop_per_s_per_gpu"] * num_gpus)
+    work = flops.model_flop_per_step(model, **kwargs)
+    return work / (measured["model_flop_per_s_per_gpu"] * num_gpus)
+
+
+def tuned_configs(run: ReferenceRun) -> list[ParallelConfig]:
+    """``run.config`` with every knob in ``run.tune`` set to each value it can take."""
+    candidates = [run.config]
+    per_replica = run.config.global_batch_size // run.config.dp
+    fewest_layers = min(run.config.stage_layers(run.model.num_layers))
+    choices = {
+        "micro_batch_size": [b for b in TUNE_MICRO_BATCHES if per_replica % b == 0],
+        "vpp": [v for v in TUNE_VPP if v <= fewest_layers],
+        "recompute": list(RECOMPUTE_MODES),
+    }
+    for knob in run.tune:
+        expanded = []
+        for config in candidates:
+            for value in choices[knob]:
+                try:
+                    expanded.append(config.replace(**{knob: value}))
+                except ValueError:  # e.g. interleaving needs micro-batches divisible by pp
+                    continue
+        candidates = expanded
+    return candidates
+
+
+def predict(run: ReferenceRun, calibration: Calibration) -> Estimate:
+    """The estimate for ``run``; unpublished knobs in ``run.tune`` take their fastest fitting
+    value (the authors tuned them), falling back to the fastest overall if none fits."""
+    results = [estimate(run.model, run.cluster, c, framework=run.framework,
+                        calibration=calibration) for c in tuned_configs(run)]
+    fitting = [r for r in results if r.fits] or results
+    return min(fitting, key=lambda r: r.time.step_s)

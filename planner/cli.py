@@ -1,0 +1,323 @@
+"""``meshplan``: the command line (DESIGN.md, "Command line (the contract)").
+
+argparse lives here and nowhere else: each handler turns its ``Namespace`` into cost-model objects
+(``ModelSpec``, ``ClusterSpec``, ``ParallelConfig``, ``Calibration``) and hands only those on.
+
+Exit codes: 0 success (``estimate`` also when the plan does not fit), 2 user error (one line
+``meshplan: error: <message>`` on stderr, never a traceback), 3 reserved for "no plan fits".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from costmodel import (FRAMEWORKS, Calibration, ClusterSpec, ModelSpec, ParallelConfig,
+                       cluster_names, estimate, estimate_to_dict, load_calibration, load_cluster,
+                       load_model, model_catalog)
+from costmodel.config import MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES, RECOMPUTE_MODES
+from planner import report
+
+PROG = "meshplan"
+EXIT_OK = 0
+EXIT_USAGE = 2
+"""User error: bad flag, unknown name, malformed file, degrees that do not fit together."""
+EXIT_NO_PLAN = 3
+"""``plan`` found no configuration that fits (DESIGN.md)."""
+DTYPES = ("bf16", "fp16", "fp32")
+CPU_GPU_KEY = "cpu"
+"""GPU catalog key of the CPU pseudo-device; plans on it default to fp32."""
+
+
+class UsageError(Exception):
+    """A command-line mistake; ``main`` prints it as one line and exits with ``EXIT_USAGE``."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser that raises ``UsageError`` instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+# ----- flag value types (argparse turns ArgumentTypeError into "argument --x: <message>") -------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _split_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",")]
+
+
+def _recompute(text: str) -> str | tuple[str, ...]:
+    """One recompute mode, or a comma-separated list with one mode per pipeline stage."""
+    modes = _split_list(text)
+    bad = [m for m in modes if m not in RECOMPUTE_MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {bad[0]!r} in {text!r}; use one of {', '.join(RECOMPUTE_MODES)} "
+            f"or a comma-separated list with one per stage (e.g. full,full,selective,none)")
+    return modes[0] if len(modes) == 1 else tuple(modes)
+
+
+def _layers_per_stage(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(_positive_int(part) for part in _split_list(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be a comma-separated list of positive layer counts, got {text!r}") from None
+
+
+def _mesh_order(text: str) -> tuple[str, ...]:
+    axes = tuple(_split_list(text))
+    if sorted(axes) != sorted(MESH_AXES):
+        raise argparse.ArgumentTypeError(
+            f"must list each of {','.join(MESH_AXES)} once, fastest-varying first; got {text!r}")
+    return axes
+
+
+# ----- shared flag groups ------------------------------------------------------------------------
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to train on what: model, cluster, framework, calibration."""
+    group = parser.add_argument_group("model and cluster")
+    group.add_argument("--model", required=True, metavar="M",
+                       help="catalog name (see 'meshplan models'), ModelSpec JSON or HF config.json")
+    group.add_argument("--cluster", required=True, metavar="C",
+                       help="catalog name (see 'meshplan clusters') or cluster JSON")
+    group.add_argument("--nodes", type=_positive_int, metavar="N",
+                       help="nodes of a catalog cluster (default 1, or the JSON's)")
+    group.add_argument("--gpus-per-node", type=_positive_int, metavar="K",
+                       help="override the cluster's GPUs per node")
+    group.add_argument("--framework", choices=FRAMEWORKS, default="meshplan",
+                       help="runtime whose memory layout to assume (default meshplan)")
+    group.add_argument("--calibration", metavar="FILE",
+                       help="calibration JSON (default: the built-in one)")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The plan flags; ``dest`` is the ParallelConfig field. Unset flags stay None."""
+    group = parser.add_argument_group("plan (unset flags take defaults)")
+    group.add_argument("--tp", type=_positive_int, metavar="T", help="tensor parallel (default 1)")
+    group.add_argument("--pp", type=_positive_int, metavar="P",
+                       help="pipeline stages (default 1)")
+    group.add_argument("--dp", type=_positive_int, metavar="D",
+                       help="data parallel (default: GPUs / (tp*pp*cp))")
+    group.add_argument("--cp", type=_positive_int, metavar="C", help="context parallel (default 1)")
+    group.add_argument("--ep", type=_positive_int, metavar="E",
+                       help="expert parallel, MoE only (default 1)")
+    group.add_argument("--sp", action="store_true", default=None,
+                       help="sequence parallelism over the TP group")
+    group.add_argument("--zero", dest="zero_stage", type=int, choices=(0, 1, 2, 3),
+                       metavar="{0-3}", help="ZeRO stage (default 0)")
+    group.add_argument("--offload", choices=OFFLOAD_MODES, help="offload (default none)")
+    group.add_argument("--offload-device", choices=OFFLOAD_DEVICES,
+                       help="where offloaded states live (default cpu)")
+    group.add_argument("--recompute", type=_recompute, metavar="{none,selective,full}[,...]",
+                       help="activation recomputation, or one mode per stage (default none)")
+    group.add_argument("--micro-batch", dest="micro_batch_size", type=_positive_int,
+                       metavar="B", help="sequences per micro-batch per replica (default 1)")
+    group.add_argument("--global-batch", dest="global_batch_size", type=_positive_int,
+                       metavar="G", required=True, help="sequences per optimizer step")
+    group.add_argument("--seq-len", type=_positive_int, metavar="S",
+                       help="sequence length (default: the model's)")
+    group.add_argument("--vpp", type=_positive_int, metavar="V",
+                       help="virtual stages per pipeline stage (interleaved 1F1B; default 1)")
+    group.add_argument("--layers-per-stage", type=_layers_per_stage, metavar="L0,L1,...",
+                       help="layers on each stage (default: even split)")
+    group.add_argument("--mesh-order", type=_mesh_order, metavar="tp,cp,dp,pp",
+                       help="rank layout, fastest-varying axis first (default tp,cp,dp,pp)")
+    group.add_argument("--no-flash-attention", dest="flash_attention", action="store_const",
+                       const=False, default=None,
+                       help="count the s x s attention scores (eager attention)")
+    group.add_argument("--dtype", choices=DTYPES,
+                       help="compute dtype (default bf16; fp32 on the cpu cluster)")
+
+
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+
+
+def config_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The ParallelConfig fields the user set on the command line (unset flags are left out)."""
+    return {name: getattr(args, name) for name in _CONFIG_FIELDS
+            if getattr(args, name, None) is not None}
+
+
+def default_dp(*, num_gpus: int, tp: int, pp: int, cp: int) -> int:
+    """Data-parallel degree that uses every GPU: num_gpus / (tp * pp * cp)."""
+    used = tp * pp * cp
+    if num_gpus % used:
+        raise ValueError(f"tp*pp*cp = {tp}*{pp}*{cp} = {used} does not divide the cluster's "
+                         f"{num_gpus} GPUs, so --dp cannot fill it; pick degrees whose product "
+                         f"divides {num_gpus}")
+    return num_gpus // used
+
+
+def fill_config_defaults(given: dict[str, Any], *, model: ModelSpec,
+                         cluster: ClusterSpec) -> ParallelConfig:
+    """A ParallelConfig from the flags in ``given`` plus the CLI's defaults.
+
+    Defaults: degrees 1, ``dp`` the GPUs left over, ``seq_len`` the model's, dtype bf16 (fp32 on
+    the CPU pseudo-device); the rest are ParallelConfig's own defaults. Raises ValueError.
+    """
+    values = dict(given)
+    for axis in ("tp", "pp", "cp"):
+        values.setdefault(axis, 1)
+    if "dp" not in values:
+        values["dp"] = default_dp(num_gpus=cluster.num_gpus, tp=values["tp"], pp=values["pp"],
+                                  cp=values["cp"])
+    values.setdefault("seq_len", model.seq_len)
+    values.setdefault("dtype", "fp32" if cluster.gpu.key == CPU_GPU_KEY else "bf16")
+    return ParallelConfig(**values)
+
+
+# ----- loading inputs ----------------------------------------------------------------------------
+
+def load_inputs(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Calibration]:
+    """Model, cluster and calibration named by the flags; ValueError for anything unreadable.
+
+    The loaders report bad content as ValueError already; an unreadable file (OSError) and a
+    value of the wrong JSON type in a calibration or GPU entry (TypeError, which the loaders do
+    not translate yet) are turned into ValueError here, naming the flag.
+    """
+    model = _load("--model", args.model, lambda: load_model(args.model))
+    cluster = _load("--cluster", args.cluster,
+                    lambda: load_cluster(args.cluster, nodes=args.nodes,
+                                         gpus_per_node=args.gpus_per_node))
+    calibration = _load("--calibration", args.calibration,
+                        lambda: load_calibration(args.calibration))
+    return model, cluster, calibration
+
+
+def _load(flag: str, ref: str | None, loader: Callable[[], Any]) -> Any:
+    try:
+        return loader()
+    except OSError as err:
+        raise ValueError(f"{flag} {ref!r}: cannot read {err.filename or ref!r}: "
+                         f"{err.strerror or err}") from None
+    except TypeError as err:  # wrong JSON value types the loader does not check
+        raise ValueError(f"{flag} {ref!r}: {err}") from None
+
+
+# ----- subcommands -------------------------------------------------------------------------------
+
+def _dump_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def _add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    models = list(model_catalog().values())
+    if args.json:
+        _dump_json([{**m.to_dict(), "num_params": m.num_params} for m in models])
+    else:
+        print(report.models_table(models))
+    return EXIT_OK
+
+
+def _run_clusters(args: argparse.Namespace) -> int:
+    clusters = [load_cluster(name) for name in cluster_names()]
+    if args.json:
+        _dump_json([{**dataclasses.asdict(c), "num_gpus": c.num_gpus} for c in clusters])
+    else:
+        print(report.clusters_table(clusters))
+    return EXIT_OK
+
+
+def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target_arguments(parser)
+    add_config_arguments(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print the estimate JSON (schema_version 1) and nothing else")
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    model, cluster, calibration = load_inputs(args)
+    config = fill_config_defaults(config_kwargs_from_args(args), model=model, cluster=cluster)
+    est = estimate(model, cluster, config, framework=args.framework, calibration=calibration)
+    if args.json:
+        _dump_json(estimate_to_dict(est))
+    else:
+        print(report.estimate_report(est))
+    return EXIT_OK  # also when it does not fit: the report says why
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its one-line help, its flags and its handler (returns the exit code)."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {
+    "models": Command("list the model catalog", _add_json_argument, _run_models),
+    "clusters": Command("list the cluster templates", _add_json_argument, _run_clusters),
+    "estimate": Command("memory per GPU and time per step of one plan", _add_estimate_arguments,
+                        _run_estimate),
+}
+
+NOT_IMPLEMENTED: dict[str, str] = {
+    "plan": "search the fastest plan that fits",
+    "explain": "why a plan, what binds, what-ifs",
+    "export": "write a plan as a DeepSpeed / Megatron / torchtitan config",
+    "run": "run a plan with torchrun and report measurements",
+    "profile": "measure this machine's compute and links",
+    "validate": "run a plan, compare measured vs predicted, refit",
+}
+"""Subcommands of the contract not built yet: move each into COMMANDS when it is."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, allow_abbrev=False,
+                     description="Plan and estimate parallel training of large models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in COMMANDS.items():
+        child = sub.add_parser(name, help=command.help, description=command.help,
+                               allow_abbrev=False)
+        command.add_arguments(child)
+    for name, summary in NOT_IMPLEMENTED.items():
+        sub.add_parser(name, help=f"{summary} (not implemented yet)", add_help=False)
+    return parser
+
+
+def _one_line(message: str) -> str:
+    return " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``meshplan`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if args.command in NOT_IMPLEMENTED:
+            print(f"{PROG} {args.command}: not implemented yet", file=sys.stderr)
+            return EXIT_USAGE
+        if extra:
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
+        return COMMANDS[args.command].run(args)
+    except SystemExit as done:  # --help
+        return done.code if isinstance(done.code, int) else EXIT_USAGE
+    except (UsageError, ValueError) as err:
+        print(f"{PROG}: error: {_one_line(str(err))}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

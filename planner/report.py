@@ -1,0 +1,133 @@
+"""Human-readable tables for the CLI: the catalogs and one estimate.
+
+Formatting only (the CLI's edge, STYLE.md habit 2): bytes become GiB (2**30), bandwidths GB/s
+(1e9 bytes/s), FLOP/s TFLOP/s (1e12). Every function returns a string; the CLI prints it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pandas as pd
+
+from costmodel import ClusterSpec, Estimate, ModelSpec
+
+GIB = 2**30
+"""Bytes per GiB."""
+GB = 1e9
+"""Bytes per GB."""
+TERA = 1e12
+"""FLOP/s per TFLOP/s."""
+BILLION = 1e9
+"""Parameters per B."""
+MILLION = 1e6
+"""Parameters per M."""
+
+_TIME_ROWS = (
+    ("compute", "compute_s"),
+    ("tensor-parallel comm", "tp_comm_s"),
+    ("context-parallel comm", "cp_comm_s"),
+    ("expert-parallel comm", "ep_comm_s"),
+    ("pipeline p2p comm", "pp_comm_s"),
+    ("data-parallel comm (exposed)", "dp_comm_s"),
+    ("pipeline bubble", "pp_bubble_s"),
+    ("offload", "offload_s"),
+    ("optimizer step", "optimizer_s"),
+)
+"""Rows of the time table: the terms that add up to ``step_s`` (communication as exposed)."""
+
+
+def _table(rows: list[dict], formats: dict[str, str] | None = None,
+           default_format: str = "{:.2f}") -> str:
+    """``rows`` as a text table; ``formats`` maps a column to its format (floats only)."""
+    frame = pd.DataFrame(rows)
+    formatters = {col: (formats or {}).get(col, default_format).format
+                  for col in frame.columns if frame[col].dtype.kind == "f"}
+    return frame.to_string(index=False, formatters=formatters)
+
+
+def models_table(models: Iterable[ModelSpec]) -> str:
+    """One row per model: sizes, activation and MoE shape."""
+    rows = [{"name": m.name, "params (B)": m.num_params / BILLION, "layers": m.num_layers,
+             "hidden": m.hidden_size, "heads": m.num_heads, "kv heads": m.kv_heads,
+             "ffn": m.ffn_hidden_size, "vocab": m.vocab_size, "seq": m.seq_len,
+             "activation": m.activation,
+             "experts/top-k": f"{m.num_experts}/{m.moe_top_k}" if m.is_moe else "-"}
+            for m in models]
+    return _table(rows, {"params (B)": "{:.4g}"})
+
+
+def clusters_table(clusters: Iterable[ClusterSpec]) -> str:
+    """One row per cluster template (one node)."""
+    rows = [{"name": c.name, "gpu": c.gpu.key, "gpus/node": c.gpus_per_node,
+             "NIC GB/s": c.nic_bytes_per_s / GB, "HBM GiB": c.gpu.hbm_bytes / GIB,
+             "peak bf16 TFLOP/s": c.gpu.peak("bf16") / TERA}
+            for c in clusters]
+    return _table(rows, {"peak bf16 TFLOP/s": "{:.4g}"}, default_format="{:.1f}")
+
+
+def _params_text(num_params: int) -> str:
+    if num_params >= BILLION:
+        return f"{num_params / BILLION:.2f} B"
+    return f"{num_params / MILLION:.2f} M"
+
+
+def _header(est: Estimate) -> str:
+    m, c, cfg = est.model, est.cluster, est.config
+    recompute = cfg.recompute if isinstance(cfg.recompute, str) else ",".join(cfg.recompute)
+    offload = "none" if cfg.offload == "none" else f"{cfg.offload} to {cfg.offload_device}"
+    return "\n".join([
+        f"{m.name} ({_params_text(m.num_params)} params) on {c.name}: {c.nodes} node(s) x "
+        f"{c.gpus_per_node} {c.gpu.key} = {c.num_gpus} GPUs, framework {est.framework}",
+        f"plan: tp {cfg.tp} x pp {cfg.pp} x dp {cfg.dp} x cp {cfg.cp}, ep {cfg.ep}, "
+        f"sp {'on' if cfg.sp else 'off'}, ZeRO-{cfg.zero_stage}, offload {offload}, "
+        f"recompute {recompute}, vpp {cfg.vpp}, micro-batch {cfg.micro_batch_size}, "
+        f"global batch {cfg.global_batch_size} ({cfg.grad_accum_steps} micro-batches), "
+        f"seq {cfg.seq_len}, {cfg.dtype}, layers/stage "
+        f"{','.join(map(str, cfg.stage_layers(m.num_layers)))}",
+    ])
+
+
+def memory_table(est: Estimate) -> str:
+    """Per-stage bytes per GPU, in GiB."""
+    rows = [{"stage": s.stage, "layers": s.layers, "params": s.params_bytes / GIB,
+             "grads": s.grads_bytes / GIB, "optimizer": s.optimizer_bytes / GIB,
+             "activations": s.activations_bytes / GIB, "buffers": s.buffers_bytes / GIB,
+             "peak": s.peak_bytes / GIB, "reserved": s.reserved_bytes / GIB}
+            for s in est.memory.per_stage]
+    return _table(rows)
+
+
+def time_table(est: Estimate) -> str:
+    """Seconds per step by component, with their share of the step."""
+    t = est.time
+    rows = [{"component": label, "seconds": getattr(t, attr),
+             "% of step": 100 * getattr(t, attr) / t.step_s}
+            for label, attr in _TIME_ROWS]
+    rows.append({"component": "step", "seconds": t.step_s, "% of step": 100.0})
+    return _table(rows, {"seconds": "{:.4f}", "% of step": "{:.1f}"})
+
+
+def estimate_report(est: Estimate) -> str:
+    """The whole readable report of ``meshplan estimate``."""
+    mem, c, th = est.memory, est.cluster, est.throughput
+    verdict = "FITS" if est.fits else f"DOES NOT FIT: {est.why_not}"
+    return "\n".join([
+        _header(est),
+        "",
+        f"Memory per GPU (GiB; capacity {mem.capacity_bytes / GIB:.2f})",
+        memory_table(est),
+        f"peak {mem.peak_bytes / GIB:.2f} GiB allocated, {mem.peak_reserved_bytes / GIB:.2f} GiB "
+        f"reserved; model states {mem.model_states_bytes / GIB:.2f} GiB",
+        f"host memory per node {mem.cpu_bytes_per_node / GIB:.2f} GiB of "
+        f"{c.host_bytes / GIB:.2f}; NVMe per node {mem.nvme_bytes_per_node / GIB:.2f} GiB of "
+        f"{c.nvme_bytes / GIB:.2f}",
+        "",
+        f"Time per step (bottleneck stage {est.time.bottleneck_stage}; exposed communication "
+        f"{est.time.exposed_comm_s:.4f} s)",
+        time_table(est),
+        "",
+        f"tokens/s {th.tokens_per_s:,.0f}   TFLOP/s per GPU "
+        f"{th.model_flop_per_s_per_gpu / TERA:.4g}   MFU {100 * th.mfu:.1f}%",
+        verdict,
+    ])

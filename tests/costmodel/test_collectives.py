@@ -1,0 +1,192 @@
+"""Collective costs on the cluster graph: placement matters, and the alpha-beta numbers are right.
+
+Hand-computed values use the link numbers of the catalog JSON files themselves
+(``costmodel/data/clusters.json`` and ``gpus.json``), read here with ``json``, and the formulas
+of Thakur et al. 2005 (ring all-reduce ``2 (n-1)/n S/B + 2 (n-1) alpha``, all-gather
+``(n-1)/n S/B + (n-1) alpha``) and of the double binary tree (``2 S/B + 2 log2(n) alpha``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from importlib import resources
+
+import pytest
+
+from costmodel import collectives as coll
+from costmodel.calibration import default_calibration
+from costmodel.config import ParallelConfig, axis_group
+from costmodel.estimate import estimate
+from costmodel.hardware import load_cluster
+from costmodel.models import load_model
+
+EXACT = 1e-12
+CLUSTER = "dgx-a100-80gb"
+RAW = 1.0
+"""Link efficiency 1: the raw datasheet bandwidth, for hand-computed values."""
+
+
+def _catalog_json(name: str) -> dict:
+    return json.loads(resources.files("costmodel.data").joinpath(name).read_text())
+
+
+@pytest.fixture(scope="module")
+def links() -> dict[str, float]:
+    """The DGX A100 numbers as the catalog files state them."""
+    template = _catalog_json("clusters.json")["clusters"][CLUSTER]
+    gpu = _catalog_json("gpus.json")["gpus"][template["gpu"]]
+    assert template["nics_per_node"] == template["gpus_per_node"]  # one NIC (rail) per GPU
+    return {"nvlink_bytes_per_s": gpu["nvlink_bytes_per_s"],
+            "nvlink_latency_s": template["nvlink_latency_s"],
+            "nic_bytes_per_s": template["nic_bytes_per_s"],
+            "nic_latency_s": template["nic_latency_s"],
+            "nodes_per_leaf": template["nodes_per_leaf"],
+            "gpus_per_node": template["gpus_per_node"]}
+
+
+def _effs() -> dict[str, float]:
+    cal = default_calibration()
+    return dict(intra_eff=cal.nvlink_efficiency, inter_eff=cal.network_efficiency)
+
+
+# ----- placement ---------------------------------------------------------------------------------
+def test_tp_all_reduce_inside_a_node_is_far_cheaper_than_across_nodes(links):
+    cluster = load_cluster(CLUSTER, nodes=8)
+    gpn = links["gpus_per_node"]
+    inside = coll.group_link(cluster, tuple(range(8)))
+    spread = coll.group_link(cluster, tuple(node * gpn for node in range(8)))
+    assert (inside.nodes, spread.nodes, spread.per_node) == (1, 8, 1)
+    size_bytes = 2 * 2048 * 12288  # one GPT-3 hidden state of a 2048-token micro-batch, bf16
+    t_inside = coll.all_reduce_s(inside, size_bytes, **_effs())
+    t_spread = coll.all_reduce_s(spread, size_bytes, **_effs())
+    assert t_spread > 5 * t_inside
+
+
+@pytest.mark.parametrize("nodes", [2, 4, 8])
+def test_dp_group_with_eight_members_per_node_gets_eight_nics(links, nodes):
+    """NCCL runs one ring channel per member's NIC on a rail-optimised DGX."""
+    cluster = load_cluster(CLUSTER, nodes=nodes)
+    config = ParallelConfig(dp=nodes * 8, global_batch_size=nodes * 8)
+    link = coll.group_link(cluster, axis_group(config, "dp"))
+    assert (link.size, link.nodes, link.per_node) == (nodes * 8, nodes, 8)
+    assert link.inter_bytes_per_s == links["nic_bytes_per_s"]
+    assert link.ring_bytes_per_s == 8 * links["nic_bytes_per_s"]
+    # With tp 8 inside the node, the dp group has one member per node: one NIC.
+    tp_outer = ParallelConfig(tp=8, dp=nodes, global_batch_size=nodes)
+    single = coll.group_link(cluster, axis_group(tp_outer, "dp"))
+    assert (single.per_node, single.ring_bytes_per_s) == (1, links["nic_bytes_per_s"])
+
+
+def test_tp_inside_node_beats_tp_across_nodes_in_estimate():
+    model = load_model("megatron-7.5b")
+    cluster = load_cluster(CLUSTER, nodes=2)
+    inner = ParallelConfig(tp=8, dp=2, sp=True, micro_batch_size=1, global_batch_size=16,
+                           seq_len=2048, mesh_order=("tp", "cp", "dp", "pp"))
+    outer = inner.replace(mesh_order=("pp", "dp", "cp", "tp"))
+    assert coll.group_link(cluster, axis_group(inner, "tp")).nodes == 1
+    assert coll.group_link(cluster, axis_group(outer, "tp")).nodes == 2
+    fast = estimate(model, cluster, inner)
+    slow = estimate(model, cluster, outer)
+    assert fast.time.tp_comm_s < slow.time.tp_comm_s
+    assert fast.time.step_s < slow.time.step_s
+
+
+# ----- alpha-beta values by hand -----------------------------------------------------------------
+def ring_all_reduce_s(n: int, size_bytes: float, bandwidth: float, alpha: float) -> float:
+    return 2 * (n - 1) / n * size_bytes / bandwidth + 2 * (n - 1) * alpha
+
+
+def tree_all_reduce_s(n: int, size_bytes: float, bandwidth: float, alpha: float) -> float:
+    return 2 * size_bytes / bandwidth + 2 * math.log2(n) * alpha
+
+
+def test_ring_all_reduce_inside_a_node_by_hand(links):
+    """Four GPUs on one NVSwitch: bandwidth NVLink, one hop GPU-switch-GPU = nvlink latency."""
+    cluster = load_cluster(CLUSTER, nodes=1)
+    link = coll.group_link(cluster, (0, 1, 2, 3))
+    size_bytes = 1e9
+    bandwidth, alpha = links["nvlink_bytes_per_s"], links["nvlink_latency_s"]
+    assert (link.intra_bytes_per_s, link.latency_s) == (bandwidth, pytest.approx(alpha))
+    expected = ring_all_reduce_s(4, size_bytes, bandwidth, alpha)
+    assert expected < tree_all_reduce_s(4, size_bytes, bandwidth, alpha)  # ring is chosen
+    ours = coll.all_reduce_s(link, size_bytes, intra_eff=RAW, inter_eff=RAW)
+    assert ours == pytest.approx(expected, rel=EXACT)
+
+
+def test_ring_all_reduce_across_nodes_by_hand(links):
+    """One GPU on each of 4 nodes under one leaf: GPU-NIC-leaf-NIC-GPU, one NIC each."""
+    cluster = load_cluster(CLUSTER, nodes=4)
+    gpn = links["gpus_per_node"]
+    link = coll.group_link(cluster, (0, gpn, 2 * gpn, 3 * gpn))
+    size_bytes = 256e6
+    eff = _effs()
+    bandwidth = links["nic_bytes_per_s"] * eff["inter_eff"]
+    alpha = links["nic_latency_s"]
+    expected = ring_all_reduce_s(4, size_bytes, bandwidth, alpha)
+    ours = coll.all_reduce_s(link, size_bytes, **eff)
+    assert ours == pytest.approx(expected, rel=EXACT)
+
+
+@pytest.mark.parametrize("order,alpha_hops", [
+    ((0, 1, 9, 8), ("nic",)),  # every cross-node hop stays on its rail: 1 -> 9, 8 -> 0
+    ((0, 1, 8, 9), ("nvlink", "nic")),  # 1 -> 8 changes rail: through the NVSwitch first
+])
+def test_ring_all_reduce_two_per_node_by_hand(links, order, alpha_hops):
+    """GPUs 0, 1 of node 0 and 0, 1 of node 1 (global 8, 9): two channels across nodes, so the
+    slower of NVLink and 2 NICs bounds the ring; alpha is the slowest ring hop."""
+    cluster = load_cluster(CLUSTER, nodes=2)
+    assert links["gpus_per_node"] == 8  # global ranks 8 and 9 are node 1's GPUs 0 and 1
+    link = coll.group_link(cluster, order)
+    assert (link.per_node, link.nodes) == (2, 2)
+    size_bytes = 512e6
+    eff = _effs()
+    bandwidth = min(links["nvlink_bytes_per_s"] * eff["intra_eff"],
+                    2 * links["nic_bytes_per_s"] * eff["inter_eff"])
+    alpha = sum(links[f"{hop}_latency_s"] for hop in alpha_hops)
+    assert link.latency_s == pytest.approx(alpha, rel=EXACT)
+    ours = coll.all_reduce_s(link, size_bytes, **eff)
+    assert ours == pytest.approx(ring_all_reduce_s(4, size_bytes, bandwidth, alpha), rel=EXACT)
+
+
+def test_small_all_reduce_takes_the_tree(links):
+    """For a tiny message latency dominates: 2 log2(8) = 6 steps instead of the ring's 14."""
+    cluster = load_cluster(CLUSTER, nodes=1)
+    link = coll.group_link(cluster, tuple(range(8)))
+    size_bytes = 1024.0
+    bandwidth, alpha = links["nvlink_bytes_per_s"], links["nvlink_latency_s"]
+    expected = tree_all_reduce_s(8, size_bytes, bandwidth, alpha)
+    assert expected < ring_all_reduce_s(8, size_bytes, bandwidth, alpha)
+    ours = coll.all_reduce_s(link, size_bytes, intra_eff=RAW, inter_eff=RAW)
+    assert ours == pytest.approx(expected, rel=EXACT)
+
+
+def test_all_gather_reduce_scatter_and_send_by_hand(links):
+    cluster = load_cluster(CLUSTER, nodes=1)
+    link = coll.group_link(cluster, (0, 1, 2, 3))
+    size_bytes = 1e9
+    bandwidth, alpha = links["nvlink_bytes_per_s"], links["nvlink_latency_s"]
+    expected = 3 / 4 * size_bytes / bandwidth + 3 * alpha  # n - 1 = 3 < 2 log2 4 = 4 steps
+    for op in (coll.all_gather_s, coll.reduce_scatter_s):
+        assert op(link, size_bytes, intra_eff=RAW, inter_eff=RAW) == pytest.approx(expected,
+                                                                                  rel=EXACT)
+    pair = coll.group_link(cluster, (0, 1))
+    assert coll.send_recv_s(pair, size_bytes, intra_eff=RAW, inter_eff=RAW) == pytest.approx(
+        size_bytes / bandwidth + alpha, rel=EXACT)
+
+
+def test_crossing_the_spine_costs_oversubscription_and_two_more_hops(links):
+    """Nodes under different leaves: GPU-NIC-leaf-spine-leaf-NIC-GPU, six quarter-latency
+    hops, and the leaf-spine link is the NIC divided by the oversubscription."""
+    oversubscription = 4.0
+    base = load_cluster(CLUSTER, nodes=2 * links["nodes_per_leaf"])
+    cluster = dataclasses.replace(base, spine_oversubscription=oversubscription)
+    far = links["nodes_per_leaf"] * links["gpus_per_node"]  # first GPU under the second leaf
+    link = coll.group_link(cluster, (0, far))
+    assert link.inter_bytes_per_s == pytest.approx(links["nic_bytes_per_s"] / oversubscription)
+    assert link.latency_s == pytest.approx(6 / 4 * links["nic_latency_s"])
+    size_bytes = 64e6
+    ours = coll.send_recv_s(link, size_bytes, intra_eff=RAW, inter_eff=RAW)
+    assert ours == pytest.approx(size_bytes / link.inter_bytes_per_s + link.latency_s,
+                                 rel=EXACT)

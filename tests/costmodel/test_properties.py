@@ -1,0 +1,268 @@
+"""Laws of the cost model, checked with hypothesis on random plans and catalog models.
+
+* per-rank model states never grow with a higher ZeRO stage or a larger data-parallel group;
+* activations never grow with more recomputation: none >= selective >= full per layer; per
+  stage the same, up to the selective transient the model leaves out (see that test);
+* step time never drops when a link gets slower;
+* under 1F1B, earlier stages hold at least as many micro-batches (and activations) as later ones;
+* degrees whose product is not the GPU count are rejected with ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, reject, settings
+from hypothesis import strategies as st
+
+from costmodel import activations as act
+from costmodel.config import (FRAMEWORKS, MESH_AXES, RECOMPUTE_MODES, ParallelConfig,
+                              check_fits_model)
+from costmodel.estimate import estimate
+from costmodel.frameworks import logit_copies, model_state_bytes
+from costmodel.hardware import ClusterSpec, load_cluster
+from costmodel.memory import stage_activation_bytes, stage_states
+from costmodel.model import ModelSpec
+from costmodel.models import load_model
+
+FAST = settings(max_examples=100, deadline=None)
+TOLERANCE = 1e-9
+"""Relative slack for float rounding when comparing two evaluations."""
+
+DENSE_MODELS = ("gpt3-125m", "megatron-1.7b", "megatron-7.5b", "megatron-22b", "llama2-7b",
+                "llama3-8b", "llama2-70b")
+MODELS = DENSE_MODELS + ("mixtral-8x7b",)
+DEGREES = (1, 2, 4, 8)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_choices(model: ModelSpec) -> list[int]:
+    return [t for t in DEGREES if model.num_heads % t == 0 and model.kv_heads % t == 0]
+
+
+def _total(states) -> float:
+    return states.params + states.grads + states.optimizer
+
+
+def _at_most(smaller: float, larger: float) -> bool:
+    return smaller <= larger * (1 + TOLERANCE)
+
+
+# ----- model states: ZeRO stage and dp ---------------------------------------------------------
+@FAST
+@given(framework=st.sampled_from(FRAMEWORKS), params=st.floats(1e3, 1e12),
+       shard=st.integers(1, 4096), growth=st.integers(2, 64), fp32=st.booleans(),
+       offload=st.sampled_from(["none", "optimizer"]))
+def test_model_states_never_grow_with_zero_stage_or_shard(framework, params, shard, growth,
+                                                          fp32, offload):
+    def total(stage: int, n: int, mode: str = offload) -> float:
+        return _total(model_state_bytes(framework, params=params, shard=n, zero_stage=stage,
+                                        offload=mode, fp32=fp32))
+
+    by_stage = [total(stage, shard) for stage in range(4)]
+    assert all(_at_most(b, a) for a, b in zip(by_stage, by_stage[1:])), by_stage
+    for stage in range(4):
+        assert _at_most(total(stage, shard * growth), total(stage, shard))
+    # Offloading parameters too (ZeRO-3 only) leaves no more on the device.
+    assert _at_most(total(3, shard, "optimizer+params"), total(3, shard, "optimizer"))
+
+
+@st.composite
+def _stage_plans(draw):
+    """A catalog model, a valid plan without its dp and ZeRO stage, and a stage index."""
+    model = load_model(draw(st.sampled_from(MODELS)))
+    tp = draw(st.sampled_from(_tp_choices(model)))
+    pp = draw(st.sampled_from([p for p in (1, 2, 4, 8) if p <= model.num_layers]))
+    cp = draw(st.sampled_from([1, 2]))
+    ep = draw(st.sampled_from([e for e in (1, 2, 4, 8) if model.num_experts % e == 0])
+              if model.is_moe else st.just(1))
+    config = ParallelConfig(tp=tp, pp=pp, cp=cp, ep=ep, seq_len=model.seq_len,
+                            offload=draw(st.sampled_from(["none", "optimizer"])),
+                            dtype=draw(st.sampled_from(["bf16", "fp32"])))
+    return model, config, draw(st.integers(0, pp - 1))
+
+
+@FAST
+@given(plan=_stage_plans(), framework=st.sampled_from(FRAMEWORKS),
+       dp=st.sampled_from([1, 2, 4, 8, 16, 64]), growth=st.sampled_from([2, 4, 8]))
+def test_stage_model_states_never_grow_with_zero_stage_or_dp(plan, framework, dp, growth):
+    model, config, stage = plan
+    if (dp * config.cp) % config.ep:
+        reject()
+
+    def total(zero_stage: int, dp_size: int) -> float:
+        cfg = config.replace(dp=dp_size, zero_stage=zero_stage, global_batch_size=dp_size)
+        return _total(stage_states(model, cfg, stage, framework)[0])
+
+    by_stage = [total(z, dp) for z in range(4)]
+    assert all(_at_most(b, a) for a, b in zip(by_stage, by_stage[1:])), by_stage
+    for zero_stage in range(4):
+        assert _at_most(total(zero_stage, dp * growth), total(zero_stage, dp))
+
+
+# ----- activations and recomputation -----------------------------------------------------------
+@st.composite
+def _activation_configs(draw, *, flash=st.booleans()):
+    model = load_model(draw(st.sampled_from(MODELS)))
+    tp = draw(st.sampled_from(_tp_choices(model)))
+    cp = draw(st.sampled_from([1, 2, 4]))
+    sp = draw(st.booleans()) if tp > 1 else False
+    seq_len = draw(st.sampled_from([512, 1024, 2048, 4096, 8192]))
+    mb = draw(st.sampled_from([1, 2, 4, 8]))
+    config = ParallelConfig(tp=tp, cp=cp, sp=sp, micro_batch_size=mb, global_batch_size=mb,
+                            seq_len=seq_len, flash_attention=draw(flash),
+                            dtype=draw(st.sampled_from(["bf16", "fp32"])))
+    return model, config
+
+
+@FAST
+@given(plan=_activation_configs(), moe=st.booleans())
+def test_layer_activations_never_grow_with_more_recompute(plan, moe):
+    model, config = plan
+    moe = moe and model.is_moe
+    none, selective, full = (act.layer_activation_bytes(model, config, recompute=mode, moe=moe)
+                             for mode in RECOMPUTE_MODES)
+    assert full <= selective <= none
+
+
+@FAST
+@given(plan=_activation_configs(), pp=st.sampled_from([1, 2, 4, 8]),
+       m=st.sampled_from([1, 2, 4, 8, 16]), framework=st.sampled_from(FRAMEWORKS),
+       data=st.data())
+def test_stage_activations_never_grow_with_more_recompute(plan, pp, m, framework, data):
+    """A stage's peak: none >= selective and none >= full always. Selective >= full holds once
+    the attention core that selective recomputation rebuilds for one layer during backward is
+    counted; the model leaves that transient out, as Megatron-LM's theoretical memory and
+    Korthikanti's Table 2 do (golden in test_golden_memory.py), so with eager attention and
+    only a few layers in flight the model's selective can sit below full by up to that core."""
+    model, config = plan
+    try:
+        config = config.replace(pp=pp, global_batch_size=m * config.micro_batch_size)
+        check_fits_model(config, model, num_gpus=config.world_size)
+    except ValueError:
+        reject()
+    stage = data.draw(st.integers(0, pp - 1))
+    none, selective, full = (
+        stage_activation_bytes(model, config.replace(recompute=mode), stage, framework)
+        for mode in RECOMPUTE_MODES)
+    assert _at_most(selective, none) and _at_most(full, none), (none, selective, full)
+    core = act.attention_core_bytes(model, config)
+    assert _at_most(full, selective + core), (none, selective, full, core)
+
+
+# ----- the 1F1B schedule: earlier stages hold more ---------------------------------------------
+@FAST
+@given(p=st.integers(1, 16), v=st.integers(1, 4), m_per_p=st.integers(1, 8),
+       extra=st.integers(0, 7))
+def test_in_flight_microbatches_decrease_with_stage(p, v, m_per_p, extra):
+    if v > 1 and p == 1:
+        reject()
+    m = m_per_p * p if v > 1 else m_per_p * p + extra  # interleaving needs m divisible by p
+    config = ParallelConfig(pp=p, vpp=v, global_batch_size=m)
+    held = [act.in_flight_microbatches(config, s) for s in range(p)]
+    assert all(b <= a for a, b in zip(held, held[1:])), held
+    assert held[-1] >= 1
+    if v == 1:
+        assert held == [float(min(p - s, m)) for s in range(p)]
+
+
+@FAST
+@given(plan=_activation_configs(flash=st.just(True)), pp=st.sampled_from([2, 4, 8]),
+       v=st.sampled_from([1, 2]), m_per_p=st.sampled_from([1, 2, 4]),
+       recompute=st.sampled_from(RECOMPUTE_MODES), framework=st.sampled_from(FRAMEWORKS))
+def test_stage_activations_decrease_with_stage_index(plan, pp, v, m_per_p, recompute,
+                                                     framework):
+    """Equal layer counts per stage: stage i holds at least what stage i+1 holds, leaving out
+    the last stage's logits (the LM head's own activations, not the schedule's)."""
+    model, config = plan
+    if model.num_layers % (pp * v):
+        reject()
+    config = config.replace(pp=pp, vpp=v, recompute=recompute,
+                            global_batch_size=pp * m_per_p * config.micro_batch_size)
+    head = act.head_activation_bytes(model, config,
+                                     logit_copies=logit_copies(framework, config.dtype == "fp32"))
+    by_stage = [stage_activation_bytes(model, config, s, framework) for s in range(pp)]
+    by_stage[-1] -= head
+    assert all(_at_most(b, a) for a, b in zip(by_stage, by_stage[1:])), by_stage
+
+
+# ----- step time and link speed ----------------------------------------------------------------
+@st.composite
+def _runs(draw):
+    """A catalog model on 1-8 DGX A100 nodes (8: two leaves, so traffic may cross the spine)
+    with a random valid plan and mesh order."""
+    model = load_model(draw(st.sampled_from(("megatron-1.7b", "llama2-7b", "megatron-7.5b",
+                                             "mixtral-8x7b"))))
+    nodes = draw(st.sampled_from([1, 2, 4, 8]))
+    world = nodes * 8
+    tp = draw(st.sampled_from(_tp_choices(model)))
+    cp = draw(st.sampled_from([c for c in (1, 2) if tp * c <= world]))
+    pp = draw(st.sampled_from([p for p in _divisors(world // (tp * cp)) if p <= 8]))
+    dp = world // (tp * cp * pp)
+    ep = draw(st.sampled_from([e for e in _divisors(dp * cp) if model.num_experts % e == 0])
+              if model.is_moe else st.just(1))
+    zero_stage = draw(st.integers(0, 3))
+    offload = draw(st.sampled_from(["none", "optimizer"]
+                                   + (["optimizer+params"] if zero_stage == 3 else [])))
+    mb = draw(st.sampled_from([1, 2]))
+    m = draw(st.sampled_from([1, 2, 4, 8]))
+    vpp = draw(st.sampled_from([1, 2])) if pp > 1 and m % pp == 0 else 1
+    try:
+        config = ParallelConfig(
+            tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=tp > 1 and draw(st.booleans()),
+            zero_stage=zero_stage, offload=offload,
+            offload_device=draw(st.sampled_from(["cpu", "nvme"])),
+            recompute=draw(st.sampled_from(RECOMPUTE_MODES)), micro_batch_size=mb,
+            global_batch_size=dp * mb * m, vpp=vpp,
+            seq_len=draw(st.sampled_from([1024, 2048, 4096])),
+            mesh_order=tuple(draw(st.permutations(MESH_AXES))))
+        check_fits_model(config, model, num_gpus=world)
+    except ValueError:
+        reject()
+    return model, load_cluster("dgx-a100-80gb", nodes=nodes), config
+
+
+def _slower(cluster: ClusterSpec, link: str, factor: float) -> ClusterSpec:
+    """A fresh ClusterSpec (its graph is rebuilt) with one link ``factor`` times slower."""
+    if link == "nvlink":
+        gpu = dataclasses.replace(cluster.gpu,
+                                  nvlink_bytes_per_s=cluster.gpu.nvlink_bytes_per_s / factor)
+        return dataclasses.replace(cluster, gpu=gpu)
+    changes = {"nic": {"nic_bytes_per_s": cluster.nic_bytes_per_s / factor},
+               "pcie": {"pcie_bytes_per_s": cluster.pcie_bytes_per_s / factor},
+               "nvme": {"nvme_bytes_per_s": cluster.nvme_bytes_per_s / factor},
+               "spine": {"spine_oversubscription": cluster.spine_oversubscription * factor},
+               "nic_latency": {"nic_latency_s": cluster.nic_latency_s * factor},
+               "nvlink_latency": {"nvlink_latency_s": cluster.nvlink_latency_s * factor}}[link]
+    return dataclasses.replace(cluster, **changes)
+
+
+@FAST
+@given(run=_runs(), link=st.sampled_from(["nvlink", "nic", "pcie", "nvme", "spine",
+                                          "nic_latency", "nvlink_latency"]),
+       factor=st.floats(1.0, 100.0), framework=st.sampled_from(FRAMEWORKS))
+def test_step_time_never_drops_when_a_link_gets_slower(run, link, factor, framework):
+    model, cluster, config = run
+    fast = estimate(model, cluster, config, framework=framework)
+    slow = estimate(model, _slower(cluster, link, factor), config, framework=framework)
+    assert _at_most(fast.time.step_s, slow.time.step_s), (fast.time, slow.time)
+
+
+# ----- degrees must multiply to the GPU count --------------------------------------------------
+@FAST
+@given(tp=st.sampled_from(DEGREES), pp=st.sampled_from(DEGREES), cp=st.sampled_from(DEGREES),
+       dp=st.integers(1, 16), nodes=st.integers(1, 4), gpus_per_node=st.sampled_from([1, 2, 4, 8]))
+def test_degrees_not_matching_the_gpu_count_raise(tp, pp, cp, dp, nodes, gpus_per_node):
+    if tp * pp * cp * dp == nodes * gpus_per_node:
+        reject()
+    model = load_model("megatron-7.5b")
+    cluster = load_cluster("dgx-a100-80gb", nodes=nodes, gpus_per_node=gpus_per_node)
+    config = ParallelConfig(tp=tp, pp=pp, cp=cp, dp=dp, global_batch_size=dp, seq_len=2048)
+    with pytest.raises(ValueError, match=r"tp\*cp\*dp\*pp"):
+        check_fits_model(config, model, num_gpus=cluster.num_gpus)
+    with pytest.raises(ValueError, match=r"tp\*cp\*dp\*pp"):
+        estimate(model, cluster, config)
