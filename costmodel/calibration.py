@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any
+
+from costmodel.jsonio import read_json_object, read_package_json
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,11 +103,15 @@ def calibration_from_dict(data: dict[str, Any], *, origin: str) -> Calibration:
                          f"{sorted(_TOP_KEYS)}")
     values = {k: v for k, v in data.items() if k != "about"}
     devices = {}
-    for key, entry in values.get("devices", {}).items():
-        bad = sorted(set(entry) - _DEVICE_KEYS)
-        if bad:
-            raise ValueError(f"calibration {origin}: device {key!r} has unknown keys {bad}; "
-                             f"accepted: {sorted(_DEVICE_KEYS)}")
+    entries = values.get("devices", {})
+    if not isinstance(entries, dict):
+        raise ValueError(f"calibration {origin}: 'devices' must be an object of GPU keys")
+    for key, entry in entries.items():
+        bad = sorted(set(entry) - _DEVICE_KEYS) if isinstance(entry, dict) else ["(not an object)"]
+        missing = sorted(_DEVICE_KEYS - set(entry)) if isinstance(entry, dict) else []
+        if bad or missing:
+            raise ValueError(f"calibration {origin}: device {key!r} has unknown keys {bad} and "
+                             f"lacks {missing}; expected exactly {sorted(_DEVICE_KEYS)}")
         devices[key] = DeviceCalibration(**entry)
     values["devices"] = devices
     try:
@@ -119,23 +122,14 @@ def calibration_from_dict(data: dict[str, Any], *, origin: str) -> Calibration:
 
 @functools.cache
 def default_calibration() -> Calibration:
-    text = resources.files("costmodel.data").joinpath("calibration.json").read_text()
-    return calibration_from_dict(json.loads(text), origin="(built-in)")
+    return calibration_from_dict(read_package_json("calibration.json"), origin="(built-in)")
 
 
 def load_calibration(path: str | None) -> Calibration:
     """The built-in calibration, or the one in the JSON file ``path``."""
     if path is None:
         return default_calibration()
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"calibration file {path!r} does not exist")
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"calibration file {path!r} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"calibration file {path!r} must hold a JSON object")
+    data = read_json_object(path, what="calibration")
     merged = default_calibration().to_dict()
     merged.update({k: v for k, v in data.items() if k != "devices"})
     merged["devices"] = {**merged["devices"], **data.get("devices", {})}

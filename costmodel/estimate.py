@@ -173,8 +173,8 @@ def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfi
     if memory.peak_reserved_bytes > cluster.gpu.hbm_bytes:
         stage = memory.bottleneck_stage
         return (f"stage {stage} needs {memory.peak_reserved_bytes / 2**30:.1f} GiB reserved per "
-                f"GPU, more than the {cluster.gpu.hbm_bytes / 2**30:.1f} GiB of a "
-                f"{cluster.gpu.key}")
+                f"GPU, more than the {cluster.gpu.hbm_bytes / 2**30:.1f} GiB of one "
+                f"{cluster.gpu.name}")
     if memory.cpu_bytes_per_node > cluster.host_bytes:
         return (f"offloaded states need {memory.cpu_bytes_per_node / 2**30:.1f} GiB of host "
                 f"memory per node, more than its {cluster.host_bytes / 2**30:.1f} GiB")

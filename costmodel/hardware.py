@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
+
+from costmodel.jsonio import read_json_object, read_package_json
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,28 +165,29 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
 
 # ----- catalogs and loading --------------------------------------------------------------------
 
-def _read_data(name: str) -> dict[str, Any]:
-    text = resources.files("costmodel.data").joinpath(name).read_text()
-    return json.loads(text)
-
-
 @functools.cache
 def gpu_catalog() -> dict[str, GpuSpec]:
-    raw = _read_data("gpus.json")["gpus"]
+    raw = read_package_json("gpus.json")["gpus"]
     return {key: _gpu_from_dict(key, value) for key, value in raw.items()}
 
 
 def _gpu_from_dict(key: str, value: dict[str, Any]) -> GpuSpec:
-    allowed = {f.name for f in dataclasses.fields(GpuSpec)} - {"key"}
+    fields = {f.name: f for f in dataclasses.fields(GpuSpec)}
+    allowed = set(fields) - {"key"}
     unknown = sorted(set(value) - allowed)
     if unknown:
         raise ValueError(f"GPU {key!r}: unknown keys {unknown}; accepted: {sorted(allowed)}")
+    required = {n for n, f in fields.items() if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING} - {"key"}
+    missing = sorted(required - set(value))
+    if missing:
+        raise ValueError(f"GPU {key!r}: missing keys {missing}")
     return GpuSpec(key=key, **value)
 
 
 @functools.cache
 def _cluster_templates() -> dict[str, dict[str, Any]]:
-    return _read_data("clusters.json")["clusters"]
+    return read_package_json("clusters.json")["clusters"]
 
 
 def cluster_names() -> list[str]:
@@ -240,14 +241,7 @@ def load_cluster(ref: str, *, nodes: int | None = None,
         return cluster_from_dict(template, name=ref, nodes=nodes, gpus_per_node=gpus_per_node)
     path = Path(ref)
     if path.suffix == ".json" or path.exists():
-        if not path.is_file():
-            raise ValueError(f"cluster file {ref!r} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"cluster file {ref!r} is not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"cluster file {ref!r} must hold a JSON object")
+        data = read_json_object(path, what="cluster")
         return cluster_from_dict(data, name=path.stem, nodes=nodes, gpus_per_node=gpus_per_node)
     near = difflib.get_close_matches(ref, list(templates), n=3, cutoff=0.3)
     hint = f"; did you mean {', '.join(near)}?" if near else ""

@@ -7,15 +7,14 @@ also reports runs marked ``holdout`` that the calibration never saw.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 from costmodel import flops
 from costmodel.calibration import Calibration
 from costmodel.config import RECOMPUTE_MODES, ParallelConfig
 from costmodel.estimate import Estimate, estimate
+from costmodel.jsonio import read_package_json
 from costmodel.hardware import ClusterSpec, load_cluster
 from costmodel.model import ModelSpec
 from costmodel.models import load_model
@@ -46,8 +45,7 @@ class ReferenceRun:
 
 @functools.cache
 def reference_runs() -> tuple[ReferenceRun, ...]:
-    text = resources.files("costmodel.data").joinpath("reference_runs.json").read_text()
-    return tuple(_run_from_dict(raw) for raw in json.loads(text)["runs"])
+    return tuple(_run_from_dict(raw) for raw in read_package_json("reference_runs.json")["runs"])
 
 
 def _run_from_dict(raw: dict[str, Any]) -> ReferenceRun:
