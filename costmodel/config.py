@@ -10,6 +10,7 @@ as Megatron's ``RankGenerator`` does (rank = tp_i + tp*(cp_i + cp*(dp_i + dp*pp_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -124,13 +125,7 @@ class ParallelConfig:
         """Layers on each pipeline stage."""
         if self.layers_per_stage is not None:
             return self.layers_per_stage
-        base, extra = divmod(num_layers, self.pp)
-        # Remainder layers go to middle stages: the first and last carry embedding / LM head.
-        order = sorted(range(self.pp), key=lambda i: (i in (0, self.pp - 1), i))
-        counts = [base] * self.pp
-        for i in order[:extra]:
-            counts[i] += 1
-        return tuple(counts)
+        return even_split(num_layers, self.pp)
 
     @property
     def bytes_per_activation(self) -> int:
@@ -138,6 +133,18 @@ class ParallelConfig:
 
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
+
+
+@functools.cache
+def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    """``num_layers`` over ``stages`` as evenly as possible; the remainder goes to middle stages
+    (the first and last carry the embedding and the LM head)."""
+    base, extra = divmod(num_layers, stages)
+    order = sorted(range(stages), key=lambda i: (i in (0, stages - 1), i))
+    counts = [base] * stages
+    for i in order[:extra]:
+        counts[i] += 1
+    return tuple(counts)
 
 
 def check_fits_model(config: ParallelConfig, model: ModelSpec, *, num_gpus: int) -> None:

@@ -186,22 +186,22 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     """Seconds one micro-batch spends on ``stage`` (forward, backward, recompute, comm)."""
     mode = config.stage_recompute(stage)
     layer_range = stage_layer_range(model, config, stage)
+    moe_layers = sum(1 for i in layer_range if model.is_moe_layer(i))
     compute = tp = cp = ep = 0.0
-    fwd_cache: dict[bool, tuple[float, float]] = {}
     tp_layer = _tp_comm_per_layer_s(model, config, links.tp, calibration, recompute=mode)
-    for i in layer_range:
-        moe = model.is_moe_layer(i)
-        if moe not in fwd_cache:
-            fwd_cache[moe] = layer_forward_s(model, cluster, config, calibration, moe=moe)
-        fwd, core = fwd_cache[moe]
+    for moe, count in ((False, len(layer_range) - moe_layers), (True, moe_layers)):
+        if not count:
+            continue
+        fwd, core = layer_forward_s(model, cluster, config, calibration, moe=moe)
         extra = fwd if mode == "full" else (core if mode == "selective" else 0.0)
         if config.flash_attention:
             extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * core
-        compute += (1 + BACKWARD_FACTOR) * fwd + extra
-        tp += tp_layer
-        cp += _cp_comm_per_layer_s(model, config, links.cp, calibration, attention_fwd_s=core)
+        compute += count * ((1 + BACKWARD_FACTOR) * fwd + extra)
+        tp += count * tp_layer
+        cp += count * _cp_comm_per_layer_s(model, config, links.cp, calibration,
+                                           attention_fwd_s=core)
         if moe:
-            ep += _ep_comm_per_layer_s(model, config, links.ep, calibration)
+            ep += count * _ep_comm_per_layer_s(model, config, links.ep, calibration)
     if stage == config.pp - 1:
         compute += _lm_head_s(model, cluster, config, calibration)
     compute *= calibration.compute_factor(framework)
