@@ -12,8 +12,8 @@ from costmodel.hardware import ClusterSpec
 from costmodel.memory import (StageMemory, host_bytes_per_node, stage_layer_range, stage_memory,
                               stage_params)
 from costmodel.model import ModelSpec
-from costmodel.timing import (BACKWARD_FACTOR, StageTime, dp_step_s, optimizer_step_s,
-                              stage_links, stage_microbatch_time)
+from costmodel.timing import (BACKWARD_FACTOR, StageTime, dp_step_s, exposed_s,
+                              optimizer_step_s, stage_links, stage_microbatch_time)
 
 SCHEMA_VERSION = 1
 
@@ -130,32 +130,52 @@ def _memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, fram
                           capacity_bytes=cluster.gpu.hbm_bytes)
 
 
-def _time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, framework: str,
-          cal: Calibration) -> TimeEstimate:
-    m, v = config.grad_accum_steps, config.vpp
-    per_stage: list[StageTime] = []
-    dp_total = dp_exposed = optimizer = offload_step = 0.0
-    cache: dict[tuple, tuple[StageTime, float, float, float, float]] = {}
-    for s in range(config.pp):
-        key = _stage_key(model, config, s)
-        if key not in cache:
-            params = stage_params(model, config, s)
-            links = stage_links(cluster, config, s)
-            st = stage_microbatch_time(model, cluster, config, cal, s, params=params,
-                                       links=links, framework=framework)
-            last_bwd = st.compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
-            comm, exposed = dp_step_s(config, cal, params=params, link=links.dp,
-                                      last_backward_s=last_bwd, framework=framework)
-            opt, off = optimizer_step_s(config, cluster, cal, params=params)
-            cache[key] = (st, comm, exposed, opt, off)
-        st, comm, exposed, opt, off = cache[key]
-        per_stage.append(st)
-        dp_total, dp_exposed = max(dp_total, comm), max(dp_exposed, exposed)
-        optimizer, offload_step = max(optimizer, opt), max(offload_step, off)
-    totals = [st.total_s for st in per_stage]
-    b = max(range(config.pp), key=lambda i: totals[i])
-    top = per_stage[b]
+@dataclass(frozen=True)
+class StageTerms:
+    """What one stage contributes to the step: per-micro-batch time and once-per-step terms."""
+
+    micro: StageTime
+    """Seconds per micro-batch, by term."""
+    dp_comm_s: float
+    """Once-per-step data-parallel traffic before overlap."""
+    dp_hidden_s: float
+    """How much of it the last micro-batch's backward can hide."""
+    optimizer_s: float
+    offload_s: float
+    """Once-per-step offload: PCIe transfers, host Adam, NVMe."""
+
+    @property
+    def dp_exposed_s(self) -> float:
+        return exposed_s(self.dp_comm_s, self.dp_hidden_s)
+
+
+def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
+                framework: str, calibration: Calibration) -> StageTerms:
+    """Time terms of ``stage`` under ``config`` (its layers and recompute mode)."""
+    params = stage_params(model, config, stage)
+    links = stage_links(cluster, config, stage)
+    micro = stage_microbatch_time(model, cluster, config, calibration, stage, params=params,
+                                  links=links, framework=framework)
+    last_bwd = micro.compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
+    comm, hidden = dp_step_s(config, calibration, params=params, link=links.dp,
+                             last_backward_s=last_bwd, framework=framework)
+    opt, off = optimizer_step_s(config, cluster, calibration, params=params)
+    return StageTerms(micro=micro, dp_comm_s=comm, dp_hidden_s=hidden, optimizer_s=opt,
+                      offload_s=off)
+
+
+def compose_step(terms: list[StageTerms], *, micro_batches: int, vpp: int) -> TimeEstimate:
+    """Step time from per-stage terms (Narayanan et al. 2021 Sec. 2.2, see timing.py):
+    ``m * max_i t_i + (sum_i t_i - max_i t_i) / v`` plus the largest once-per-step exposed
+    data-parallel, optimizer and offload terms over stages."""
+    m, v = micro_batches, vpp
+    totals = [t.micro.total_s for t in terms]
+    b = max(range(len(terms)), key=lambda i: totals[i])
+    top = terms[b].micro
     bubble = (sum(totals) - totals[b]) / v
+    dp_exposed = max(t.dp_exposed_s for t in terms)
+    optimizer = max(t.optimizer_s for t in terms)
+    offload_step = max(t.offload_s for t in terms)
     dp_mb = m * top.dp_comm_s
     exposed = m * (top.tp_comm_s + top.cp_comm_s + top.ep_comm_s + top.pp_comm_s) \
         + dp_mb + dp_exposed
@@ -165,8 +185,22 @@ def _time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, framew
                         cp_comm_s=m * top.cp_comm_s, ep_comm_s=m * top.ep_comm_s,
                         pp_comm_s=m * top.pp_comm_s, pp_bubble_s=bubble,
                         dp_comm_s=dp_mb + dp_exposed, offload_s=offload, optimizer_s=optimizer,
-                        exposed_comm_s=exposed, dp_comm_total_s=dp_total + dp_mb,
+                        exposed_comm_s=exposed,
+                        dp_comm_total_s=max(t.dp_comm_s for t in terms) + dp_mb,
                         bottleneck_stage=b)
+
+
+def _time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, framework: str,
+          cal: Calibration) -> TimeEstimate:
+    cache: dict[tuple, StageTerms] = {}
+    terms = []
+    for s in range(config.pp):
+        key = _stage_key(model, config, s)
+        if key not in cache:
+            cache[key] = stage_terms(model, cluster, config, s, framework=framework,
+                                     calibration=cal)
+        terms.append(cache[key])
+    return compose_step(terms, micro_batches=config.grad_accum_steps, vpp=config.vpp)
 
 
 def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfig) -> str:

@@ -44,13 +44,36 @@ class StageTime:
     cp_comm_s: float
     ep_comm_s: float
     pp_comm_s: float
-    dp_comm_s: float
-    offload_s: float
+    zero_comm_s: float
+    """ZeRO-2/3 traffic of the micro-batch before overlap."""
+    zero_hidden_s: float
+    """How much of it compute can hide."""
+    offload_raw_s: float
+    """ZeRO-3 parameter offload transfers of the micro-batch before overlap."""
+    offload_hidden_s: float
+
+    @property
+    def dp_comm_s(self) -> float:
+        return exposed_s(self.zero_comm_s, self.zero_hidden_s)
+
+    @property
+    def offload_s(self) -> float:
+        return exposed_s(self.offload_raw_s, self.offload_hidden_s)
+
+    @property
+    def linear_s(self) -> float:
+        """The terms that add up without overlap."""
+        return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
+                + self.pp_comm_s)
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
-                + self.pp_comm_s + self.dp_comm_s + self.offload_s)
+        return self.linear_s + self.dp_comm_s + self.offload_s
+
+
+def exposed_s(raw_s: float, hidden_s: float) -> float:
+    """Communication left on the critical path when up to ``hidden_s`` overlaps with compute."""
+    return max(0.0, raw_s - hidden_s)
 
 
 @dataclass(frozen=True)
@@ -211,12 +234,14 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         pp = _pp_comm_s(model, config, coll.group_link(
             cluster, (rank_of(config, {"pp": stage - 1}), rank_of(config, {"pp": stage}))),
             calibration)
-    dp = _zero_per_microbatch_s(config, cluster, calibration, params=params, link=links.dp,
-                                compute_s=compute, framework=framework)
-    offload = _param_offload_per_microbatch_s(config, cluster, calibration, params=params,
-                                              compute_s=compute)
+    zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
+                                  framework=framework)
+    offload = _param_offload_per_microbatch_s(config, cluster, params=params)
     return StageTime(compute_s=compute, tp_comm_s=tp, cp_comm_s=cp, ep_comm_s=ep,
-                     pp_comm_s=pp, dp_comm_s=dp, offload_s=offload)
+                     pp_comm_s=pp, zero_comm_s=zero,
+                     zero_hidden_s=calibration.dp_overlap * compute if zero else 0.0,
+                     offload_raw_s=offload,
+                     offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0)
 
 
 def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
@@ -240,12 +265,11 @@ def grad_comm_bytes(framework: str, dtype: str) -> int:
     return 2
 
 
-def _zero_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec,
-                           calibration: Calibration, *, params: StageParams,
-                           link: coll.GroupLink, compute_s: float, framework: str) -> float:
-    """Exposed ZeRO-2/3 traffic of one micro-batch: gradient reduce-scatter (2, 3) and the
-    parameter all-gathers of forward and backward (3), hidden behind ``compute_s`` up to
-    ``dp_overlap``."""
+def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
+                           params: StageParams, link: coll.GroupLink, framework: str) -> float:
+    """ZeRO-2/3 traffic of one micro-batch: gradient reduce-scatter (2, 3) and the parameter
+    all-gathers of forward and backward (3). Up to ``dp_overlap`` of the micro-batch's compute
+    can hide it."""
     if config.zero_stage < 2 or link.size == 1:
         return 0.0
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
@@ -253,13 +277,13 @@ def _zero_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec,
     comm = coll.reduce_scatter_s(link, total * grad_comm_bytes(framework, config.dtype), **effs)
     if config.zero_stage == 3:
         comm += 2 * coll.all_gather_s(link, total * config.bytes_per_activation, **effs)
-    return max(0.0, comm - calibration.dp_overlap * compute_s)
+    return comm
 
 
-def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec,
-                                    calibration: Calibration, *, params: StageParams,
-                                    compute_s: float) -> float:
-    """Parameters offloaded under ZeRO-3 cross PCIe for forward and backward each micro-batch."""
+def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec, *,
+                                    params: StageParams) -> float:
+    """Parameters offloaded under ZeRO-3 cross PCIe (and NVMe) for forward and backward each
+    micro-batch; up to ``offload_overlap`` of the compute can hide it."""
     if config.offload != "optimizer+params":
         return 0.0
     shard = (params.dense + params.expert) / (config.dp * config.cp)
@@ -267,12 +291,12 @@ def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec
     if config.offload_device == "nvme":
         transfer += 2 * shard * config.bytes_per_activation * cluster.gpus_per_node \
             / cluster.nvme_bytes_per_s
-    return max(0.0, transfer - calibration.offload_overlap * compute_s)
+    return transfer
 
 
 def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: StageParams,
               link: coll.GroupLink, last_backward_s: float, framework: str) -> tuple[float, float]:
-    """(total, exposed) seconds of the once-per-step data-parallel traffic of one stage.
+    """(traffic, hideable) seconds of the once-per-step data-parallel traffic of one stage.
 
     ZeRO 0/1: gradient all-reduce (reduce-scatter + all-gather of parameters for 1, same
     volume); ZeRO-2: the all-gather of updated parameters. The gradient reduction can hide
@@ -293,7 +317,7 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
     else:
         return 0.0, 0.0
     hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0
-    return comm, max(0.0, comm - hideable)
+    return comm, hideable
 
 
 def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: Calibration,

@@ -12,7 +12,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shlex
 import sys
+import tomllib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -22,6 +26,8 @@ from costmodel import (FRAMEWORKS, Calibration, ClusterSpec, ModelSpec, Parallel
                        load_model, model_catalog)
 from costmodel.config import MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES, RECOMPUTE_MODES
 from planner import report
+from planner import export as export_formats
+from planner.plan import read_plan
 
 PROG = "meshplan"
 EXIT_OK = 0
@@ -257,6 +263,53 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return EXIT_OK  # also when it does not fit: the report says why
 
 
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan_file", metavar="plan.json", help="a plan file (meshplan plan -o)")
+    parser.add_argument("--to", dest="target", required=True, choices=export_formats.TARGETS,
+                        help="DeepSpeed config JSON, Megatron-LM arguments or torchtitan TOML")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="write the export to FILE instead of stdout")
+    parser.add_argument("--force", action="store_true", help="let -o overwrite an existing FILE")
+    parser.add_argument("--json", action="store_true",
+                        help='print {"target", "config", "text", "warnings"} as JSON')
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    """Export a plan; the target's approximations are warnings on stderr (or in --json)."""
+    plan = read_plan(args.plan_file)
+    if args.output and not args.force and os.path.exists(args.output):
+        raise ValueError(f"-o {args.output!r} exists; pass --force to overwrite it")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", export_formats.ExportWarning)
+        text = export_formats.render(plan, args.target)
+    notes = [str(w.message) for w in caught
+             if issubclass(w.category, export_formats.ExportWarning)]
+    if args.output:
+        try:
+            with open(args.output, "w") as out:
+                out.write(text)
+        except OSError as err:
+            raise ValueError(f"-o {args.output!r}: cannot write: {err.strerror or err}") from None
+    if args.json:
+        _dump_json({"target": args.target, "config": _export_object(text, args.target),
+                    "text": text, "warnings": notes})
+        return EXIT_OK
+    for note in notes:
+        print(f"{PROG}: warning: {note}", file=sys.stderr)
+    if not args.output:
+        print(text, end="")
+    return EXIT_OK
+
+
+def _export_object(text: str, target: str) -> Any:
+    """The export as JSON data: the DeepSpeed dict, the Megatron argument list, the TOML tables."""
+    if target == "deepspeed":
+        return json.loads(text)
+    if target == "megatron":
+        return shlex.split(text)
+    return tomllib.loads(text)
+
+
 @dataclass(frozen=True)
 class Command:
     """One subcommand: its one-line help, its flags and its handler (returns the exit code)."""
@@ -271,12 +324,13 @@ COMMANDS: dict[str, Command] = {
     "clusters": Command("list the cluster templates", _add_json_argument, _run_clusters),
     "estimate": Command("memory per GPU and time per step of one plan", _add_estimate_arguments,
                         _run_estimate),
+    "export": Command("write a plan as a DeepSpeed / Megatron / torchtitan config",
+                      _add_export_arguments, _run_export),
 }
 
 NOT_IMPLEMENTED: dict[str, str] = {
     "plan": "search the fastest plan that fits",
     "explain": "why a plan, what binds, what-ifs",
-    "export": "write a plan as a DeepSpeed / Megatron / torchtitan config",
     "run": "run a plan with torchrun and report measurements",
     "profile": "measure this machine's compute and links",
     "validate": "run a plan, compare measured vs predicted, refit",

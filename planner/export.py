@@ -1,0 +1,480 @@
+"""Write a ``Plan`` as the configuration of the framework that will run it.
+
+Three pure functions, one per target, and ``render`` for the command line:
+
+* ``to_deepspeed``: a DeepSpeed config dict (``deepspeed.initialize(config=...)``; 0.19);
+* ``to_megatron``: Megatron-LM ``pretrain_gpt.py`` arguments (core_r0.16 names);
+* ``to_torchtitan``: a torchtitan ``JobConfig`` TOML (``--job.config_file``; torchtitan 0.2).
+  torchtitan 0.3 reads no TOML: its configs are Python ``config_registry`` functions chosen
+  with ``--module``/``--config`` and overridden by ``--section.key`` flags. The ``[training]``
+  and ``[parallelism]`` keys written here are also 0.3's ``--training.*``/``--parallelism.*``
+  names, except ``enable_async_tensor_parallel`` (0.3: ``--compile.*``); ``[model]`` and
+  ``[activation_checkpoint]`` changed shape in 0.3.
+
+How each target gets the plan's choices:
+
+* A choice the target cannot make raises ``ValueError`` naming the choice and what the target
+  accepts (the CLI prints it as one line and exits 2).
+* A choice the target can only approximate is approximated in the direction that holds no more
+  GPU memory than planned (a stronger recompute mode, more sharding or offload), and the
+  export says so with an ``ExportWarning``; so does a choice that is set outside the target's
+  config, and a plan costed for another framework's memory layout. The CLI prints each as
+  ``meshplan: warning: ...``.
+
+Per-stage recompute lists map to the strongest mode of the list for every target: none of them
+takes a recompute mode per pipeline stage (Megatron's ``--recompute-num-layers`` is one count
+for all stages).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import warnings
+from typing import Any
+
+from costmodel import ModelSpec, ParallelConfig
+from costmodel.config import RECOMPUTE_MODES
+from planner.plan import Plan
+
+TARGETS = ("deepspeed", "megatron", "torchtitan")
+DEFAULT_MESH_ORDER = ("tp", "cp", "dp", "pp")
+"""Rank layout (fastest-varying first) that Megatron-LM, torchtitan and DeepSpeed use."""
+MEGATRON_TP_PP_DP_ORDER = ("tp", "cp", "pp", "dp")
+"""Megatron-LM's other layout, chosen with ``--use-tp-pp-dp-mapping``."""
+NVME_PATH_PLACEHOLDER = "/local_nvme"
+"""DeepSpeed's ``nvme_path``: a placeholder for the node-local NVMe mount to fill in."""
+SAME_MEMORY_ACCOUNTING = {"deepspeed": ("deepspeed",), "megatron": ("megatron",),
+                          "torchtitan": ("torchtitan", "meshplan")}
+"""Plan frameworks whose cost-model memory layout is the target's (costmodel.frameworks)."""
+TORCHTITAN_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+"""Plan dtype -> torchtitan ``mixed_precision_param`` (torchtitan has no fp16 training)."""
+
+
+class ExportWarning(UserWarning):
+    """The export differs from the plan where the target cannot follow it exactly."""
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ExportWarning, stacklevel=3)
+
+
+# ----- shared ------------------------------------------------------------------------------------
+
+def recompute_mode(plan: Plan, *, target: str) -> str:
+    """The plan's recompute mode; a per-stage list maps to its strongest mode, with a warning."""
+    modes = plan.config.recompute
+    if isinstance(modes, str):
+        return modes
+    strongest = max(modes, key=RECOMPUTE_MODES.index)
+    if len(set(modes)) > 1:
+        _warn(f"{target} takes one recompute mode for all pipeline stages; the plan's per-stage "
+              f"{list(modes)} is exported as {strongest!r} (less memory, more compute)")
+    return strongest
+
+
+def stage_layers(plan: Plan) -> tuple[int, ...]:
+    return plan.config.stage_layers(plan.model.num_layers)
+
+
+def model_part_layers(layers_per_stage: tuple[int, ...], vpp: int) -> list[int]:
+    """Layers of each model part (virtual stage) in model order, for the looped schedule.
+
+    Part ``k`` is chunk ``k // pp`` of stage ``k % pp`` (Megatron-LM and torch.distributed
+    pipelining place virtual stages round-robin). A stage's layers are split into ``vpp``
+    chunks as evenly as possible, the first chunks taking the remainder. Example: stages
+    (3, 4), vpp 2 -> chunks (2, 1) and (2, 2) -> parts [2, 2, 1, 2].
+    """
+    pp = len(layers_per_stage)
+    chunks = [[n // vpp + (1 if c < n % vpp else 0) for c in range(vpp)]
+              for n in layers_per_stage]
+    return [chunks[k % pp][k // pp] for k in range(pp * vpp)]
+
+
+def _check_framework(plan: Plan, target: str) -> None:
+    if plan.framework not in SAME_MEMORY_ACCOUNTING[target]:
+        _warn(f"the plan's memory was estimated for framework {plan.framework!r}, which "
+              f"allocates differently from {target}; check that it fits with "
+              f"`meshplan estimate --framework {target}` and the plan's degrees")
+
+
+def _check_mesh_order(plan: Plan, target: str, supported: tuple[tuple[str, ...], ...]) -> None:
+    if plan.config.mesh_order not in supported:
+        _warn(f"{target} cannot lay ranks out as {','.join(plan.config.mesh_order)} "
+              f"(fastest-varying first); it uses {','.join(supported[0])}, so communication "
+              f"times may differ from the prediction")
+
+
+def _check_offload_device(config: ParallelConfig, target: str) -> None:
+    if config.offload != "none" and config.offload_device == "nvme":
+        raise ValueError(f"{target} cannot offload to NVMe (offload {config.offload!r}, device "
+                         f"nvme); use offload device cpu, or export to deepspeed (ZeRO-Infinity)")
+
+
+# ----- DeepSpeed ---------------------------------------------------------------------------------
+
+def to_deepspeed(plan: Plan) -> dict[str, Any]:
+    """A DeepSpeed config dict: batch sizes, precision, ZeRO and offload, checkpointing, pipeline.
+
+    DeepSpeed's data-parallel world is ``dp`` (it divides the world by tensor, pipeline and
+    sequence parallel degrees), so ``train_batch_size = micro x accumulation x dp``. Tensor
+    parallel maps to DeepSpeed's AutoTP (``tensor_parallel.autotp_size``); context parallel to
+    DeepSpeed-Ulysses (``sequence_parallel_size``); pipeline stages to the ``pipeline`` section,
+    which DeepSpeed's ``PipelineModule`` / ``PipelineEngine`` read. Which layers the model code
+    wraps in ``deepspeed.checkpointing.checkpoint`` (selective or full) stays the model's choice.
+    """
+    config = plan.config
+    _check_framework(plan, "deepspeed")
+    _check_mesh_order(plan, "deepspeed", (DEFAULT_MESH_ORDER,))
+    data: dict[str, Any] = {
+        "train_batch_size": config.global_batch_size,
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "bf16": {"enabled": config.dtype == "bf16"},
+        "fp16": {"enabled": config.dtype == "fp16"},
+        "zero_optimization": _deepspeed_zero(config),
+    }
+    recompute = recompute_mode(plan, target="deepspeed")
+    layers = stage_layers(plan)
+    if recompute != "none":
+        partition = config.tp > 1  # split saved checkpoints over the tensor-parallel ranks
+        data["activation_checkpointing"] = {
+            "partition_activations": partition,
+            "contiguous_memory_optimization": partition,
+            "number_checkpoints": max(layers),
+            "cpu_checkpointing": False,
+        }
+    if config.pp > 1:
+        data["pipeline"] = _deepspeed_pipeline(plan, layers, recompute)
+    if config.tp > 1:
+        data["tensor_parallel"] = {"autotp_size": config.tp}
+    if config.cp > 1:
+        data["sequence_parallel_size"] = config.cp
+        _warn(f"DeepSpeed splits the sequence with Ulysses all-to-all (sequence_parallel_size "
+              f"{config.cp}), not the ring exchange the plan's cp {config.cp} was timed with")
+    if config.ep > 1:
+        _warn(f"DeepSpeed takes the expert-parallel degree in the model code, not the config: "
+              f"build the MoE layers with deepspeed.moe.layer.MoE(..., ep_size={config.ep})")
+    return data
+
+
+def _deepspeed_zero(config: ParallelConfig) -> dict[str, Any]:
+    """The ``zero_optimization`` section; ValueError for what DeepSpeed's ZeRO cannot run."""
+    if config.pp > 1 and config.zero_stage >= 2:
+        raise ValueError(f"DeepSpeed's pipeline engine runs only ZeRO stage 0 or 1 (pp "
+                         f"{config.pp}, zero_stage {config.zero_stage}); use zero 1 or pp 1")
+    zero: dict[str, Any] = {"stage": config.zero_stage}
+    if config.offload == "none":
+        return zero
+    if config.zero_stage == 0:
+        raise ValueError(f"DeepSpeed offloads only under ZeRO (offload {config.offload!r}, "
+                         f"zero_stage 0); use zero 1, 2 or 3")
+    if config.offload_device == "nvme" and config.zero_stage != 3:
+        raise ValueError(f"DeepSpeed offloads to NVMe only under ZeRO-3 (ZeRO-Infinity); got "
+                         f"zero_stage {config.zero_stage} with offload device nvme")
+    target = {"device": config.offload_device, "pin_memory": True}
+    if config.offload_device == "nvme":
+        target["nvme_path"] = NVME_PATH_PLACEHOLDER
+    zero["offload_optimizer"] = dict(target)
+    if config.offload == "optimizer+params":
+        zero["offload_param"] = dict(target)
+    return zero
+
+
+def _deepspeed_pipeline(plan: Plan, layers: tuple[int, ...], recompute: str) -> dict[str, Any]:
+    """``pipeline``: stages, how PipelineModule partitions layers, checkpoint interval."""
+    if plan.config.vpp > 1:
+        raise ValueError(f"DeepSpeed's pipeline engine has no interleaved schedule (vpp "
+                         f"{plan.config.vpp}); use vpp 1")
+    partition = "uniform"
+    if len(set(layers)) > 1:
+        partition = "parameters"
+        _warn(f"DeepSpeed's PipelineModule cannot take an explicit split; the plan's layers per "
+              f"stage {list(layers)} are exported as partition 'parameters' (balance parameter "
+              f"counts); check the split it prints")
+    return {"stages": plan.config.pp, "partition": partition,
+            "activation_checkpoint_interval": 1 if recompute == "full" else 0}
+
+
+# ----- Megatron-LM -------------------------------------------------------------------------------
+
+def to_megatron(plan: Plan) -> list[str]:
+    """Megatron-LM arguments for ``pretrain_gpt.py``: model shape, degrees, batch, memory.
+
+    ZeRO-1 is Megatron's distributed optimizer; ZeRO-2/3 are Megatron-FSDP with sharding
+    strategy ``optim_grads`` / ``optim_grads_params``; optimizer offload is the hybrid CPU
+    optimizer (``--optimizer-cpu-offload``, fraction 1). Megatron cannot offload parameters or
+    offload to NVMe, use ALiBi or an embedding norm: those raise ValueError. Tokenizer, data
+    and learning-rate arguments are left to the user.
+    """
+    model, config = plan.model, plan.config
+    _check_framework(plan, "megatron")
+    _check_mesh_order(plan, "megatron", (DEFAULT_MESH_ORDER, MEGATRON_TP_PP_DP_ORDER))
+    args = _megatron_model(model, seq_len=config.seq_len)
+    args += _megatron_parallel(plan)
+    args += ["--micro-batch-size", str(config.micro_batch_size),
+             "--global-batch-size", str(config.global_batch_size)]
+    args += _megatron_recompute(recompute_mode(plan, target="megatron"))
+    args += _megatron_zero(config)
+    if config.dtype != "fp32":
+        args.append(f"--{config.dtype}")
+    if config.flash_attention:
+        args.append("--use-flash-attn")
+    return args
+
+
+def _megatron_model(model: ModelSpec, *, seq_len: int) -> list[str]:
+    """Architecture arguments (Megatron-LM ``_add_network_size_args`` and MoE arguments)."""
+    if model.position_embedding == "alibi":
+        raise ValueError(f"Megatron-LM has no ALiBi position embedding ({model.name}); it takes "
+                         f"--position-embedding-type learned_absolute or rope")
+    if model.embedding_norm:
+        raise ValueError(f"Megatron-LM has no norm after the word embedding ({model.name} has "
+                         f"embedding_norm true)")
+    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+            "--ffn-hidden-size", str(model.ffn_hidden_size),
+            "--num-attention-heads", str(model.num_heads)]
+    if model.head_size != model.hidden_size // model.num_heads:
+        args += ["--kv-channels", str(model.head_size)]
+    if model.kv_heads != model.num_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
+    args += ["--seq-length", str(seq_len),
+             "--max-position-embeddings", str(max(seq_len, model.seq_len))]
+    if model.activation == "swiglu":
+        args.append("--swiglu")
+    args += ["--normalization", "RMSNorm" if model.norm == "rmsnorm" else "LayerNorm",
+             "--position-embedding-type",
+             "rope" if model.position_embedding == "rope" else "learned_absolute"]
+    if not model.tied_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    if not model.linear_bias:
+        args.append("--disable-bias-linear")
+        if model.qkv_bias:
+            args.append("--add-qkv-bias")
+    if not model.dropout:
+        args += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+    if model.is_moe:
+        args += ["--num-experts", str(model.num_experts),
+                 "--moe-router-topk", str(model.moe_top_k)]
+        if model.expert_ffn_size != model.ffn_hidden_size:
+            args += ["--moe-ffn-hidden-size", str(model.expert_ffn_size)]
+        if model.moe_layer_freq > 1:  # ModelSpec: the last layer of every group is MoE
+            k, layers = model.moe_layer_freq, model.num_layers
+            args += ["--moe-layer-freq",
+                     f"([0]*{k - 1}+[1])*{layers // k}+[0]*{layers % k}"]
+    return args
+
+
+def _megatron_parallel(plan: Plan) -> list[str]:
+    """Degrees, sequence parallelism, rank layout and the pipeline split."""
+    config = plan.config
+    args = ["--tensor-model-parallel-size", str(config.tp),
+            "--pipeline-model-parallel-size", str(config.pp),
+            "--context-parallel-size", str(config.cp)]
+    if plan.model.is_moe:
+        args += ["--expert-model-parallel-size", str(config.ep)]
+    if config.sp and config.tp > 1:  # Megatron turns sequence parallelism off at tp 1
+        args.append("--sequence-parallel")
+    if config.mesh_order == MEGATRON_TP_PP_DP_ORDER:
+        args.append("--use-tp-pp-dp-mapping")
+    return args + _megatron_pipeline_split(stage_layers(plan), config.vpp)
+
+
+def _megatron_pipeline_split(layers: tuple[int, ...], vpp: int) -> list[str]:
+    """The layer split: even, first/last stage different, or a full pipeline layout.
+
+    Megatron splits evenly by default (``--num-layers-per-virtual-pipeline-stage`` with vpp);
+    ``--decoder-first/last-pipeline-num-layers`` give the first and last stage their own count
+    when the middle stages are equal (and, with vpp, every count divides by vpp). Any other
+    split is a ``--pipeline-model-parallel-layout`` string, one ``|``-separated entry per
+    virtual stage in model order, ``E`` the embedding, ``t`` a layer, ``L`` the loss:
+    stages (19, 21, 21, 19) -> ``Et*19|t*21|t*21|t*19L``.
+    """
+    pp = len(layers)
+    if pp == 1:
+        return []
+    parts = model_part_layers(layers, vpp)
+    if len(set(parts)) == 1:
+        return ["--num-layers-per-virtual-pipeline-stage", str(parts[0])] if vpp > 1 else []
+    first, *middle, last = layers
+    if len(set(middle)) <= 1 and all(n % vpp == 0 for n in layers):
+        args = []
+        if not middle or first != middle[0]:
+            args += ["--decoder-first-pipeline-num-layers", str(first)]
+        if not middle or last != middle[0]:
+            args += ["--decoder-last-pipeline-num-layers", str(last)]
+        if vpp > 1:
+            args += ["--num-virtual-stages-per-pipeline-rank", str(vpp)]
+        return args
+    entries = [f"t*{n}" for n in parts]
+    entries[0], entries[-1] = "E" + entries[0], entries[-1] + "L"
+    return ["--pipeline-model-parallel-layout", "|".join(entries)]
+
+
+def _megatron_recompute(mode: str) -> list[str]:
+    if mode == "full":  # every layer recomputed, one at a time
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1"]
+    if mode == "selective":
+        return ["--recompute-granularity", "selective"]
+    return []
+
+
+def _megatron_zero(config: ParallelConfig) -> list[str]:
+    """ZeRO stage and optimizer offload; ValueError for offload Megatron cannot do."""
+    _check_offload_device(config, "Megatron-LM")
+    if config.offload == "optimizer+params":
+        raise ValueError("Megatron-LM cannot offload parameters (offload 'optimizer+params'); "
+                         "use offload 'optimizer', or export to deepspeed")
+    args = []
+    if config.zero_stage >= 1:
+        args.append("--use-distributed-optimizer")
+    if config.zero_stage >= 2:
+        strategy = "optim_grads" if config.zero_stage == 2 else "optim_grads_params"
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+    if config.offload == "optimizer":
+        if config.zero_stage == 0:
+            raise ValueError("Megatron-LM offloads the optimizer only through its distributed "
+                             "optimizer (offload 'optimizer', zero_stage 0); use zero >= 1")
+        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
+                 "--use-precision-aware-optimizer"]
+    return args
+
+
+# ----- torchtitan --------------------------------------------------------------------------------
+
+def to_torchtitan(plan: Plan) -> str:
+    """A torchtitan JobConfig TOML (``--job.config_file``): job, model, training, parallelism.
+
+    torchtitan's ``local_batch_size`` is what one data-parallel rank takes per optimizer
+    micro-step and pipeline micro-batches are cut from it, so with pp > 1 it is the whole
+    per-replica batch (``micro x accumulation``) cut into ``pipeline_parallel_microbatch_size``
+    pieces (one schedule per step, as the plan times it); with pp = 1 it is the micro-batch and
+    torchtitan accumulates ``global / (local x dp)`` steps.
+    """
+    sections = torchtitan_sections(plan)
+    lines = [f"# meshplan export: {plan.model.name} on {plan.cluster.name}, "
+             f"{plan.config.world_size} GPUs (torchtitan JobConfig, --job.config_file)"]
+    for name, values in sections.items():
+        lines += ["", f"[{name}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
+    """The TOML's tables as dicts (what ``tomllib`` reads back from ``to_torchtitan``)."""
+    model, config = plan.model, plan.config
+    _check_framework(plan, "torchtitan")
+    _check_mesh_order(plan, "torchtitan", (DEFAULT_MESH_ORDER,))
+    _check_offload_device(config, "torchtitan")
+    if config.dtype not in TORCHTITAN_DTYPES:
+        raise ValueError(f"torchtitan trains in bf16 or fp32, not {config.dtype}; "
+                         f"use dtype bf16 or fp32")
+    per_replica = config.micro_batch_size * config.grad_accum_steps
+    training: dict[str, Any] = {
+        "local_batch_size": per_replica if config.pp > 1 else config.micro_batch_size,
+        "global_batch_size": config.global_batch_size,
+        "seq_len": config.seq_len,
+        "mixed_precision_param": TORCHTITAN_DTYPES[config.dtype],
+    }
+    if config.offload != "none":
+        if config.dp * config.cp == 1:
+            raise ValueError(f"torchtitan offloads only through FSDP2, which needs dp x cp > 1 "
+                             f"(offload {config.offload!r}, dp {config.dp}, cp {config.cp})")
+        training["enable_cpu_offload"] = True
+        if config.offload == "optimizer":
+            _warn("torchtitan's CPU offload (FSDP2 CPUOffloadPolicy) moves parameters and "
+                  "gradients to the host with the optimizer states; the plan offloads only "
+                  "the optimizer (less GPU memory, more host traffic than planned)")
+    mode = recompute_mode(plan, target="torchtitan")
+    checkpointing: dict[str, Any] = {"mode": mode}
+    if mode == "selective":
+        checkpointing["selective_ac_option"] = "op"
+    return {
+        "job": {"dump_folder": "./outputs",
+                "description": f"meshplan plan: {model.name} on {plan.cluster.name}"},
+        "model": {"name": "llama4" if model.is_moe else "llama3", "flavor": model.name},
+        "training": training,
+        "parallelism": _torchtitan_parallelism(plan),
+        "activation_checkpoint": checkpointing,
+    }
+
+
+def _torchtitan_parallelism(plan: Plan) -> dict[str, Any]:
+    """Degrees and the FSDP2 mode for the ZeRO stage, and the pipeline split.
+
+    ZeRO-3 is FSDP2 resharding after forward (``always``); ZeRO-2 keeps the gathered parameters
+    until backward (``never``). torchtitan has no ZeRO-1 and runs DDP only without other
+    parallelism, so ZeRO-1 (and ZeRO-0 next to tp/pp/cp) is exported as ZeRO-2, which holds no
+    more memory and moves the same bytes; plain DDP stays ZeRO-0.
+    """
+    config = plan.config
+    ddp = config.zero_stage == 0 and config.offload == "none" and \
+        config.tp == config.pp == config.cp == 1
+    if config.zero_stage < 2 and not ddp and config.dp * config.cp > 1:
+        why = ("has no ZeRO-1" if config.zero_stage == 1 else
+               "runs plain data parallel (DDP) only without tp, pp, cp and offload")
+        _warn(f"torchtitan {why}; ZeRO-{config.zero_stage} is exported as FSDP2 without "
+              f"resharding after forward (ZeRO-2: no more memory, the same communication volume)")
+    values: dict[str, Any] = {
+        "data_parallel_replicate_degree": config.dp if ddp else 1,
+        "data_parallel_shard_degree": 1 if ddp else config.dp,
+        "fsdp_reshard_after_forward": "always" if config.zero_stage == 3 else "never",
+        "tensor_parallel_degree": config.tp,
+        "enable_async_tensor_parallel": False,
+        "pipeline_parallel_degree": config.pp,
+        "context_parallel_degree": config.cp,
+        "expert_parallel_degree": config.ep,
+    }
+    if config.tp > 1 and not config.sp:
+        _warn("torchtitan always uses sequence parallelism with tensor parallelism; the plan "
+              "has sp off (the export holds less activation memory than planned)")
+    if config.pp > 1:
+        parts = model_part_layers(stage_layers(plan), config.vpp)
+        values.update({
+            "pipeline_parallel_schedule": "Interleaved1F1B" if config.vpp > 1 else "1F1B",
+            "pipeline_parallel_microbatch_size": config.micro_batch_size,
+            "module_fqns_per_model_part": torchtitan_module_names(parts),
+        })
+    return values
+
+
+def torchtitan_module_names(parts: list[int]) -> list[list[str]]:
+    """Module names of each model part of a torchtitan decoder (``tok_embeddings``,
+    ``layers.<i>``, ``norm``, ``output``), from the layers of each part in model order."""
+    names, start = [], 0
+    for count in parts:
+        names.append([f"layers.{i}" for i in range(start, start + count)])
+        start += count
+    names[0].insert(0, "tok_embeddings")
+    names[-1] += ["norm", "output"]
+    return names
+
+
+def _toml_value(value: Any) -> str:
+    """A TOML value: booleans, integers, strings (JSON escapes are TOML's), nested arrays."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        if value and isinstance(value[0], list):  # one inner array per line
+            rows = "".join(f"    {_toml_value(row)},\n" for row in value)
+            return f"[\n{rows}]"
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+# ----- the command line's entry ------------------------------------------------------------------
+
+def render(plan: Plan, target: str) -> str:
+    """The export as the text to write: JSON, one shell-quoted line of arguments, or TOML."""
+    if target == "deepspeed":
+        return json.dumps(to_deepspeed(plan), indent=2) + "\n"
+    if target == "megatron":
+        return shlex.join(to_megatron(plan)) + "\n"
+    if target == "torchtitan":
+        return to_torchtitan(plan)
+    raise ValueError(f"unknown export target {target!r}; use one of {', '.join(TARGETS)}")

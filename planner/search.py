@@ -1,0 +1,250 @@
+"""The planner: branch and bound over global candidates, CP-SAT for each candidate's split.
+
+1. ``space.candidates`` lists the global configurations (degrees and knobs).
+2. Each gets a lower bound on its step time that holds for every split and recompute choice
+   (``lower_bound_s``): the per-micro-batch terms that only add, with no recomputation, spread
+   perfectly over the stages.
+3. Candidates are solved in order of their bound (``tables.build_tables`` + ``solver.solve``);
+   once the k-th best solved step time is at most the next bound, no unsolved candidate can
+   enter the top k and the search stops. The result is optimal within the cost model and the
+   space unless a time limit cut it short (then ``status`` is ``FEASIBLE``).
+4. Every solution is re-evaluated with ``costmodel.estimate`` (the authoritative numbers).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
+from costmodel.estimate import Estimate, stage_terms
+from costmodel.memory import stage_memory
+from planner import solver as cpsat
+from planner.space import SearchSpace, candidates
+from planner.tables import build_tables, layer_bounds, stage_config
+
+SOLVE_TIME_CAP_S = 10.0
+"""No single candidate's CP-SAT solve gets more than this."""
+
+
+@dataclass(frozen=True)
+class Solved:
+    """One candidate with its best split and the cost model's estimate of it."""
+
+    estimate: Estimate
+    status: str
+    lower_bound_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.estimate.time.step_s
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    ranked: tuple[Solved, ...]
+    """Best first, at most ``top_k``."""
+    explored: tuple[Solved, ...]
+    """Every candidate solved (for Pareto fronts and explanations)."""
+    status: str
+    """``OPTIMAL`` (search complete, every solve optimal) or ``FEASIBLE``."""
+    wall_s: float
+    candidates: int
+    solves: int
+    infeasible: int
+    pruned: int
+    stats: dict = field(default_factory=dict, hash=False)
+
+
+class NoPlanFits(Exception):
+    """No candidate of the space fits in memory; carries the least-memory configuration."""
+
+    def __init__(self, message: str, *, least: Estimate | None):
+        super().__init__(message)
+        self.least = least
+
+
+def lower_bound_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+                  framework: str, calibration: Calibration, lo: int, hi: int,
+                  cache: dict | None = None) -> float:
+    """A step time no split or recompute choice of ``config`` can beat.
+
+    Per micro-batch: t_i(n, r) >= t_i(n, none) (recomputation adds compute X and hides at most
+    X more traffic), max_i t_i >= mean_i t_i, and sums over stages of terms linear in the layer
+    count (one slope for all stages) are fixed for a given layer total; with S a lower bound of
+    sum_i t_i, ``v * step >= (m v - 1) S / p + S``. Once per step: some stage holds at least ceil(L/p)
+    layers, so the largest exposed data-parallel, optimizer and offload terms are at least the
+    smallest value any stage class takes for a count in [ceil(L/p), hi] (each is linear, or
+    max(0, linear), in the count, so that minimum sits at an end of the range).
+    """
+    p, total_layers = config.pp, model.num_layers
+    classes = [0] if p == 1 else ([0, p - 1] if p == 2 else [0, 1, p - 1])
+    heavy = max(lo, min(hi, -(-total_layers // p)))
+    forms: dict[int, dict[int, object]] = {}
+    for stage in classes:
+        forms[stage] = {}
+        for n in sorted({lo, lo + 1, heavy, hi}):
+            key = (config, stage, n)
+            if cache is not None and key in cache:
+                forms[stage][n] = cache[key]
+                continue
+            terms = stage_terms(model, cluster, stage_config(config, model, stage, n, "none"),
+                                stage, framework=framework, calibration=calibration)
+            forms[stage][n] = terms
+            if cache is not None:
+                cache[key] = terms
+    counts = {s: 1 for s in classes}
+    if p > 2:
+        counts[1] = p - 2
+
+    def summed(getter) -> float:
+        """sum over stages of a term linear in the layer count, for any split of L layers."""
+        at_lo = {s: getter(forms[s][lo].micro) for s in classes}
+        slope = getter(forms[classes[0]][lo + 1].micro) - at_lo[classes[0]]
+        return sum(at_lo[s] * counts[s] for s in classes) + slope * (total_layers - p * lo)
+
+    # sum_i max(0, x_i) >= max(0, sum_i x_i) for the exposed ZeRO and parameter-offload traffic
+    total = (summed(lambda t: t.linear_s)
+             + max(0.0, summed(lambda t: t.zero_comm_s - t.zero_hidden_s))
+             + max(0.0, summed(lambda t: t.offload_raw_s - t.offload_hidden_s)))
+    m, v = config.grad_accum_steps, config.vpp
+    once = 0.0
+    for getter in (lambda t: t.dp_exposed_s, lambda t: t.optimizer_s, lambda t: t.offload_s):
+        once += min(getter(forms[s][n]) for s in classes for n in (heavy, hi))
+    return ((m * v - 1) * total / p + total) / v + once
+
+
+def surely_infeasible(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+                      framework: str, calibration: Calibration, lo: int, capacity: float,
+                      modes: tuple[str, ...]) -> bool:
+    """True if the first or the last stage cannot fit even with ``lo`` layers under the most
+    memory-saving allowed mode (memory only grows with layers)."""
+    saving = [m for m in ("full", "selective", "none") if m in modes][0]
+    for stage in {0, config.pp - 1}:
+        staged = stage_config(config, model, stage, lo, saving)
+        if stage_memory(model, cluster, staged, stage, framework=framework,
+                        calibration=calibration).reserved_bytes > capacity:
+            return True
+    return False
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framework: str,
+           calibration: Calibration, top_k: int = 5, time_limit_s: float = 60.0,
+           seed: int = 0, workers: int = 1) -> SearchResult:
+    """The ``top_k`` fastest plans of ``space``; raises NoPlanFits when none fits."""
+    start = time.perf_counter()
+    configs = candidates(model, cluster, space)
+    if not configs:
+        raise ValueError("the search space is empty: no tp/pp/cp/dp combination divides the "
+                         f"{cluster.num_gpus} GPUs, the heads, the layers and the global batch "
+                         f"{space.global_batch_size}; check the pinned choices")
+    capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
+    cache: dict = {}
+    bounds = []
+    for config in configs:
+        if space.layers_per_stage is None:
+            lows, highs = layer_bounds(model, config, None)
+            lo, hi = lows[0], highs[0]
+        else:
+            lo, hi = 1, model.num_layers
+        bounds.append(lower_bound_s(model, cluster, config, framework=framework,
+                                    calibration=calibration, lo=lo, hi=max(hi, lo + 1),
+                                    cache=cache))
+    order = sorted(range(len(configs)), key=lambda i: bounds[i])
+    best: list[tuple[float, int, Solved]] = []  # max-heap by step time via negation
+    explored: list[Solved] = []
+    status, solves, infeasible, pruned = "OPTIMAL", 0, 0, 0
+    for rank, i in enumerate(order):
+        if len(best) == top_k and bounds[i] >= -best[0][0]:
+            pruned = len(order) - rank
+            break
+        remaining = time_limit_s - (time.perf_counter() - start)
+        if remaining <= 0:
+            status = "FEASIBLE"
+            pruned = len(order) - rank
+            break
+        config = configs[i]
+        modes = space.recompute_modes
+        lo = max(1, config.vpp)
+        if space.layers_per_stage is None and surely_infeasible(
+                model, cluster, config, framework=framework, calibration=calibration, lo=lo,
+                capacity=capacity, modes=modes):
+            infeasible += 1
+            continue
+        solved = _solve_one(model, cluster, config, space, framework=framework,
+                            calibration=calibration, seed=seed, workers=workers,
+                            time_limit_s=min(remaining, SOLVE_TIME_CAP_S), bound=bounds[i])
+        solves += 1
+        if solved is None:
+            infeasible += 1
+            continue
+        if solved.status != "OPTIMAL":
+            status = "FEASIBLE"
+        explored.append(solved)
+        entry = (-solved.step_s, i, solved)
+        if len(best) < top_k:
+            heapq.heappush(best, entry)
+        elif solved.step_s < -best[0][0]:
+            heapq.heapreplace(best, entry)
+    if not best:
+        raise NoPlanFits(_no_fit_message(model, cluster, configs, space, framework=framework,
+                                         calibration=calibration), least=None)
+    ranked = tuple(s for _, _, s in sorted(best, key=lambda e: (-e[0], e[1])))
+    return SearchResult(ranked=ranked, explored=tuple(explored), status=status,
+                        wall_s=time.perf_counter() - start, candidates=len(configs),
+                        solves=solves, infeasible=infeasible, pruned=pruned)
+
+
+def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+               space: SearchSpace, *, framework: str, calibration: Calibration, seed: int,
+               workers: int, time_limit_s: float, bound: float) -> Solved | None:
+    tables = build_tables(model, cluster, config, modes=space.recompute_modes,
+                          framework=framework, calibration=calibration,
+                          memory_margin=space.memory_margin,
+                          pinned_layers=space.layers_per_stage,
+                          pinned_modes=space.recompute_pinned)
+    try:
+        solution = cpsat.solve(tables, time_limit_s=time_limit_s, seed=seed, workers=workers)
+    except (cpsat.Infeasible, cpsat.NoSolutionInTime):
+        return None
+    final = config.replace(layers_per_stage=solution.layers,
+                           recompute=_compact(solution.modes))
+    est = estimate(model, cluster, final, framework=framework, calibration=calibration)
+    if not est.fits:  # e.g. host memory for offloaded states
+        return None
+    return Solved(estimate=est, status=solution.status, lower_bound_s=bound)
+
+
+def _compact(modes: tuple[str, ...]) -> str | tuple[str, ...]:
+    return modes[0] if len(set(modes)) == 1 else modes
+
+
+def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[ParallelConfig],
+                    space: SearchSpace, *, framework: str, calibration: Calibration) -> str:
+    """Name the least-memory configuration, its peak per stage against capacity, and what
+    would make it fit."""
+    saving = [m for m in ("full", "selective", "none") if m in space.recompute_modes][0]
+    least, least_peak = None, float("inf")
+    for config in configs:
+        trial = config.replace(recompute=saving)
+        try:
+            est = estimate(model, cluster, trial, framework=framework, calibration=calibration)
+        except ValueError:
+            continue
+        if est.memory.peak_reserved_bytes < least_peak:
+            least, least_peak = est, est.memory.peak_reserved_bytes
+    capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
+    if least is None:
+        return "no plan fits: no candidate configuration could be evaluated"
+    c = least.config
+    stages = ", ".join(f"{s.reserved_bytes / 2**30:.1f}" for s in least.memory.per_stage)
+    hints = [f"more GPUs (at least {least_peak / capacity:.1f}x the memory is needed)",
+             "offload (--offload optimizer or optimizer+params with --zero 3)"
+             if c.offload == "none" else "",
+             f"a shorter sequence than {c.seq_len}" if least.memory.per_stage[0]
+             .activations_bytes > 0.3 * least_peak else ""]
+    return (f"no plan fits: the least-memory configuration (tp {c.tp}, pp {c.pp}, dp {c.dp}, "
+            f"cp {c.cp}, ZeRO-{c.zero_stage}, offload {c.offload}, recompute {saving}, "
+            f"micro-batch {c.micro_batch_size}) needs {stages} GiB reserved per stage against "
+            f"{capacity / 2**30:.1f} GiB per GPU; try " + ", ".join(h for h in hints if h))

@@ -1,0 +1,282 @@
+"""CP-SAT model of one candidate: layer-to-stage split and per-stage recomputation.
+
+Only builds and solves: integer tables in (``tables.CandidateTables``), an immutable
+``Solution`` or a typed exception out. Always a time limit, a seed and a worker count.
+
+Data: p stages, R allowed recompute modes, L layers; per stage i and mode r the linear forms
+(``base + slope * (n - lo_i)``) of every time term and of reserved memory; m micro-batches,
+v virtual chunks.
+
+Variables:
+  y[i][r]  stage i uses mode r (Boolean; exactly one per stage)
+  n[i][r]  layers on stage i if it uses mode r, else 0; a stage holds a *count* of layers:
+           identical layers are interchangeable, so there are no per-layer variables and no
+           symmetric copies of one split
+  t[i]     stage i's seconds per micro-batch; e[i], g[i] its exposed ZeRO-2/3 and parameter
+           offload traffic; d[i] its exposed once-per-step data-parallel traffic
+  T, D, O, F   maxima over stages of t, d, optimizer step and offload step
+
+Constraints (one family each):
+  sum_r y[i][r] = 1; lo_i y[i][r] <= n[i][r] <= hi_i y[i][r]      one mode, layer bounds
+  sum_i sum_r n[i][r] = L                                        every layer on one stage
+  memory_i(n, y) <= capacity                                     memory cap per stage
+  e[i] >= 0, e[i] >= comm_i - hidden_i (same for g[i], d[i])     exposed = max(0, raw - hidden)
+  t[i] = linear_i + e[i] + g[i]
+  T >= t[i], D >= d[i], O >= optimizer_i, F >= offload_i
+
+Objective (v x step time in ns, as ``costmodel.estimate.compose_step`` composes it):
+  minimise (m v - 1) T + sum_i t[i] + v (D + O + F)
+Every term has a positive weight, so at the optimum each maximum and each max(0, .) is tight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from planner.tables import CandidateTables, fits, objective_ns, stage_time_ns
+
+
+class Infeasible(Exception):
+    """No split and recompute choice fits in memory (proved by the solver)."""
+
+
+class NoSolutionInTime(Exception):
+    """The time limit passed before any feasible split was found."""
+
+
+@dataclass(frozen=True)
+class Solution:
+    layers: tuple[int, ...]
+    modes: tuple[str, ...]
+    objective: int
+    """v x step time in ns (see the module docstring)."""
+    vpp: int
+    status: str
+    """``OPTIMAL`` or ``FEASIBLE`` (time limit reached with a solution)."""
+    wall_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.objective / self.vpp / 1e9
+
+
+def greedy_hint(tables: CandidateTables) -> tuple[list[int], list[str]] | None:
+    """An even split (extra layers to middle stages) with, per stage, the fastest fitting
+    mode; None if some stage fits under no mode."""
+    p, total = len(tables.lo), tables.num_layers
+    base, extra = divmod(total, p)
+    middle = list(range(1, p - 1)) + [0, p - 1] if p > 2 else list(range(p))
+    layers = [base] * p
+    for i in middle[:extra]:
+        layers[i] += 1
+    modes = []
+    for i, n in enumerate(layers):
+        if not tables.lo[i] <= n <= tables.hi[i]:
+            return None
+        fitting = [r for r in tables.allowed[i] if fits(tables, i, n, r)]
+        if not fitting:
+            return None
+        modes.append(fitting[0])
+    best = objective_ns(tables, layers, modes)
+    for i in range(p):  # one pass of per-stage improvement
+        for r in tables.allowed[i]:
+            if fits(tables, i, layers[i], r):
+                trial = modes[:i] + [r] + modes[i + 1:]
+                value = objective_ns(tables, layers, trial)
+                if value < best:
+                    best, modes = value, trial
+    return layers, modes
+
+
+def _affine(form, y, n, lo):
+    """base * y + slope * (n - lo * y): the linear form at the chosen count, 0 if not chosen."""
+    return (form.base - form.slope * lo) * y + form.slope * n
+
+
+def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0,
+          workers: int = 1) -> Solution:
+    """Optimal split and modes for ``tables``; raises Infeasible or NoSolutionInTime.
+
+    Middle stages run alike, so unless the user pinned per-stage choices they are modelled by
+    how many of them take each (layer count, mode) combination (``_build_counts``); otherwise
+    every stage gets its own variables (``_build_per_stage``).
+    """
+    start = time.perf_counter()
+    middle = range(1, len(tables.lo) - 1)
+    alike = (len(middle) > 0 and len({tables.allowed[i] for i in middle}) == 1
+             and len({(tables.lo[i], tables.hi[i]) for i in middle}) == 1
+             and tables.lo[1] < tables.hi[1])
+    model = cp_model.CpModel()
+    build = _build_counts if alike else _build_per_stage
+    decode = build(model, tables)
+    hint = greedy_hint(tables)
+    if hint is not None:
+        decode.hint(model, *hint)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.random_seed = seed
+    solver.parameters.num_workers = workers
+    status = solver.Solve(model)
+    wall = time.perf_counter() - start
+    if status == cp_model.INFEASIBLE:
+        raise Infeasible("no layer split and recompute choice fits in memory")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise NoSolutionInTime(f"no feasible split found within {time_limit_s} s")
+    layers, modes = decode.read(solver)
+    return Solution(layers=tuple(layers), modes=tuple(modes),
+                    objective=int(round(solver.ObjectiveValue())), vpp=tables.vpp,
+                    status="OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
+                    wall_s=wall)
+
+
+class _Decoder:
+    """Reads a split back from a solved model and sets hints; built by the two formulations."""
+
+    def __init__(self, read, hint):
+        self.read = read
+        self.hint = hint
+
+
+def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decoder:
+    """Variables per stage (see the module docstring)."""
+    p = len(tables.lo)
+    big = 0
+    t_vars, d_vars, o_exprs, f_exprs, y_all, n_all = [], [], [], [], [], []
+    for i in range(p):
+        lo, hi = tables.lo[i], tables.hi[i]
+        modes = tables.allowed[i]
+        y = {r: model.NewBoolVar(f"y{i}_{r}") for r in modes}
+        n = {r: model.NewIntVar(0, hi, f"n{i}_{r}") for r in modes}
+        model.AddExactlyOne(y.values())
+        for r in modes:
+            model.Add(n[r] >= lo * y[r])
+            model.Add(n[r] <= hi * y[r])
+            if not fits(tables, i, lo, r):  # memory grows with layers: nothing fits
+                model.Add(y[r] == 0)
+        model.Add(sum(_affine(tables.memory_bytes[i][r], y[r], n[r], lo) for r in modes)
+                  <= tables.capacity_bytes)
+
+        def term(name: str, i=i, y=y, n=n, lo=lo, modes=modes):
+            return sum(_affine(tables.time_ns[i][r][name], y[r], n[r], lo) for r in modes)
+
+        bound = max(abs(f.base) + abs(f.slope) * (hi - lo)
+                    for forms in tables.time_ns[i].values() for f in forms.values())
+        big = max(big, bound)
+        exposed = []
+        for raw, hidden in (("zero_comm", "zero_hidden"), ("offload_raw", "offload_hidden"),
+                            ("dp_comm", "dp_hidden")):
+            var = model.NewIntVar(0, bound, f"{raw}_exposed{i}")
+            model.Add(var >= term(raw) - term(hidden))
+            exposed.append(var)
+        t = model.NewIntVar(0, 3 * bound, f"t{i}")
+        model.Add(t == term("linear") + exposed[0] + exposed[1])
+        t_vars.append(t)
+        d_vars.append(exposed[2])
+        o_exprs.append(term("optimizer"))
+        f_exprs.append(term("offload_step"))
+        y_all.append(y)
+        n_all.append(n)
+    model.Add(sum(sum(n.values()) for n in n_all) == tables.num_layers)
+    top_t = model.NewIntVar(0, 3 * big, "T")
+    top_d, top_o, top_f = (model.NewIntVar(0, big, name) for name in ("D", "O", "F"))
+    for i in range(p):
+        model.Add(top_t >= t_vars[i])
+        model.Add(top_d >= d_vars[i])
+        model.Add(top_o >= o_exprs[i])
+        model.Add(top_f >= f_exprs[i])
+    m, v = tables.micro_batches, tables.vpp
+    model.Minimize((m * v - 1) * top_t + sum(t_vars) + v * (top_d + top_o + top_f))
+
+    def hint(model: cp_model.CpModel, layers: list[int], modes: list[str]) -> None:
+        for i, (count, mode) in enumerate(zip(layers, modes)):
+            for r in tables.allowed[i]:
+                model.AddHint(y_all[i][r], r == mode)
+                model.AddHint(n_all[i][r], count if r == mode else 0)
+
+    def read(solver: cp_model.CpSolver) -> tuple[list[int], list[str]]:
+        modes = [next(r for r in tables.allowed[i] if solver.BooleanValue(y_all[i][r]))
+                 for i in range(p)]
+        return [int(solver.Value(n_all[i][modes[i]])) for i in range(p)], modes
+
+    return _Decoder(read, hint)
+
+
+def _build_counts(model: cp_model.CpModel, tables: CandidateTables) -> _Decoder:
+    """First and last stage pick one (count, mode) combination each; middle stages are counted.
+
+    Variables: z_first[x], z_last[x] (Boolean, one each), c[x] = middle stages taking
+    combination x = (n, r), u[x] = (c[x] > 0). Middle stage j fits x iff j >= g(x), the first
+    middle stage where x fits (memory falls with the micro-batches in flight, which fall with
+    j), so the sets of stages x may use are nested and an assignment exists iff, for every j,
+    the combinations that need a stage >= j number at most the middle stages >= j (Hall's
+    condition). Every time term of a combination is a constant, so maxima and sums are linear.
+    """
+    p = len(tables.lo)
+    middle = list(range(1, p - 1))
+    lo, hi = tables.lo[1], tables.hi[1]
+    combos = [(n, r) for n in range(lo, hi + 1) for r in tables.allowed[1]]
+    terms = {x: stage_time_ns(tables, 1, *x) for x in combos}
+    first_g = {}
+    for x in combos:
+        fitting = [j for j in middle if fits(tables, j, *x)]
+        if fitting:
+            first_g[x] = fitting[0]
+    c = {x: model.NewIntVar(0, len(middle), f"c{x}") for x in first_g}
+    u = {x: model.NewBoolVar(f"u{x}") for x in first_g}
+    for x in first_g:
+        model.Add(c[x] <= len(middle) * u[x])
+        model.Add(c[x] >= u[x])
+    model.Add(sum(c.values()) == len(middle))
+    for j in middle:  # Hall's condition on nested feasible sets
+        needing = [c[x] for x, g in first_g.items() if g >= j]
+        if needing:
+            model.Add(sum(needing) <= p - 1 - j)
+    ends = {}
+    for stage in (0, p - 1):
+        options = [(n, r) for n in range(tables.lo[stage], tables.hi[stage] + 1)
+                   for r in tables.allowed[stage] if fits(tables, stage, n, r)]
+        z = {x: model.NewBoolVar(f"z{stage}{x}") for x in options}
+        model.AddExactlyOne(z.values())
+        ends[stage] = (z, {x: stage_time_ns(tables, stage, *x) for x in options})
+    layers_used = sum(x[0] * c[x] for x in c) + sum(
+        x[0] * var for stage in ends for x, var in ends[stage][0].items())
+    model.Add(layers_used == tables.num_layers)
+    bound = max([terms[x]["micro_total"] for x in terms] + [
+        t["micro_total"] for stage in ends for t in ends[stage][1].values()] + [0])
+    tops = {name: model.NewIntVar(0, 10 * bound + 10**12, name)
+            for name in ("micro_total", "dp_exposed", "optimizer", "offload_step")}
+    for name, top in tops.items():
+        for x in c:
+            model.Add(top >= terms[x][name] * u[x])
+        for stage in ends:
+            z, values = ends[stage]
+            model.Add(top >= sum(values[x][name] * var for x, var in z.items()))
+    total = sum(terms[x]["micro_total"] * c[x] for x in c) + sum(
+        values[x]["micro_total"] * var for z, values in ends.values() for x, var in z.items())
+    m, v = tables.micro_batches, tables.vpp
+    model.Minimize((m * v - 1) * tops["micro_total"] + total
+                   + v * (tops["dp_exposed"] + tops["optimizer"] + tops["offload_step"]))
+
+    def hint(model: cp_model.CpModel, layers: list[int], modes: list[str]) -> None:
+        chosen = list(zip(layers, modes))
+        for stage in ends:
+            for x, var in ends[stage][0].items():
+                model.AddHint(var, x == chosen[stage])
+        counts = {x: chosen[1:-1].count(x) for x in c}
+        for x in c:
+            model.AddHint(c[x], counts[x])
+            model.AddHint(u[x], counts[x] > 0)
+
+    def read(solver: cp_model.CpSolver) -> tuple[list[int], list[str]]:
+        picks = [[x for x, var in ends[stage][0].items() if solver.BooleanValue(var)][0]
+                 for stage in (0, p - 1)]
+        # middle combinations to stages: most demanding (latest g) to the latest stages
+        pool = sorted((x for x in c for _ in range(solver.Value(c[x]))),
+                      key=lambda x: first_g[x])
+        split = [picks[0]] + pool + [picks[1]]
+        return [x[0] for x in split], [x[1] for x in split]
+
+    return _Decoder(read, hint)

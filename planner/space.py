@@ -1,0 +1,189 @@
+"""The planner's search space: which global configurations (degrees and knobs) it considers.
+
+Plain Python enumerates the global choices, which are few: tensor / context / pipeline / data /
+expert degrees, sequence parallelism, ZeRO stage, offload, micro-batch, virtual pipeline
+chunks and the rank layout. The layer-to-stage split and the per-stage recomputation are left to
+the CP-SAT model (``solver.py``).
+
+Choices a user pins (``meshplan plan --tp 8``) restrict the space. Without pins the space is:
+
+* tp: divisors of the GPU count that divide the heads and kv heads and fit in a node;
+* cp: 1 and powers of two up to ``max_cp`` dividing the sequence (only for sequences of at least
+  ``min_cp_seq_len`` tokens, where attention is worth splitting);
+* pp: divisors of what is left, at most the layer count; dp: the rest, dividing the batch;
+* ep (MoE): divisors of the expert count that divide dp * cp;
+* sp: on whenever tp > 1 (same traffic, less memory and element-wise time);
+* ZeRO: 1, 2, 3 with more than one replica (ZeRO-0 only when pinned: ZeRO-1 holds less and
+  moves no more), 0 with one;
+* offload: none; optimizer to cpu or nvme; optimizer+params under ZeRO-3;
+* micro-batch: divisors of the per-replica batch up to ``max_micro_batch``;
+* vpp: 1, and 2..``max_vpp`` when pp > 1 and the micro-batches divide by pp;
+* rank layout: tp-cp-dp-pp (Megatron's) and tp-cp-pp-dp (data parallel outermost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from costmodel import ClusterSpec, ModelSpec, ParallelConfig
+from costmodel.config import OFFLOAD_DEVICES, RECOMPUTE_MODES
+
+MESH_ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """Allowed values per choice; ``None`` means "search all" (see the module docstring)."""
+
+    global_batch_size: int
+    seq_len: int
+    dtype: str = "bf16"
+    flash_attention: bool = True
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    sp: tuple[bool, ...] | None = None
+    zero_stage: tuple[int, ...] | None = None
+    offload: tuple[str, ...] | None = None
+    offload_device: tuple[str, ...] | None = None
+    micro_batch_size: tuple[int, ...] | None = None
+    vpp: tuple[int, ...] | None = None
+    mesh_order: tuple[tuple[str, ...], ...] | None = None
+    recompute_modes: tuple[str, ...] = RECOMPUTE_MODES
+    """Modes each stage may take (CP-SAT chooses per stage)."""
+    recompute_pinned: tuple[str, ...] | None = None
+    """A per-stage recompute list the user pinned (length must equal pp)."""
+    layers_per_stage: tuple[int, ...] | None = None
+    """A layer split the user pinned."""
+    max_micro_batch: int = 16
+    max_vpp: int = 4
+    max_cp: int = 16
+    min_cp_seq_len: int = 16384
+    memory_margin: float = 0.0
+    """Fraction of device memory kept free (0.05 = plan for 95% of capacity)."""
+    extra: dict = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size <= 0 or self.seq_len <= 0:
+            raise ValueError(f"global batch and sequence length must be positive, got "
+                             f"{self.global_batch_size} and {self.seq_len}")
+        if not 0 <= self.memory_margin < 1:
+            raise ValueError(f"memory margin must be in [0, 1), got {self.memory_margin}")
+        bad = [m for m in self.recompute_modes if m not in RECOMPUTE_MODES]
+        if bad or not self.recompute_modes:
+            raise ValueError(f"recompute modes must be among {RECOMPUTE_MODES}, got "
+                             f"{self.recompute_modes}")
+
+
+def _pick(pinned: tuple | None, default: list) -> list:
+    return [v for v in default if v in pinned] if pinned is not None else default
+
+
+def degree_tuples(model: ModelSpec, cluster: ClusterSpec,
+                  space: SearchSpace) -> list[tuple[int, int, int, int, int]]:
+    """Valid (tp, cp, pp, dp, ep) for ``model`` on all GPUs of ``cluster``."""
+    n = cluster.num_gpus
+    out = []
+    tps = [t for t in divisors(n) if t <= cluster.gpus_per_node and model.num_heads % t == 0
+           and model.kv_heads % t == 0]
+    if space.tp is not None:  # a pinned tp may exceed a node; the user asked for it
+        tps = [t for t in divisors(n) if t in space.tp and model.num_heads % t == 0
+               and model.kv_heads % t == 0]
+    for tp in tps:
+        cps = [c for c in divisors(n // tp) if space.seq_len % c == 0 and
+               (c == 1 or (c <= space.max_cp and c & (c - 1) == 0
+                           and space.seq_len >= space.min_cp_seq_len))]
+        if space.cp is not None:
+            cps = [c for c in divisors(n // tp) if c in space.cp and space.seq_len % c == 0]
+        for cp in cps:
+            for pp in _pick(space.pp, [p for p in divisors(n // (tp * cp))
+                                       if p <= model.num_layers]):
+                dp = n // (tp * cp * pp)
+                if space.dp is not None and dp not in space.dp:
+                    continue
+                if space.global_batch_size % dp:
+                    continue
+                eps = [1]
+                if model.is_moe:
+                    eps = [e for e in divisors(model.num_experts) if (dp * cp) % e == 0]
+                for ep in _pick(space.ep, eps):
+                    out.append((tp, cp, pp, dp, ep))
+    return out
+
+
+def candidates(model: ModelSpec, cluster: ClusterSpec,
+               space: SearchSpace) -> list[ParallelConfig]:
+    """Every global configuration of the space; layer split and recompute left at defaults."""
+    out = []
+    for tp, cp, pp, dp, ep in degree_tuples(model, cluster, space):
+        per_replica = space.global_batch_size // dp
+        mbs = _pick(space.micro_batch_size,
+                    [b for b in divisors(per_replica) if b <= space.max_micro_batch])
+        sps = _pick(space.sp, [True] if tp > 1 else [False])
+        if space.sp is not None:
+            sps = [s for s in space.sp if tp > 1 or not s]
+        replicas = dp * cp
+        zeros = _pick(space.zero_stage, [1, 2, 3] if replicas > 1 else [0])
+        if space.zero_stage is not None:
+            zeros = list(space.zero_stage)
+        orders = _pick(space.mesh_order, list(MESH_ORDERS))
+        if space.mesh_order is None and (pp == 1 or dp == 1):
+            orders = orders[:1]  # both orders give the same layout
+        for b in mbs:
+            m = per_replica // b
+            vpps = [1] + [v for v in range(2, space.max_vpp + 1)
+                          if pp > 1 and m % pp == 0 and model.num_layers // pp >= v]
+            for v in _pick(space.vpp, vpps):
+                for sp in sps:
+                    for zero in zeros:
+                        for offload, device in _offloads(space, zero, model, cluster):
+                            for order in orders:
+                                config = _make(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=sp,
+                                               zero_stage=zero, offload=offload,
+                                               offload_device=device, micro_batch_size=b,
+                                               global_batch_size=space.global_batch_size,
+                                               vpp=v, seq_len=space.seq_len,
+                                               mesh_order=order, dtype=space.dtype,
+                                               flash_attention=space.flash_attention)
+                                if config is not None:
+                                    out.append(config)
+    return out
+
+
+HOST_BYTES_PER_PARAM = 16
+"""Upper bound of offloaded bytes per parameter (fp32 master, Adam moments, fp32 gradient)."""
+
+
+def _offloads(space: SearchSpace, zero: int, model: ModelSpec,
+              cluster: ClusterSpec) -> list[tuple[str, str]]:
+    """Offload choices. NVMe is searched only when pinned or when host memory could not hold
+    the offloaded states: it frees no more device memory than host memory and is slower."""
+    modes = _pick(space.offload, ["none", "optimizer", "optimizer+params"])
+    devices = _pick(space.offload_device, list(OFFLOAD_DEVICES))
+    per_node = (model.num_params * HOST_BYTES_PER_PARAM / cluster.num_gpus
+                * min(cluster.gpus_per_node, cluster.num_gpus))
+    if space.offload_device is None and per_node <= cluster.host_bytes:
+        devices = ["cpu"]
+    out = []
+    for mode in modes:
+        if mode == "optimizer+params" and zero != 3:
+            continue
+        if mode == "none":
+            out.append(("none", devices[0] if space.offload_device else "cpu"))
+        else:
+            out.extend((mode, d) for d in devices)
+    return out
+
+
+def _make(**values) -> ParallelConfig | None:
+    try:
+        return ParallelConfig(**values)
+    except ValueError:  # e.g. sequence not divisible for SP under this cp
+        return None

@@ -1,0 +1,180 @@
+"""Integer cost tables of one global candidate, built from the cost model, for the CP-SAT model.
+
+For a global configuration (degrees and knobs) every term the cost model adds up for a stage is
+linear in the stage's layer count n for a fixed recompute mode r (parameters, activations,
+compute and per-layer communication all scale with n; first and last stages add constants):
+
+* per micro-batch: the terms that simply add (compute, TP/CP/EP/PP communication), and the
+  ZeRO-2/3 and parameter-offload traffic with the part of it compute can hide;
+* once per step: data-parallel traffic and the part the last backward hides, optimizer step,
+  offload step;
+* reserved memory of one rank.
+
+So each is ``base + slope * (n - lo)`` per stage and mode, read off two evaluations of the cost
+model (``costmodel.estimate.stage_terms`` for the first, a middle and the last stage, which
+differ only by the embedding and LM head; ``costmodel.memory.stage_memory`` for every stage,
+which also differ by the micro-batches in flight). Times are integer nanoseconds, memory integer
+bytes. ``costmodel.estimate.compose_step`` combines the terms; ``solver.py`` does the same with
+CP-SAT variables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
+from costmodel.estimate import stage_terms
+from costmodel.memory import stage_memory
+
+NS_PER_S = 1e9
+WINDOW_LAYERS = 32
+"""Models with more layers than this limit a stage to ``2 * ceil(L / p) + 4`` layers."""
+TIME_TERMS = ("linear", "zero_comm", "zero_hidden", "offload_raw", "offload_hidden",
+              "dp_comm", "dp_hidden", "optimizer", "offload_step")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``base + slope * (n - lo)`` (integers)."""
+
+    base: int
+    slope: int
+
+    def at(self, offset: int) -> int:
+        return self.base + self.slope * offset
+
+
+@dataclass(frozen=True)
+class CandidateTables:
+    """Linear forms per stage and mode for one candidate."""
+
+    config: ParallelConfig
+    allowed: tuple[tuple[str, ...], ...]
+    """Recompute modes each stage may use."""
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    time_ns: tuple[dict[str, dict[str, Linear]], ...]
+    """Per stage, per mode, per term in ``TIME_TERMS``."""
+    memory_bytes: tuple[dict[str, Linear], ...]
+    """Per stage, per mode: reserved bytes of one rank."""
+    capacity_bytes: int
+    num_layers: int
+    micro_batches: int
+    vpp: int
+
+
+def layer_bounds(model: ModelSpec, config: ParallelConfig,
+                 pinned: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Allowed layer counts per stage: at least vpp (one layer per virtual chunk)."""
+    p, total = config.pp, model.num_layers
+    if pinned is not None:
+        return tuple(pinned), tuple(pinned)
+    lo = max(1, config.vpp)
+    hi = total - (p - 1) * lo
+    if total > WINDOW_LAYERS:
+        hi = min(hi, 2 * math.ceil(total / p) + 4)
+    return (lo,) * p, (hi,) * p
+
+
+def stage_config(config: ParallelConfig, model: ModelSpec, stage: int, layers: int,
+                 mode: str) -> ParallelConfig:
+    """``config`` with ``layers`` layers and recompute ``mode`` on ``stage``; the other stages
+    share the remaining layers (they do not affect this stage's terms)."""
+    p = config.pp
+    counts = [1] * p
+    rest = max(p - 1, model.num_layers - layers)
+    others = [i for i in range(p) if i != stage]
+    for k, i in enumerate(others):
+        counts[i] = rest // len(others) + (1 if k < rest % len(others) else 0)
+    counts[stage] = layers
+    modes = ["none"] * p
+    modes[stage] = mode
+    return config.replace(layers_per_stage=tuple(counts), recompute=tuple(modes))
+
+
+def _time_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
+                layers: int, mode: str, framework: str,
+                calibration: Calibration) -> dict[str, float]:
+    terms = stage_terms(model, cluster, stage_config(config, model, stage, layers, mode), stage,
+                        framework=framework, calibration=calibration)
+    micro = terms.micro
+    return {"linear": micro.linear_s, "zero_comm": micro.zero_comm_s,
+            "zero_hidden": micro.zero_hidden_s, "offload_raw": micro.offload_raw_s,
+            "offload_hidden": micro.offload_hidden_s, "dp_comm": terms.dp_comm_s,
+            "dp_hidden": terms.dp_hidden_s, "optimizer": terms.optimizer_s,
+            "offload_step": terms.offload_s}
+
+
+def _linear(first: float, second: float, scale: float) -> Linear:
+    return Linear(base=int(round(first * scale)), slope=int(round((second - first) * scale)))
+
+
+def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+                 modes: tuple[str, ...], framework: str, calibration: Calibration,
+                 memory_margin: float = 0.0,
+                 pinned_layers: tuple[int, ...] | None = None,
+                 pinned_modes: tuple[str, ...] | None = None) -> CandidateTables:
+    """Tables for ``config``; stages may use ``modes`` (or exactly ``pinned_modes[i]``)."""
+    p = config.pp
+    lo, hi = layer_bounds(model, config, pinned_layers)
+    allowed = tuple((pinned_modes[i],) for i in range(p)) if pinned_modes else (modes,) * p
+    by_class: dict[tuple[int, int, str], dict[str, Linear]] = {}
+    times, memories = [], []
+    for stage in range(p):
+        cls = (stage == 0, stage == p - 1, lo[stage], hi[stage])
+        stage_times, stage_memory_forms = {}, {}
+        for mode in allowed[stage]:
+            key = (*cls, mode)
+            if key not in by_class:
+                a = _time_terms(model, cluster, config, stage, lo[stage], mode, framework,
+                                calibration)
+                b = (_time_terms(model, cluster, config, stage, lo[stage] + 1, mode, framework,
+                                 calibration) if hi[stage] > lo[stage] else a)
+                by_class[key] = {name: _linear(a[name], b[name], NS_PER_S) for name in a}
+            stage_times[mode] = by_class[key]
+            first = _reserved(model, cluster, config, stage, lo[stage], mode, framework,
+                              calibration)
+            second = (_reserved(model, cluster, config, stage, lo[stage] + 1, mode, framework,
+                                calibration) if hi[stage] > lo[stage] else first)
+            stage_memory_forms[mode] = _linear(first, second, 1.0)
+        times.append(stage_times)
+        memories.append(stage_memory_forms)
+    return CandidateTables(config=config, allowed=allowed, lo=lo, hi=hi, time_ns=tuple(times),
+                           memory_bytes=tuple(memories),
+                           capacity_bytes=math.floor(cluster.gpu.hbm_bytes * (1 - memory_margin)),
+                           num_layers=model.num_layers, micro_batches=config.grad_accum_steps,
+                           vpp=config.vpp)
+
+
+def _reserved(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
+              layers: int, mode: str, framework: str, calibration: Calibration) -> float:
+    staged = stage_config(config, model, stage, layers, mode)
+    return stage_memory(model, cluster, staged, stage, framework=framework,
+                        calibration=calibration).reserved_bytes
+
+
+def stage_time_ns(tables: CandidateTables, stage: int, layers: int, mode: str) -> dict[str, int]:
+    """Every time term of ``stage`` with ``layers`` layers under ``mode`` (ns)."""
+    offset = layers - tables.lo[stage]
+    terms = {name: form.at(offset) for name, form in tables.time_ns[stage][mode].items()}
+    terms["micro_total"] = (terms["linear"]
+                            + max(0, terms["zero_comm"] - terms["zero_hidden"])
+                            + max(0, terms["offload_raw"] - terms["offload_hidden"]))
+    terms["dp_exposed"] = max(0, terms["dp_comm"] - terms["dp_hidden"])
+    return terms
+
+
+def objective_ns(tables: CandidateTables, layers: list[int] | tuple[int, ...],
+                 modes: list[str] | tuple[str, ...]) -> int:
+    """v x step time (ns) of a split, composed as ``compose_step`` does; for hints and checks."""
+    terms = [stage_time_ns(tables, i, n, r) for i, (n, r) in enumerate(zip(layers, modes))]
+    t = [x["micro_total"] for x in terms]
+    m, v = tables.micro_batches, tables.vpp
+    extra = (max(x["dp_exposed"] for x in terms) + max(x["optimizer"] for x in terms)
+             + max(x["offload_step"] for x in terms))
+    return (m * v - 1) * max(t) + sum(t) + v * extra
+
+
+def fits(tables: CandidateTables, stage: int, layers: int, mode: str) -> bool:
+    return tables.memory_bytes[stage][mode].at(layers - tables.lo[stage]) <= tables.capacity_bytes

@@ -1,0 +1,799 @@
+"""Exports of a plan to DeepSpeed, Megatron-LM and torchtitan (planner/export.py, meshplan export).
+
+Two layers:
+
+* schema tests (always run): the exact keys and values for the issue's two plans, a 3D plan
+  (tp 2, pp 2, dp 2, ZeRO-1) and a ZeRO-3 + CPU offload plan (dp 8), both llama3-8b on one
+  DGX H100; plus the mapping rules, the errors and the warnings;
+* parser tests: each export loaded by its target's own code, when the ``export`` extra is
+  installed (``pip install -e .[export]``), skipped otherwise:
+  - DeepSpeed: ``deepspeed.runtime.config.DeepSpeedConfig`` (batch arithmetic, pydantic ZeRO
+    and offload sections), with an mpu that reports the data-parallel size;
+  - Megatron-LM: the arguments parsed as Megatron-LM's ``arguments.py`` names them, then
+    megatron-core's ``TransformerConfig`` (a ``ModelParallelConfig``), ``DistributedDataParallel
+    Config``, ``OptimizerConfig`` and micro-batch calculator built from them as Megatron-LM's
+    ``core_transformer_config_from_args`` does, so their ``__post_init__`` validation runs;
+  - torchtitan 0.2: its ``ConfigManager`` reading the TOML (``--job.config_file``), its
+    ``ParallelDims`` validating the degrees, and the value types checked against ``JobConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import shlex
+import sys
+import tomllib
+import types
+import typing
+import warnings
+from importlib import metadata
+
+import pytest
+
+from costmodel import ParallelConfig, estimate, load_cluster, load_model
+from planner import cli, export
+from planner.export import ExportWarning
+from planner.plan import Plan, write_plan
+
+# ----- plans -------------------------------------------------------------------------------------
+PLAN_3D = {"tp": 2, "pp": 2, "dp": 2, "sp": True, "zero_stage": 1, "recompute": "selective",
+           "micro_batch_size": 1, "global_batch_size": 64, "seq_len": 8192}
+PLAN_ZERO3_OFFLOAD = {"dp": 8, "zero_stage": 3, "offload": "optimizer+params",
+                      "recompute": "full", "micro_batch_size": 1, "global_batch_size": 64,
+                      "seq_len": 8192}
+PLAN_ZERO3_OPTIMIZER_OFFLOAD = {**PLAN_ZERO3_OFFLOAD, "offload": "optimizer"}
+"""Megatron-LM cannot offload parameters; this is the ZeRO-3 + CPU offload plan it can run."""
+
+
+def make_plan(*, model: str = "llama3-8b", nodes: int = 1, framework: str = "meshplan",
+              **config) -> Plan:
+    est = estimate(load_model(model), load_cluster("dgx-h100", nodes=nodes),
+                   ParallelConfig(**config), framework=framework)
+    return Plan.from_estimate(est, provenance={"solver": "test"})
+
+
+def for_target(plan: Plan, target: str) -> Plan:
+    """The plan costed for ``target``'s memory layout (so no framework warning)."""
+    return dataclasses.replace(plan, framework=target)
+
+
+def quietly(function, plan: Plan):
+    """Export with any ExportWarning turned into a test failure."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        return function(plan)
+
+
+def flag_values(args: list[str]) -> dict[str, str | None]:
+    """``--flag value`` pairs and bare ``--flag`` switches of an argument list."""
+    values: dict[str, str | None] = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            values[arg] = None if nxt is None or nxt.startswith("--") else nxt
+    return values
+
+
+# ----- schema: DeepSpeed -------------------------------------------------------------------------
+def test_deepspeed_3d_zero1():
+    data = quietly(export.to_deepspeed, for_target(make_plan(**PLAN_3D), "deepspeed"))
+    assert data == {
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 32,  # 64 / (dp 2 x micro 1)
+        "bf16": {"enabled": True},
+        "fp16": {"enabled": False},
+        "zero_optimization": {"stage": 1},
+        "activation_checkpointing": {"partition_activations": True,
+                                     "contiguous_memory_optimization": True,
+                                     "number_checkpoints": 16, "cpu_checkpointing": False},
+        "pipeline": {"stages": 2, "partition": "uniform", "activation_checkpoint_interval": 0},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+
+
+def test_deepspeed_zero3_cpu_offload():
+    data = quietly(export.to_deepspeed, for_target(make_plan(**PLAN_ZERO3_OFFLOAD), "deepspeed"))
+    cpu = {"device": "cpu", "pin_memory": True}
+    assert data == {
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 8,
+        "bf16": {"enabled": True},
+        "fp16": {"enabled": False},
+        "zero_optimization": {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu},
+        "activation_checkpointing": {"partition_activations": False,
+                                     "contiguous_memory_optimization": False,
+                                     "number_checkpoints": 32, "cpu_checkpointing": False},
+    }
+
+
+def test_deepspeed_nvme_offload_has_path_placeholder():
+    plan = make_plan(**{**PLAN_ZERO3_OFFLOAD, "offload_device": "nvme"})
+    zero = quietly(export.to_deepspeed, for_target(plan, "deepspeed"))["zero_optimization"]
+    nvme = {"device": "nvme", "pin_memory": True, "nvme_path": "/local_nvme"}
+    assert zero == {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme}
+
+
+def test_deepspeed_optimizer_offload_only():
+    plan = make_plan(dp=8, zero_stage=2, offload="optimizer", global_batch_size=64)
+    zero = export.to_deepspeed(for_target(plan, "deepspeed"))["zero_optimization"]
+    assert zero == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"pp": 2, "dp": 4, "zero_stage": 2}, "pipeline engine runs only ZeRO stage 0 or 1"),
+    ({"dp": 8, "zero_stage": 2, "offload": "optimizer", "offload_device": "nvme"},
+     "NVMe only under ZeRO-3"),
+    ({"dp": 8, "zero_stage": 0, "offload": "optimizer"}, "offloads only under ZeRO"),
+    ({"pp": 2, "dp": 4, "vpp": 2}, "no interleaved schedule"),
+])
+def test_deepspeed_rejects_what_it_cannot_run(config, message):
+    plan = make_plan(global_batch_size=64, **config)
+    with pytest.raises(ValueError, match=message):
+        export.to_deepspeed(for_target(plan, "deepspeed"))
+
+
+def test_deepspeed_uneven_split_and_full_recompute_in_pipeline_section():
+    plan = make_plan(pp=2, dp=4, global_batch_size=64, layers_per_stage=(15, 17),
+                     recompute="full")
+    with pytest.warns(ExportWarning, match=r"\[15, 17\]"):
+        data = export.to_deepspeed(for_target(plan, "deepspeed"))
+    assert data["pipeline"] == {"stages": 2, "partition": "parameters",
+                                "activation_checkpoint_interval": 1}
+    assert data["activation_checkpointing"]["number_checkpoints"] == 17
+
+
+# ----- schema: Megatron-LM -----------------------------------------------------------------------
+LLAMA3_8B_ARGS = [
+    "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+    "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+    "--seq-length", "8192", "--max-position-embeddings", "8192", "--swiglu",
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+]
+
+
+def test_megatron_3d_zero1():
+    args = quietly(export.to_megatron, for_target(make_plan(**PLAN_3D), "megatron"))
+    assert args == LLAMA3_8B_ARGS + [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--context-parallel-size", "1", "--sequence-parallel",
+        "--micro-batch-size", "1", "--global-batch-size", "64",
+        "--recompute-granularity", "selective",
+        "--use-distributed-optimizer", "--bf16", "--use-flash-attn",
+    ]
+
+
+def test_megatron_zero3_cpu_optimizer_offload():
+    plan = for_target(make_plan(**PLAN_ZERO3_OPTIMIZER_OFFLOAD), "megatron")
+    args = quietly(export.to_megatron, plan)
+    assert args == LLAMA3_8B_ARGS + [
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+        "--context-parallel-size", "1",
+        "--micro-batch-size", "1", "--global-batch-size", "64",
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1",
+        "--use-distributed-optimizer", "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
+        "--use-precision-aware-optimizer", "--bf16", "--use-flash-attn",
+    ]
+
+
+def test_megatron_zero2_is_megatron_fsdp_optim_grads():
+    args = export.to_megatron(for_target(make_plan(dp=8, zero_stage=2, global_batch_size=64),
+                                         "megatron"))
+    assert flag_values(args)["--data-parallel-sharding-strategy"] == "optim_grads"
+
+
+@pytest.mark.parametrize("config, message", [
+    (PLAN_ZERO3_OFFLOAD, "cannot offload parameters"),
+    ({**PLAN_ZERO3_OPTIMIZER_OFFLOAD, "offload_device": "nvme"}, "cannot offload to NVMe"),
+    ({"dp": 8, "zero_stage": 0, "offload": "optimizer", "global_batch_size": 64},
+     "distributed optimizer"),
+])
+def test_megatron_rejects_offload_it_cannot_do(config, message):
+    with pytest.raises(ValueError, match=message):
+        export.to_megatron(for_target(make_plan(**config), "megatron"))
+
+
+# Plans on llama3-8b (32 layers) with their pipeline split and the arguments that express it.
+PIPELINE_SPLITS = {
+    "even": ({"pp": 2, "dp": 4, "layers_per_stage": (16, 16)}, []),
+    "even-vpp": ({"pp": 4, "dp": 2, "vpp": 2},
+                 ["--num-layers-per-virtual-pipeline-stage", "4"]),
+    "first-last": ({"pp": 2, "dp": 4, "layers_per_stage": (15, 17)},
+                   ["--decoder-first-pipeline-num-layers", "15",
+                    "--decoder-last-pipeline-num-layers", "17"]),
+    "first-last-equal": ({"pp": 4, "dp": 2, "layers_per_stage": (7, 9, 9, 7)},
+                         ["--decoder-first-pipeline-num-layers", "7",
+                          "--decoder-last-pipeline-num-layers", "7"]),
+    "first-only": ({"pp": 4, "dp": 2, "layers_per_stage": (5, 9, 9, 9)},
+                   ["--decoder-first-pipeline-num-layers", "5"]),
+    "first-last-vpp": ({"pp": 4, "dp": 2, "vpp": 2, "layers_per_stage": (6, 10, 10, 6)},
+                       ["--decoder-first-pipeline-num-layers", "6",
+                        "--decoder-last-pipeline-num-layers", "6",
+                        "--num-virtual-stages-per-pipeline-rank", "2"]),
+    "layout": ({"pp": 4, "dp": 2, "layers_per_stage": (9, 7, 8, 8)},
+               ["--pipeline-model-parallel-layout", "Et*9|t*7|t*8|t*8L"]),
+    "layout-vpp": ({"pp": 4, "dp": 2, "vpp": 2, "layers_per_stage": (7, 9, 8, 8)},
+                   ["--pipeline-model-parallel-layout",
+                    "Et*4|t*5|t*4|t*4|t*3|t*4|t*4|t*4L"]),
+}
+
+
+@pytest.mark.parametrize("name", PIPELINE_SPLITS)
+def test_megatron_pipeline_split(name):
+    config, expected = PIPELINE_SPLITS[name]
+    plan = for_target(make_plan(global_batch_size=64, **config), "megatron")
+    args = quietly(export.to_megatron, plan)
+    start = args.index("--context-parallel-size") + 2
+    end = args.index("--micro-batch-size")
+    assert args[start:end] == expected
+
+
+def test_model_part_layers_round_robin():
+    # Stage 0 (3 layers) -> chunks (2, 1); stage 1 (4) -> (2, 2); parts in model order.
+    assert export.model_part_layers((3, 4), 2) == [2, 2, 1, 2]
+    assert export.model_part_layers((16, 16), 1) == [16, 16]
+
+
+def test_megatron_gpt3_architecture_flags():
+    plan = for_target(make_plan(model="gpt3-1.3b", dp=8, global_batch_size=64, seq_len=2048),
+                      "megatron")
+    flags = flag_values(quietly(export.to_megatron, plan))
+    assert flags["--normalization"] == "LayerNorm"
+    assert flags["--position-embedding-type"] == "learned_absolute"
+    for absent in ("--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+                   "--group-query-attention", "--attention-dropout", "--num-experts"):
+        assert absent not in flags  # GeLU, tied, biased, MHA, Megatron's default dropout, dense
+
+
+def test_megatron_moe_flags():
+    plan = for_target(make_plan(model="mixtral-8x7b", tp=2, dp=4, ep=2, sp=True,
+                                global_batch_size=64, seq_len=4096), "megatron")
+    flags = flag_values(quietly(export.to_megatron, plan))
+    assert (flags["--num-experts"], flags["--moe-router-topk"],
+            flags["--expert-model-parallel-size"]) == ("8", "2", "2")
+
+
+def test_megatron_rejects_alibi():
+    plan = for_target(make_plan(model="bloom-176b", nodes=4, tp=8, pp=2, dp=2,
+                                global_batch_size=64), "megatron")
+    with pytest.raises(ValueError, match="ALiBi"):
+        export.to_megatron(plan)
+
+
+def test_megatron_rank_layouts():
+    plan = for_target(make_plan(**PLAN_3D, mesh_order=("tp", "cp", "pp", "dp")), "megatron")
+    assert "--use-tp-pp-dp-mapping" in quietly(export.to_megatron, plan)
+    plan = for_target(make_plan(**PLAN_3D, mesh_order=("dp", "tp", "cp", "pp")), "megatron")
+    with pytest.warns(ExportWarning, match="cannot lay ranks out as dp,tp,cp,pp"):
+        assert "--use-tp-pp-dp-mapping" not in export.to_megatron(plan)
+
+
+@pytest.mark.parametrize("dtype, flag", [("fp16", "--fp16"), ("fp32", None)])
+def test_megatron_precision(dtype, flag):
+    args = export.to_megatron(for_target(make_plan(**PLAN_3D, dtype=dtype), "megatron"))
+    assert "--bf16" not in args
+    assert (flag in args) if flag else ("--fp16" not in args)
+
+
+# ----- schema: torchtitan ------------------------------------------------------------------------
+def test_torchtitan_3d_zero1():
+    plan = for_target(make_plan(**PLAN_3D), "torchtitan")
+    with pytest.warns(ExportWarning, match="no ZeRO-1"):  # exported as FSDP2, ZeRO-2 semantics
+        text = export.to_torchtitan(plan)
+    layers = [f"layers.{i}" for i in range(32)]
+    assert tomllib.loads(text) == {
+        "job": {"dump_folder": "./outputs", "description": "meshplan plan: llama3-8b on dgx-h100"},
+        "model": {"name": "llama3", "flavor": "llama3-8b"},
+        "training": {"local_batch_size": 32, "global_batch_size": 64, "seq_len": 8192,
+                     "mixed_precision_param": "bfloat16"},
+        "parallelism": {
+            "data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 2,
+            "fsdp_reshard_after_forward": "never", "tensor_parallel_degree": 2,
+            "enable_async_tensor_parallel": False, "pipeline_parallel_degree": 2,
+            "context_parallel_degree": 1, "expert_parallel_degree": 1,
+            "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1,
+            "module_fqns_per_model_part": [["tok_embeddings", *layers[:16]],
+                                           [*layers[16:], "norm", "output"]],
+        },
+        "activation_checkpoint": {"mode": "selective", "selective_ac_option": "op"},
+    }
+
+
+def test_torchtitan_zero3_cpu_offload():
+    plan = for_target(make_plan(**PLAN_ZERO3_OFFLOAD), "torchtitan")
+    data = tomllib.loads(quietly(export.to_torchtitan, plan))
+    assert data["training"] == {"local_batch_size": 1, "global_batch_size": 64, "seq_len": 8192,
+                                "mixed_precision_param": "bfloat16", "enable_cpu_offload": True}
+    assert data["parallelism"] == {
+        "data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 8,
+        "fsdp_reshard_after_forward": "always", "tensor_parallel_degree": 1,
+        "enable_async_tensor_parallel": False, "pipeline_parallel_degree": 1,
+        "context_parallel_degree": 1, "expert_parallel_degree": 1}
+    assert data["activation_checkpoint"] == {"mode": "full"}
+
+
+def test_torchtitan_plain_ddp_stays_replicated():
+    plan = for_target(make_plan(dp=8, global_batch_size=64), "torchtitan")
+    parallelism = tomllib.loads(quietly(export.to_torchtitan, plan))["parallelism"]
+    assert (parallelism["data_parallel_replicate_degree"],
+            parallelism["data_parallel_shard_degree"]) == (8, 1)
+
+
+def test_torchtitan_interleaved_and_moe():
+    plan = for_target(make_plan(model="mixtral-8x7b", tp=2, pp=2, dp=2, ep=2, vpp=2, sp=True,
+                                zero_stage=2, global_batch_size=64, seq_len=4096),
+                      "torchtitan")
+    data = tomllib.loads(quietly(export.to_torchtitan, plan))
+    assert data["model"]["name"] == "llama4"
+    parallelism = data["parallelism"]
+    assert parallelism["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert parallelism["expert_parallel_degree"] == 2
+    assert [len(p) for p in parallelism["module_fqns_per_model_part"]] == [9, 8, 8, 10]
+
+
+def test_torchtitan_rejects_fp16_and_nvme():
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        export.to_torchtitan(for_target(make_plan(**PLAN_3D, dtype="fp16"), "torchtitan"))
+    plan = make_plan(**{**PLAN_ZERO3_OFFLOAD, "offload_device": "nvme"})
+    with pytest.raises(ValueError, match="cannot offload to NVMe"):
+        export.to_torchtitan(for_target(plan, "torchtitan"))
+
+
+def test_torchtitan_toml_strings_are_escaped():
+    plan = for_target(make_plan(dp=8, global_batch_size=64), "torchtitan")
+    name = 'my "llama" \\ v2 \u00e9'
+    plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, name=name))
+    assert tomllib.loads(export.to_torchtitan(plan))["model"]["flavor"] == name
+
+
+# ----- shared rules ------------------------------------------------------------------------------
+def test_per_stage_recompute_maps_to_strongest_mode_everywhere():
+    plan = make_plan(pp=2, dp=4, global_batch_size=64, recompute=("selective", "full"))
+    with pytest.warns(ExportWarning, match="per-stage"):
+        ds = export.to_deepspeed(for_target(plan, "deepspeed"))
+    assert ds["pipeline"]["activation_checkpoint_interval"] == 1
+    with pytest.warns(ExportWarning, match="per-stage"):
+        assert flag_values(export.to_megatron(for_target(plan, "megatron")))[
+            "--recompute-granularity"] == "full"
+    with pytest.warns(ExportWarning) as record:  # also: ZeRO-0 next to pp runs as FSDP2
+        text = export.to_torchtitan(for_target(plan, "torchtitan"))
+    assert any("per-stage" in str(w.message) for w in record)
+    assert tomllib.loads(text)["activation_checkpoint"]["mode"] == "full"
+
+
+def test_same_recompute_on_every_stage_does_not_warn():
+    plan = for_target(make_plan(pp=2, dp=4, global_batch_size=64, recompute=("full", "full")),
+                      "megatron")
+    assert "full" in quietly(export.to_megatron, plan)
+
+
+def test_framework_mismatch_warns():
+    plan = make_plan(**PLAN_ZERO3_OFFLOAD, framework="megatron")
+    with pytest.warns(ExportWarning, match="estimated for framework 'megatron'"):
+        export.to_deepspeed(plan)
+    # meshplan and torchtitan share the FSDP2 accounting (costmodel.frameworks).
+    quietly(export.to_torchtitan, for_target(plan, "meshplan"))
+
+
+def test_render_matches_the_functions():
+    plan = for_target(make_plan(**PLAN_3D), "megatron")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        assert json.loads(export.render(plan, "deepspeed")) == export.to_deepspeed(plan)
+        line = export.render(plan, "megatron")
+        assert line.count("\n") == 1 and shlex.split(line) == export.to_megatron(plan)
+        assert export.render(plan, "torchtitan") == export.to_torchtitan(plan)
+    with pytest.raises(ValueError, match="unknown export target 'nemo'"):
+        export.render(plan, "nemo")
+
+
+# ----- the command line --------------------------------------------------------------------------
+@pytest.fixture
+def plan_file(tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(make_plan(**PLAN_3D, framework="megatron"), path)
+    return path
+
+
+def test_cli_export_to_stdout(capsys, plan_file):
+    assert cli.main(["export", str(plan_file), "--to", "megatron"]) == 0
+    out, err = capsys.readouterr()
+    assert shlex.split(out) == export.to_megatron(make_plan(**PLAN_3D, framework="megatron"))
+    assert err == ""
+
+
+def test_cli_export_prints_warnings_on_stderr(capsys, plan_file):
+    assert cli.main(["export", str(plan_file), "--to", "torchtitan"]) == 0
+    out, err = capsys.readouterr()
+    assert tomllib.loads(out)["parallelism"]["tensor_parallel_degree"] == 2
+    lines = err.splitlines()
+    assert lines and all(line.startswith("meshplan: warning: ") for line in lines)
+    assert any("framework 'megatron'" in line for line in lines)
+
+
+def test_cli_export_output_file_refuses_to_overwrite(capsys, plan_file, tmp_path):
+    target = tmp_path / "ds.json"
+    assert cli.main(["export", str(plan_file), "--to", "deepspeed", "-o", str(target)]) == 0
+    assert capsys.readouterr().out == ""
+    assert json.loads(target.read_text())["zero_optimization"] == {"stage": 1}
+    target.write_text("keep me")
+    assert cli.main(["export", str(plan_file), "--to", "deepspeed", "-o", str(target)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--force" in err and len(err.splitlines()) == 1
+    assert target.read_text() == "keep me"
+    assert cli.main(["export", str(plan_file), "--to", "deepspeed", "-o", str(target),
+                     "--force"]) == 0
+    assert json.loads(target.read_text())["train_batch_size"] == 64
+
+
+def test_cli_export_json(capsys, plan_file):
+    assert cli.main(["export", str(plan_file), "--to", "deepspeed", "--json"]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert set(data) == {"target", "config", "text", "warnings"}
+    assert data["config"] == json.loads(data["text"])
+    assert any("framework 'megatron'" in note for note in data["warnings"])
+    assert err == ""
+
+
+def test_cli_export_error_is_one_line_without_warnings(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(make_plan(**PLAN_ZERO3_OFFLOAD, framework="deepspeed"), path)
+    target = tmp_path / "out.txt"
+    assert cli.main(["export", str(path), "--to", "megatron", "-o", str(target)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("meshplan: error: Megatron-LM cannot offload parameters")
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["export", "missing.json", "--to", "deepspeed"], "does not exist"),
+    (["export", "plan.json"], "--to"),
+    (["export", "plan.json", "--to", "nemo"], "invalid choice"),
+])
+def test_cli_export_usage_errors(capsys, argv, message):
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("meshplan: error: ") and message in err
+
+
+# ----- parser: DeepSpeed -------------------------------------------------------------------------
+class DataParallelMpu:
+    """The part of an mpu DeepSpeedConfig asks: the data-parallel world size."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.size
+
+
+@pytest.fixture
+def deepspeed_config(monkeypatch):
+    """DeepSpeedConfig as a rank of a ``dp``-way data-parallel job sees it (no process group)."""
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *args, **kwargs: 0)
+    return lambda source, dp: ds_config.DeepSpeedConfig(source, mpu=DataParallelMpu(dp))
+
+
+@pytest.mark.parametrize("config", [PLAN_3D, PLAN_ZERO3_OFFLOAD], ids=["3d-zero1", "zero3-cpu"])
+def test_deepspeed_parser_loads_export(deepspeed_config, tmp_path, config):
+    plan = for_target(make_plan(**config), "deepspeed")
+    path = tmp_path / "ds_config.json"
+    path.write_text(export.render(plan, "deepspeed"))
+    parsed = deepspeed_config(str(path), plan.config.dp)
+    assert parsed.world_size == plan.config.dp
+    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
+            parsed.gradient_accumulation_steps) == (64, 1, plan.config.grad_accum_steps)
+    assert parsed.zero_optimization_stage == plan.config.zero_stage
+    assert parsed.bfloat16_config.enabled
+    offloaded = plan.config.offload != "none"
+    assert (parsed.zero_config.offload_optimizer is not None) == offloaded
+    if offloaded:
+        assert parsed.zero_config.offload_param.device == "cpu"
+    assert parsed.pipeline["stages"] == (plan.config.pp if plan.config.pp > 1 else "auto")
+    assert parsed.tensor_parallel_config.autotp_size == (2 if plan.config.tp > 1 else 0)
+
+
+def test_deepspeed_parser_catches_a_wrong_batch(deepspeed_config):
+    """The fixture really validates: a batch that does not add up fails."""
+    data = export.to_deepspeed(for_target(make_plan(**PLAN_3D), "deepspeed"))
+    with pytest.raises(AssertionError, match="train_batch_size is not equal"):
+        deepspeed_config({**data, "gradient_accumulation_steps": 16}, 2)
+
+
+def test_deepspeed_parser_loads_nvme_offload(deepspeed_config):
+    plan = for_target(make_plan(**{**PLAN_ZERO3_OFFLOAD, "offload_device": "nvme"}), "deepspeed")
+    parsed = deepspeed_config(export.to_deepspeed(plan), 8)
+    assert str(parsed.zero_config.offload_param.nvme_path) == "/local_nvme"
+
+
+# ----- parser: megatron-core ---------------------------------------------------------------------
+MEGATRON_INT_FLAGS = (
+    "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "kv-channels",
+    "num-query-groups", "seq-length", "max-position-embeddings", "num-experts",
+    "moe-router-topk", "moe-ffn-hidden-size", "tensor-model-parallel-size",
+    "pipeline-model-parallel-size", "context-parallel-size", "expert-model-parallel-size",
+    "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
+    "num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
+    "micro-batch-size", "global-batch-size", "recompute-num-layers")
+MEGATRON_SWITCHES = (
+    "group-query-attention", "swiglu", "untie-embeddings-and-output-weights",
+    "disable-bias-linear", "add-qkv-bias", "sequence-parallel", "use-tp-pp-dp-mapping",
+    "use-distributed-optimizer", "use-megatron-fsdp", "optimizer-cpu-offload",
+    "use-precision-aware-optimizer", "bf16", "fp16", "use-flash-attn")
+MEGATRON_CHOICES = {
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "position-embedding-type": ("learned_absolute", "rope", "mrope", "relative", "none"),
+    "recompute-granularity": ("full", "selective"),
+    "recompute-method": ("uniform", "block"),
+    "data-parallel-sharding-strategy": ("no_shard", "optim", "optim_grads",
+                                        "optim_grads_params"),
+}
+
+
+def parse_megatron_args(args: list[str]) -> argparse.Namespace:
+    """The arguments as Megatron-LM's ``arguments.py`` declares them (names, types, choices)."""
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    for name in MEGATRON_INT_FLAGS:
+        parser.add_argument(f"--{name}", type=int)
+    for name in MEGATRON_SWITCHES:
+        parser.add_argument(f"--{name}", action="store_true")
+    for name, choices in MEGATRON_CHOICES.items():
+        parser.add_argument(f"--{name}", choices=choices)
+    for name in ("attention-dropout", "hidden-dropout", "optimizer-offload-fraction"):
+        parser.add_argument(f"--{name}", type=float)
+    parser.add_argument("--moe-layer-freq", type=lambda text: eval(text, {"__builtins__": {}}))
+    parser.add_argument("--pipeline-model-parallel-layout", type=str)
+    namespace, unknown = parser.parse_known_args(args)
+    assert unknown == [], f"arguments Megatron-LM does not declare: {unknown}"
+    return namespace
+
+
+def build_megatron_configs(args: list[str], *, world_size: int) -> dict[str, object]:
+    """megatron-core's configs from the arguments, as Megatron-LM builds them (validation runs)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    a = parse_megatron_args(args)
+    dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+    pp = a.pipeline_model_parallel_size
+    vpp = a.num_virtual_stages_per_pipeline_rank
+    if a.num_layers_per_virtual_pipeline_stage:
+        vpp = a.num_layers // pp // a.num_layers_per_virtual_pipeline_stage
+    transformer = TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
+        num_attention_heads=a.num_attention_heads, kv_channels=a.kv_channels,
+        num_query_groups=a.num_query_groups if a.group_query_attention else None,
+        tensor_model_parallel_size=a.tensor_model_parallel_size,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=a.context_parallel_size,
+        expert_model_parallel_size=a.expert_model_parallel_size or 1,
+        sequence_parallel=a.sequence_parallel,
+        num_layers_in_first_pipeline_stage=a.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=a.decoder_last_pipeline_num_layers,
+        pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,
+        gated_linear_unit=a.swiglu, activation_func=F.silu if a.swiglu else F.gelu,
+        normalization=a.normalization, add_bias_linear=not a.disable_bias_linear,
+        add_qkv_bias=a.add_qkv_bias,
+        attention_dropout=0.1 if a.attention_dropout is None else a.attention_dropout,
+        hidden_dropout=0.1 if a.hidden_dropout is None else a.hidden_dropout,
+        num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk or 2,
+        moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_layer_freq=a.moe_layer_freq or 1,
+        recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
+        recompute_num_layers=a.recompute_num_layers,
+        bf16=a.bf16, fp16=a.fp16, params_dtype=dtype,
+        pipeline_dtype=dtype if pp > 1 else None,
+        attention_backend=AttnBackend.flash if a.use_flash_attn else AttnBackend.auto,
+    )
+    ddp = DistributedDataParallelConfig(
+        use_distributed_optimizer=a.use_distributed_optimizer,
+        use_megatron_fsdp=a.use_megatron_fsdp,
+        data_parallel_sharding_strategy=a.data_parallel_sharding_strategy or "no_shard")
+    optimizer = OptimizerConfig(
+        optimizer="adam", bf16=a.bf16, fp16=a.fp16, params_dtype=dtype,
+        use_distributed_optimizer=a.use_distributed_optimizer,
+        optimizer_cpu_offload=a.optimizer_cpu_offload,
+        optimizer_offload_fraction=a.optimizer_offload_fraction or 0.0,
+        use_precision_aware_optimizer=a.use_precision_aware_optimizer)
+    dp = world_size // (a.tensor_model_parallel_size * pp * a.context_parallel_size)
+    batches = ConstantNumMicroBatchesCalculator(a.global_batch_size, a.micro_batch_size, dp,
+                                                decrease_batch_size_if_needed=False, rank=0)
+    return {"args": a, "transformer": transformer, "ddp": ddp, "optimizer": optimizer,
+            "batches": batches}
+
+
+@pytest.fixture
+def megatron(monkeypatch):
+    pytest.importorskip("megatron.core")
+    from megatron.core.optimizer import optimizer_config
+    # The precision-aware optimizer checks the installed Transformer Engine version (>= 2.1);
+    # TE is a GPU package, absent here: report a recent one, as a GPU machine would have.
+    monkeypatch.setattr(optimizer_config, "is_te_min_version", lambda version: True)
+    return build_megatron_configs
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # megatron-core's "TE not installed"
+@pytest.mark.parametrize("config", [PLAN_3D, PLAN_ZERO3_OPTIMIZER_OFFLOAD],
+                         ids=["3d-zero1", "zero3-cpu-optimizer"])
+def test_megatron_core_builds_configs_from_export(megatron, config):
+    plan = for_target(make_plan(**config), "megatron")
+    built = megatron(export.to_megatron(plan), world_size=plan.config.world_size)
+    transformer, ddp, optimizer = built["transformer"], built["ddp"], built["optimizer"]
+    assert (transformer.tensor_model_parallel_size, transformer.pipeline_model_parallel_size,
+            transformer.sequence_parallel) == (plan.config.tp, plan.config.pp, plan.config.sp)
+    assert transformer.num_query_groups == 8 and transformer.gated_linear_unit
+    assert built["batches"].get() == plan.config.grad_accum_steps
+    assert ddp.use_distributed_optimizer
+    if plan.config.zero_stage == 3:
+        assert ddp.data_parallel_sharding_strategy == "optim_grads_params"
+        assert optimizer.optimizer_cpu_offload and optimizer.optimizer_offload_fraction == 1.0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", PIPELINE_SPLITS)
+def test_megatron_core_accepts_pipeline_split(megatron, name):
+    config, _ = PIPELINE_SPLITS[name]
+    plan = for_target(make_plan(global_batch_size=64, **config), "megatron")
+    transformer = megatron(export.to_megatron(plan), world_size=8)["transformer"]
+    vpp = transformer.virtual_pipeline_model_parallel_size
+    assert (vpp or 1) == plan.config.vpp
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_megatron_core_accepts_moe_and_gpt3(megatron):
+    moe = for_target(make_plan(model="mixtral-8x7b", tp=2, dp=4, ep=2, sp=True,
+                               global_batch_size=64, seq_len=4096), "megatron")
+    transformer = megatron(export.to_megatron(moe), world_size=8)["transformer"]
+    assert (transformer.num_moe_experts, transformer.expert_model_parallel_size) == (8, 2)
+    every_fourth = dataclasses.replace(moe.model, moe_layer_freq=4)  # layers 3, 7, ... are MoE
+    args = export.to_megatron(dataclasses.replace(moe, model=every_fourth))
+    assert flag_values(args)["--moe-layer-freq"] == "([0]*3+[1])*8+[0]*0"
+    transformer = megatron(args, world_size=8)["transformer"]
+    assert transformer.moe_layer_freq == [0, 0, 0, 1] * 8
+    gpt = for_target(make_plan(model="gpt3-1.3b", tp=2, pp=2, dp=2, vpp=2, zero_stage=2,
+                               recompute="full", global_batch_size=64, seq_len=2048), "megatron")
+    transformer = megatron(export.to_megatron(gpt), world_size=8)["transformer"]
+    assert transformer.add_bias_linear and transformer.normalization == "LayerNorm"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_megatron_core_rejects_a_broken_split(megatron):
+    """The builder really validates: a split whose middle stages differ fails in megatron-core."""
+    args = export.to_megatron(for_target(make_plan(**PLAN_3D), "megatron"))
+    args = [*args, "--pipeline-model-parallel-size", "4",
+            "--decoder-first-pipeline-num-layers", "7"]  # 25 layers on 3 middle stages
+    with pytest.raises(ValueError, match="divisible"):
+        megatron(args, world_size=16)
+
+
+# ----- parser: torchtitan ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def torchtitan():
+    """torchtitan 0.2's config manager and ParallelDims, imported without the package __init__.
+
+    ``torchtitan/__init__.py`` imports its quantization and MoE kernels, which need Triton (a
+    CUDA compiler that a CPU torch does not bring). The config code needs neither, so a bare
+    package module stands in for the __init__ while these modules import; restored afterwards.
+    """
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None:
+        pytest.skip("torchtitan is not installed (pip install -e .[export])")
+    version = metadata.version("torchtitan")
+    if not version.startswith("0.2."):
+        pytest.skip(f"torchtitan {version} reads no TOML job config; the export targets 0.2")
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "torchtitan"}
+    package = types.ModuleType("torchtitan")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["torchtitan"] = package
+    try:
+        from torchtitan.config import ConfigManager, JobConfig
+        from torchtitan.distributed.parallel_dims import ParallelDims
+        yield types.SimpleNamespace(ConfigManager=ConfigManager, JobConfig=JobConfig,
+                                    ParallelDims=ParallelDims)
+    finally:
+        for name in [k for k in sys.modules if k.split(".")[0] == "torchtitan"]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def matches_annotation(annotation, value) -> bool:
+    """``value`` (as TOML gives it) fits the JobConfig field type ``annotation``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(matches_annotation(arg, value) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(matches_annotation(args[0], v) for v in value)
+    if annotation is type(None):
+        return value is None
+    if annotation in (int, float) and isinstance(value, bool):
+        return False
+    if annotation is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, annotation)
+
+
+def load_torchtitan(tt, plan: Plan, tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(export.to_torchtitan(plan))
+    job = tt.ConfigManager().parse_args(["--job.config_file", str(path)])
+    # The manager checks key names only; check each value against its field's type as well.
+    for section, values in tomllib.loads(path.read_text()).items():
+        hints = typing.get_type_hints(type(getattr(job, section)))
+        for key, value in values.items():
+            assert matches_annotation(hints[key], value), (section, key, value, hints[key])
+    return job
+
+
+def check_torchtitan_job(tt, job, plan: Plan) -> None:
+    """What torchtitan's trainer and pipeline set-up check before training starts."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    par, training = job.parallelism, job.training
+    dims = tt.ParallelDims(dp_replicate=par.data_parallel_replicate_degree,
+                           dp_shard=par.data_parallel_shard_degree,
+                           cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
+                           pp=par.pipeline_parallel_degree, ep=par.expert_parallel_degree,
+                           etp=par.expert_tensor_parallel_degree,
+                           world_size=plan.config.world_size)
+    batch_degree = dims.dp_replicate * dims.dp_shard
+    assert training.global_batch_size % (training.local_batch_size * batch_degree) == 0
+    if training.enable_cpu_offload:
+        assert dims.fsdp_enabled  # torchtitan offloads only through FSDP2
+    if dims.pp > 1:
+        schedule = get_schedule_class(par.pipeline_parallel_schedule)
+        parts = par.module_fqns_per_model_part
+        per_rank = len(parts) // dims.pp
+        assert len(parts) % dims.pp == 0
+        assert per_rank == 1 if issubclass(schedule, PipelineScheduleSingle) else per_rank >= 2
+        microbatches = training.local_batch_size // par.pipeline_parallel_microbatch_size
+        assert microbatches == plan.config.grad_accum_steps
+        layers = [f"layers.{i}" for i in range(plan.model.num_layers)]
+        assert sum(parts, []) == ["tok_embeddings", *layers, "norm", "output"]
+
+
+@pytest.mark.parametrize("config", [PLAN_3D, PLAN_ZERO3_OFFLOAD], ids=["3d-zero1", "zero3-cpu"])
+def test_torchtitan_config_manager_loads_export(torchtitan, tmp_path, config):
+    plan = for_target(make_plan(**config), "torchtitan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        job = load_torchtitan(torchtitan, plan, tmp_path)
+    check_torchtitan_job(torchtitan, job, plan)
+    assert job.training.seq_len == 8192
+    assert job.parallelism.tensor_parallel_degree == plan.config.tp
+    assert job.activation_checkpoint.mode == plan.config.recompute
+
+
+def test_torchtitan_config_manager_loads_interleaved_moe(torchtitan, tmp_path):
+    plan = for_target(make_plan(model="mixtral-8x7b", tp=2, pp=2, dp=2, ep=2, vpp=2, sp=True,
+                                zero_stage=2, global_batch_size=64, seq_len=4096),
+                      "torchtitan")
+    job = load_torchtitan(torchtitan, plan, tmp_path)
+    check_torchtitan_job(torchtitan, job, plan)
+    assert job.parallelism.pipeline_parallel_schedule == "Interleaved1F1B"
+
+
+def test_torchtitan_config_manager_rejects_unknown_keys(torchtitan, tmp_path):
+    """The manager really validates: a misspelt key fails."""
+    plan = for_target(make_plan(dp=8, global_batch_size=64), "torchtitan")
+    path = tmp_path / "job.toml"
+    path.write_text(export.to_torchtitan(plan).replace("seq_len", "seq_length"))
+    with pytest.raises(ValueError, match="seq_length"):
+        torchtitan.ConfigManager().parse_args(["--job.config_file", str(path)])
