@@ -15,6 +15,7 @@ bubble ``(p - 1) / v * t``, i.e. the fraction ``(p - 1) / (v m)``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from costmodel import activations as act
@@ -88,16 +89,26 @@ class Links:
 
 
 def stage_links(cluster: ClusterSpec, config: ParallelConfig, stage: int) -> Links:
+    """Communication groups of ``stage`` (cached by layout: degrees, mesh order, stage)."""
+    return _stage_links(cluster, config.tp, config.cp, config.dp, config.pp, config.ep,
+                        tuple(config.mesh_order), stage)
+
+
+@functools.lru_cache(maxsize=16384)
+def _stage_links(cluster: ClusterSpec, tp: int, cp: int, dp: int, pp: int, ep: int,
+                 mesh_order: tuple[str, ...], stage: int) -> Links:
+    layout = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, mesh_order=mesh_order,
+                            global_batch_size=dp)
     pp_next = None
-    if stage + 1 < config.pp:
-        pp_next = coll.group_link(cluster, (rank_of(config, {"pp": stage}),
-                                            rank_of(config, {"pp": stage + 1})))
-    dp_ranks = tuple(rank_of(config, {"pp": stage, "cp": c, "dp": d})
-                     for d in range(config.dp) for c in range(config.cp))
-    return Links(tp=coll.group_link(cluster, axis_group(config, "tp", stage=stage)),
-                 cp=coll.group_link(cluster, axis_group(config, "cp", stage=stage)),
+    if stage + 1 < pp:
+        pp_next = coll.group_link(cluster, (rank_of(layout, {"pp": stage}),
+                                            rank_of(layout, {"pp": stage + 1})))
+    dp_ranks = tuple(rank_of(layout, {"pp": stage, "cp": c, "dp": d})
+                     for d in range(dp) for c in range(cp))
+    return Links(tp=coll.group_link(cluster, axis_group(layout, "tp", stage=stage)),
+                 cp=coll.group_link(cluster, axis_group(layout, "cp", stage=stage)),
                  dp=coll.group_link(cluster, tuple(sorted(dp_ranks))),
-                 ep=coll.group_link(cluster, ep_group(config)),
+                 ep=coll.group_link(cluster, ep_group(layout)),
                  pp_next=pp_next)
 
 

@@ -84,7 +84,7 @@ def lower_bound_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     forms: dict[int, dict[int, object]] = {}
     for stage in classes:
         forms[stage] = {}
-        for n in sorted({lo, lo + 1, heavy, hi}):
+        for n in (lo, lo + 1):
             key = (config, stage, n)
             if cache is not None and key in cache:
                 forms[stage][n] = cache[key]
@@ -94,6 +94,12 @@ def lower_bound_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
             forms[stage][n] = terms
             if cache is not None:
                 cache[key] = terms
+
+    def at(stage: int, n: int, getter) -> float:
+        """A term linear in the layer count, extrapolated from lo and lo + 1."""
+        first, second = getter(forms[stage][lo]), getter(forms[stage][lo + 1])
+        return first + (second - first) * (n - lo)
+
     counts = {s: 1 for s in classes}
     if p > 2:
         counts[1] = p - 2
@@ -109,9 +115,10 @@ def lower_bound_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
              + max(0.0, summed(lambda t: t.zero_comm_s - t.zero_hidden_s))
              + max(0.0, summed(lambda t: t.offload_raw_s - t.offload_hidden_s)))
     m, v = config.grad_accum_steps, config.vpp
-    once = 0.0
-    for getter in (lambda t: t.dp_exposed_s, lambda t: t.optimizer_s, lambda t: t.offload_s):
-        once += min(getter(forms[s][n]) for s in classes for n in (heavy, hi))
+    once = min(max(0.0, at(s, n, lambda t: t.dp_comm_s) - at(s, n, lambda t: t.dp_hidden_s))
+               for s in classes for n in (heavy, hi))
+    for getter in (lambda t: t.optimizer_s, lambda t: t.offload_s):
+        once += min(at(s, n, getter) for s in classes for n in (heavy, hi))
     return ((m * v - 1) * total / p + total) / v + once
 
 
@@ -172,9 +179,11 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
                 capacity=capacity, modes=modes):
             infeasible += 1
             continue
+        cutoff = -best[0][0] if len(best) == top_k else None
         solved = _solve_one(model, cluster, config, space, framework=framework,
                             calibration=calibration, seed=seed, workers=workers,
-                            time_limit_s=min(remaining, SOLVE_TIME_CAP_S), bound=bounds[i])
+                            time_limit_s=min(remaining, SOLVE_TIME_CAP_S), bound=bounds[i],
+                            cutoff_s=cutoff)
         solves += 1
         if solved is None:
             infeasible += 1
@@ -198,14 +207,18 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
 
 def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                space: SearchSpace, *, framework: str, calibration: Calibration, seed: int,
-               workers: int, time_limit_s: float, bound: float) -> Solved | None:
+               workers: int, time_limit_s: float, bound: float,
+               cutoff_s: float | None = None) -> Solved | None:
+    """The candidate's best split, or None if nothing fits or (with ``cutoff_s``) nothing
+    beats the current k-th best plan."""
     tables = build_tables(model, cluster, config, modes=space.recompute_modes,
                           framework=framework, calibration=calibration,
                           memory_margin=space.memory_margin,
                           pinned_layers=space.layers_per_stage,
                           pinned_modes=space.recompute_pinned)
     try:
-        solution = cpsat.solve(tables, time_limit_s=time_limit_s, seed=seed, workers=workers)
+        solution = cpsat.solve(tables, time_limit_s=time_limit_s, seed=seed, workers=workers,
+                               cutoff_s=cutoff_s)
     except (cpsat.Infeasible, cpsat.NoSolutionInTime):
         return None
     final = config.replace(layers_per_stage=solution.layers,

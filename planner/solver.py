@@ -96,9 +96,12 @@ def _affine(form, y, n, lo):
     return (form.base - form.slope * lo) * y + form.slope * n
 
 
-def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0,
-          workers: int = 1) -> Solution:
+def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, workers: int = 1,
+          cutoff_s: float | None = None) -> Solution:
     """Optimal split and modes for ``tables``; raises Infeasible or NoSolutionInTime.
+
+    ``cutoff_s``: only solutions with a step time below it are wanted (branch and bound);
+    Infeasible then also means "nothing beats the cutoff".
 
     Middle stages run alike, so unless the user pinned per-stage choices they are modelled by
     how many of them take each (layer count, mode) combination (``_build_counts``); otherwise
@@ -112,6 +115,8 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0,
     model = cp_model.CpModel()
     build = _build_counts if alike else _build_per_stage
     decode = build(model, tables)
+    if cutoff_s is not None:
+        model.Add(decode.objective < int(cutoff_s * 1e9 * tables.vpp))
     hint = greedy_hint(tables)
     if hint is not None:
         decode.hint(model, *hint)
@@ -135,9 +140,10 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0,
 class _Decoder:
     """Reads a split back from a solved model and sets hints; built by the two formulations."""
 
-    def __init__(self, read, hint):
+    def __init__(self, read, hint, objective):
         self.read = read
         self.hint = hint
+        self.objective = objective
 
 
 def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decoder:
@@ -188,7 +194,8 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
         model.Add(top_o >= o_exprs[i])
         model.Add(top_f >= f_exprs[i])
     m, v = tables.micro_batches, tables.vpp
-    model.Minimize((m * v - 1) * top_t + sum(t_vars) + v * (top_d + top_o + top_f))
+    objective = (m * v - 1) * top_t + sum(t_vars) + v * (top_d + top_o + top_f)
+    model.Minimize(objective)
 
     def hint(model: cp_model.CpModel, layers: list[int], modes: list[str]) -> None:
         for i, (count, mode) in enumerate(zip(layers, modes)):
@@ -201,7 +208,7 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
                  for i in range(p)]
         return [int(solver.Value(n_all[i][modes[i]])) for i in range(p)], modes
 
-    return _Decoder(read, hint)
+    return _Decoder(read, hint, objective)
 
 
 def _build_counts(model: cp_model.CpModel, tables: CandidateTables) -> _Decoder:
@@ -251,14 +258,17 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables) -> _Decoder:
     for name, top in tops.items():
         for x in c:
             model.Add(top >= terms[x][name] * u[x])
+        # the largest is at least the mean over middle stages (tightens the LP relaxation)
+        model.Add(len(middle) * top >= sum(terms[x][name] * c[x] for x in c))
         for stage in ends:
             z, values = ends[stage]
             model.Add(top >= sum(values[x][name] * var for x, var in z.items()))
     total = sum(terms[x]["micro_total"] * c[x] for x in c) + sum(
         values[x]["micro_total"] * var for z, values in ends.values() for x, var in z.items())
     m, v = tables.micro_batches, tables.vpp
-    model.Minimize((m * v - 1) * tops["micro_total"] + total
-                   + v * (tops["dp_exposed"] + tops["optimizer"] + tops["offload_step"]))
+    objective = ((m * v - 1) * tops["micro_total"] + total
+                 + v * (tops["dp_exposed"] + tops["optimizer"] + tops["offload_step"]))
+    model.Minimize(objective)
 
     def hint(model: cp_model.CpModel, layers: list[int], modes: list[str]) -> None:
         chosen = list(zip(layers, modes))
@@ -279,4 +289,4 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables) -> _Decoder:
         split = [picks[0]] + pool + [picks[1]]
         return [x[0] for x in split], [x[1] for x in split]
 
-    return _Decoder(read, hint)
+    return _Decoder(read, hint, objective)
