@@ -74,8 +74,9 @@ def model_state_bytes(framework: str, *, params: float, shard: int, zero_stage: 
                       offload: str, fp32: bool = False) -> StateBytes:
     """Model-state bytes on one rank holding ``params`` parameters, states sharded ``shard`` ways.
 
-    ``offload`` ``optimizer`` moves the optimizer states (and, for DeepSpeed, the fp32 gradient
-    partition) to the host; ``optimizer+params`` also the (ZeRO-3 sharded) parameters.
+    ``offload`` ``optimizer`` moves the optimizer states (and, for DeepSpeed and ``ideal``, the
+    gradients) to the host; ``optimizer+params`` also the (ZeRO-3 sharded) parameters and the
+    gradients.
     """
     p, g, o = (params * x for x in _per_param(framework, zero_stage, shard, fp32))
     offloaded = 0.0
@@ -87,6 +88,12 @@ def model_state_bytes(framework: str, *, params: float, shard: int, zero_stage: 
             moved = g - (params * 2 if zero_stage <= 1 else 0)
             offloaded += moved
             g -= moved
+        elif framework == "ideal" or offload == "optimizer+params":
+            # ZeRO-Offload moves gradients with the optimizer (Ren et al. 2021,
+            # arXiv:2101.06840, Sec. 4); FSDP2's CPUOffloadPolicy moves parameters, gradients
+            # and optimizer states together.
+            offloaded += g
+            g = 0.0
     if offload == "optimizer+params":
         offloaded += p
         p = 0.0

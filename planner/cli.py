@@ -27,7 +27,11 @@ from costmodel import (FRAMEWORKS, Calibration, ClusterSpec, ModelSpec, Parallel
 from costmodel.config import MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES, RECOMPUTE_MODES
 from planner import report
 from planner import export as export_formats
-from planner.plan import read_plan
+from planner import explain as explain_mod
+from planner import planning
+from planner.plan import read_plan, write_plan
+from planner.search import NoPlanFits
+from planner.space import SearchSpace
 
 PROG = "meshplan"
 EXIT_OK = 0
@@ -310,6 +314,145 @@ def _export_object(text: str, target: str) -> Any:
     return tomllib.loads(text)
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _nonnegative_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target_arguments(parser)
+    add_config_arguments(parser)
+    group = parser.add_argument_group("search")
+    group.add_argument("--objective", choices=("time", "cost"), default="time",
+                       help="fastest step (default) or cheapest run for --train-tokens")
+    group.add_argument("--top", type=_positive_int, default=5, metavar="K",
+                       help="plans to report (default 5)")
+    group.add_argument("--time-limit", type=_positive_float, default=60.0, metavar="S",
+                       help="search time limit in seconds (default 60)")
+    group.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
+    group.add_argument("--workers", type=_positive_int, default=1,
+                       help="CP-SAT worker threads (default 1)")
+    group.add_argument("--memory-margin", type=_nonnegative_float, default=0.0, metavar="F",
+                       help="fraction of GPU memory to keep free (default 0)")
+    group.add_argument("--train-tokens", type=_positive_float, metavar="T",
+                       help="tokens to train on: report days (and cost) per plan")
+    group.add_argument("--gpu-hour-price", type=_positive_float, metavar="P",
+                       help="price of one GPU-hour, for the cost objective and report")
+    group.add_argument("--deadline-days", type=_positive_float, metavar="D",
+                       help="with --objective cost: finish within D days")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the best plan to FILE")
+    parser.add_argument("--force", action="store_true", help="let -o overwrite FILE")
+    parser.add_argument("--json", action="store_true",
+                        help="print the plan JSON (schema_version 1) and nothing else")
+
+
+def search_space_from_args(given: dict[str, Any], *, model: ModelSpec,
+                           cluster: ClusterSpec, memory_margin: float) -> SearchSpace:
+    """The search space with every plan flag the user gave pinned."""
+    pins: dict[str, Any] = {}
+    for name in ("tp", "pp", "dp", "cp", "ep", "zero_stage", "offload", "offload_device",
+                 "micro_batch_size", "vpp", "mesh_order", "sp"):
+        if name in given:
+            pins[name] = (given[name],)
+    recompute = given.get("recompute")
+    if isinstance(recompute, str):
+        pins["recompute_modes"] = (recompute,)
+    elif recompute is not None:
+        pins["recompute_pinned"] = tuple(recompute)
+    layers = given.get("layers_per_stage")
+    if layers is not None:
+        if sum(layers) != model.num_layers:
+            raise ValueError(f"--layers-per-stage sums to {sum(layers)}, but {model.name} has "
+                             f"{model.num_layers} layers")
+        pins["layers_per_stage"] = tuple(layers)
+    for name, value in (("--layers-per-stage", layers), ("--recompute", pins.get(
+            "recompute_pinned"))):
+        if value is None:
+            continue
+        if "pp" in pins and pins["pp"] != (len(value),):
+            raise ValueError(f"{name} lists {len(value)} stages but --pp is {pins['pp'][0]}")
+        pins["pp"] = (len(value),)
+    if "pp" in pins and "layers_per_stage" in pins and "recompute_pinned" in pins and \
+            len(pins["layers_per_stage"]) != len(pins["recompute_pinned"]):
+        raise ValueError("--layers-per-stage and --recompute list different stage counts")
+    dtype = given.get("dtype", "fp32" if cluster.gpu.key == CPU_GPU_KEY else "bf16")
+    return SearchSpace(global_batch_size=given["global_batch_size"],
+                       seq_len=given.get("seq_len", model.seq_len), dtype=dtype,
+                       flash_attention=given.get("flash_attention", True),
+                       memory_margin=memory_margin, **pins)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    model, cluster, calibration = load_inputs(args)
+    if args.output and not args.force and os.path.exists(args.output):
+        raise ValueError(f"-o {args.output!r} exists; pass --force to overwrite it")
+    if args.memory_margin >= 1:
+        raise ValueError(f"--memory-margin must be below 1, got {args.memory_margin}")
+    space = search_space_from_args(config_kwargs_from_args(args), model=model, cluster=cluster,
+                                   memory_margin=args.memory_margin)
+    budget = planning.Budget(train_tokens=args.train_tokens, gpu_hour_price=args.gpu_hour_price,
+                             deadline_days=args.deadline_days)
+    try:
+        result = planning.plan(model, cluster, space, framework=args.framework,
+                               calibration=calibration,
+                               calibration_name=args.calibration or "built-in",
+                               objective=args.objective, budget=budget, top_k=args.top,
+                               time_limit_s=args.time_limit, seed=args.seed,
+                               workers=args.workers)
+    except NoPlanFits as err:
+        print(f"{PROG}: {_one_line(str(err))}", file=sys.stderr)
+        return EXIT_NO_PLAN
+    if args.output:
+        try:
+            write_plan(result.plans[0], args.output)
+        except OSError as err:
+            raise ValueError(f"-o {args.output!r}: cannot write: {err.strerror or err}") from None
+    if args.json:
+        _dump_json({"schema_version": 1, "plans": [p.to_dict() for p in result.plans],
+                    "solver": {"status": result.status, "wall_s": result.wall_s,
+                               "candidates": result.candidates},
+                    "pareto": list(result.pareto)})
+    else:
+        print(report.plans_report(result, model=model, cluster=cluster,
+                                  objective=args.objective))
+        if args.output:
+            print(f"wrote the best plan to {args.output}")
+    return EXIT_OK
+
+
+def _add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan_file", metavar="plan.json", help="a plan file (meshplan plan -o)")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="calibration JSON (default: the built-in one)")
+    parser.add_argument("--time-limit", type=_positive_float, default=30.0, metavar="S",
+                        help="time limit of each search behind the explanation (default 30)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _run_explain(args: argparse.Namespace) -> int:
+    plan = read_plan(args.plan_file)
+    calibration = _load("--calibration", args.calibration,
+                        lambda: load_calibration(args.calibration))
+    data = explain_mod.explain(plan, calibration=calibration, time_limit_s=args.time_limit)
+    if args.json:
+        _dump_json(data)
+    else:
+        print(explain_mod.render(data))
+    return EXIT_OK
+
+
 @dataclass(frozen=True)
 class Command:
     """One subcommand: its one-line help, its flags and its handler (returns the exit code)."""
@@ -324,13 +467,15 @@ COMMANDS: dict[str, Command] = {
     "clusters": Command("list the cluster templates", _add_json_argument, _run_clusters),
     "estimate": Command("memory per GPU and time per step of one plan", _add_estimate_arguments,
                         _run_estimate),
+    "plan": Command("search the fastest (or cheapest) plans that fit", _add_plan_arguments,
+                    _run_plan),
+    "explain": Command("why a plan: what binds, runners-up, what-ifs", _add_explain_arguments,
+                       _run_explain),
     "export": Command("write a plan as a DeepSpeed / Megatron / torchtitan config",
                       _add_export_arguments, _run_export),
 }
 
 NOT_IMPLEMENTED: dict[str, str] = {
-    "plan": "search the fastest plan that fits",
-    "explain": "why a plan, what binds, what-ifs",
     "run": "run a plan with torchrun and report measurements",
     "profile": "measure this machine's compute and links",
     "validate": "run a plan, compare measured vs predicted, refit",

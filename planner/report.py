@@ -131,3 +131,35 @@ def estimate_report(est: Estimate) -> str:
         f"{th.model_flop_per_s_per_gpu / TERA:.4g}   MFU {100 * th.mfu:.1f}%",
         verdict,
     ])
+
+
+def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: str) -> str:
+    """Ranked plans of ``meshplan plan`` as a table, with the solver's status."""
+    rows = []
+    for plan in result.plans:
+        c, predicted = plan.config, plan.predicted
+        recompute = c.recompute if isinstance(c.recompute, str) else ",".join(c.recompute)
+        row = {"rank": plan.provenance.get("rank"), "gpus": plan.cluster.num_gpus,
+               "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep,
+               "sp": "on" if c.sp else "off", "zero": c.zero_stage,
+               "offload": c.offload if c.offload == "none" else f"{c.offload}:{c.offload_device}",
+               "recompute": recompute, "mb": c.micro_batch_size, "vpp": c.vpp,
+               "layers": ",".join(str(n) for n in c.stage_layers(plan.model.num_layers)),
+               "mesh": "-".join(c.mesh_order),
+               "step s": predicted["time"]["step_s"],
+               "tokens/s": predicted["throughput"]["tokens_per_s"],
+               "MFU": predicted["throughput"]["mfu"],
+               "peak GiB": predicted["memory"]["peak_reserved_bytes"] / GIB}
+        if "train_days" in plan.provenance:
+            row["days"] = plan.provenance["train_days"]
+        if "train_cost" in plan.provenance:
+            row["cost"] = plan.provenance["train_cost"]
+        rows.append(row)
+    table = _table(rows, {"step s": "{:.3f}", "tokens/s": "{:,.0f}", "MFU": "{:.1%}",
+                          "peak GiB": "{:.1f}", "days": "{:.1f}", "cost": "{:,.0f}"})
+    header = (f"{model.name} ({_params_text(model.num_params)} params) on {cluster.name}: "
+              f"up to {cluster.num_gpus} {cluster.gpu.key}; objective {objective}")
+    footer = (f"solver {result.status}: {result.candidates} candidates, "
+              f"{result.wall_s:.2f} s; Pareto front (step time vs memory): "
+              f"{len(result.pareto)} plans")
+    return "\n".join([header, "", table, "", footer])

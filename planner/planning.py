@@ -1,0 +1,174 @@
+"""``meshplan plan``: run the search for an objective and shape its result (plans, Pareto front).
+
+Objectives:
+
+* ``time``: the fastest step on all GPUs of the cluster.
+* ``cost``: the cheapest run for ``train_tokens`` at ``gpu_hour_price`` per GPU-hour, optionally
+  within ``deadline_days``; the planner may use fewer of the cluster's nodes (it tries powers of
+  two and the full count). Cost = steps x step time x GPUs x price / 3600, steps =
+  ceil(tokens / (global batch x sequence length)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from costmodel import Calibration, ClusterSpec, ModelSpec
+from costmodel.estimate import Estimate
+from planner.plan import Plan
+from planner.search import NoPlanFits, SearchResult, Solved, search
+from planner.space import SearchSpace
+
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budget:
+    """What a training run must achieve and what GPU time costs."""
+
+    train_tokens: float | None = None
+    gpu_hour_price: float | None = None
+    deadline_days: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("train_tokens", "gpu_hour_price", "deadline_days"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+    def steps(self, est: Estimate) -> int | None:
+        if self.train_tokens is None:
+            return None
+        return math.ceil(self.train_tokens / (est.config.global_batch_size * est.config.seq_len))
+
+    def days(self, est: Estimate) -> float | None:
+        steps = self.steps(est)
+        return None if steps is None else steps * est.time.step_s / SECONDS_PER_DAY
+
+    def cost(self, est: Estimate) -> float | None:
+        steps = self.steps(est)
+        if steps is None or self.gpu_hour_price is None:
+            return None
+        return steps * est.time.step_s * est.cluster.num_gpus * self.gpu_hour_price / 3600.0
+
+    def meets_deadline(self, est: Estimate) -> bool:
+        days = self.days(est)
+        return self.deadline_days is None or days is None or days <= self.deadline_days
+
+
+@dataclass(frozen=True)
+class PlanningResult:
+    plans: tuple[Plan, ...]
+    """Best first."""
+    explored: tuple[Solved, ...]
+    status: str
+    wall_s: float
+    candidates: int
+    pareto: tuple[dict[str, Any], ...]
+
+
+def node_counts(nodes: int) -> list[int]:
+    """Node counts the cost objective tries: powers of two below ``nodes``, and ``nodes``."""
+    counts, n = [], 1
+    while n < nodes:
+        counts.append(n)
+        n *= 2
+    return counts + [nodes]
+
+
+def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framework: str,
+         calibration: Calibration, calibration_name: str, objective: str = "time",
+         budget: Budget = Budget(), top_k: int = 5, time_limit_s: float = 60.0, seed: int = 0,
+         workers: int = 1) -> PlanningResult:
+    """Search and rank plans for ``objective``; raises NoPlanFits (and ValueError)."""
+    if objective not in ("time", "cost"):
+        raise ValueError(f"--objective must be time or cost, got {objective!r}")
+    if objective == "cost" and (budget.train_tokens is None or budget.gpu_hour_price is None):
+        raise ValueError("--objective cost needs --train-tokens and --gpu-hour-price")
+    clusters = [cluster] if objective == "time" else [
+        dataclasses.replace(cluster, nodes=n) for n in node_counts(cluster.nodes)]
+    results: list[SearchResult] = []
+    failures = []
+    for option in clusters:
+        try:
+            results.append(search(model, option, space, framework=framework,
+                                  calibration=calibration, top_k=top_k,
+                                  time_limit_s=time_limit_s / len(clusters), seed=seed,
+                                  workers=workers))
+        except NoPlanFits as err:
+            failures.append(err)
+        except ValueError:
+            if objective == "time":
+                raise
+    if not results:
+        raise failures[-1] if failures else NoPlanFits("no plan fits", least=None)
+    solved = [s for r in results for s in r.ranked]
+    if objective == "cost":
+        solved = [s for s in solved if budget.meets_deadline(s.estimate)]
+        if not solved:
+            raise NoPlanFits(f"no plan trains {budget.train_tokens:.3g} tokens within "
+                             f"{budget.deadline_days} days on up to {cluster.nodes} nodes",
+                             least=None)
+        solved.sort(key=lambda s: (budget.cost(s.estimate), s.step_s))
+    else:
+        solved.sort(key=lambda s: s.step_s)
+    status = "OPTIMAL" if all(r.status == "OPTIMAL" for r in results) else "FEASIBLE"
+    wall = sum(r.wall_s for r in results)
+    candidates = sum(r.candidates for r in results)
+    plans = []
+    for rank, s in enumerate(solved[:top_k], start=1):
+        provenance = {"calibration": calibration_name, "objective": objective, "rank": rank,
+                      "solver": {"status": status, "wall_s": round(wall, 4),
+                                 "candidates": candidates, "seed": seed, "workers": workers,
+                                 "time_limit_s": time_limit_s, "split_status": s.status}}
+        provenance.update(budget_summary(budget, s.estimate))
+        plans.append(Plan.from_estimate(s.estimate, provenance=provenance))
+    explored = tuple(x for r in results for x in r.explored)
+    return PlanningResult(plans=tuple(plans), explored=explored, status=status, wall_s=wall,
+                          candidates=candidates,
+                          pareto=pareto_front(explored, by_gpus=objective == "cost"))
+
+
+def budget_summary(budget: Budget, est: Estimate) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if budget.train_tokens is not None:
+        out["train_tokens"] = budget.train_tokens
+        out["train_steps"] = budget.steps(est)
+        out["train_days"] = budget.days(est)
+    if budget.gpu_hour_price is not None and budget.train_tokens is not None:
+        out["gpu_hour_price"] = budget.gpu_hour_price
+        out["train_cost"] = budget.cost(est)
+    return out
+
+
+def pareto_front(explored: tuple[Solved, ...], *, by_gpus: bool) -> tuple[dict[str, Any], ...]:
+    """Plans no other explored plan beats on both step time and peak memory (and GPU count
+    when the node count is free), fastest first."""
+    points = [(s.step_s, s.estimate.memory.peak_reserved_bytes,
+               s.estimate.cluster.num_gpus if by_gpus else 0, s) for s in explored]
+    front = []
+    for a in points:
+        dominated = any(b[0] <= a[0] and b[1] <= a[1] and b[2] <= a[2] and b[:3] != a[:3]
+                        for b in points)
+        if not dominated and all(f[:3] != a[:3] for f in front):
+            front.append(a)
+    front.sort(key=lambda p: p[0])
+    return tuple({"step_s": step, "peak_reserved_bytes": int(peak),
+                  "num_gpus": s.estimate.cluster.num_gpus,
+                  "tokens_per_s": s.estimate.throughput.tokens_per_s,
+                  "plan": summary(s.estimate)} for step, peak, _, s in front)
+
+
+def summary(est: Estimate) -> dict[str, Any]:
+    """A compact description of a configuration, for tables and Pareto points."""
+    c = est.config
+    recompute = c.recompute if isinstance(c.recompute, str) else list(c.recompute)
+    return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep, "sp": c.sp,
+            "zero_stage": c.zero_stage, "offload": c.offload,
+            "offload_device": c.offload_device, "recompute": recompute,
+            "micro_batch_size": c.micro_batch_size, "vpp": c.vpp,
+            "layers_per_stage": list(c.stage_layers(est.model.num_layers)),
+            "mesh_order": list(c.mesh_order)}
