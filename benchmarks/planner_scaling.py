@@ -1,0 +1,98 @@
+"""Planner wall time from 8 to 16,384 GPUs (full joint search space, median of N runs).
+
+Each case searches the whole default space (every degree, ZeRO stage, offload, micro-batch,
+virtual stages, rank layout, layer split and per-stage recompute) for the fastest plan, with one
+CP-SAT worker. Prints a table and writes ``planner-scaling-<date>.{md,json,png}`` under
+``benchmarks/results/``.
+
+    python benchmarks/planner_scaling.py [--runs 5] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from costmodel import default_calibration, load_cluster, load_model  # noqa: E402
+from planner.search import search  # noqa: E402
+from planner.space import SearchSpace  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+CASES = (  # model, cluster, nodes, global batch (sequences), sequence length, framework
+    ("llama3-8b", "dgx-h100", 1, 256, 8192, "meshplan"),
+    ("llama3-70b", "dgx-h100", 8, 512, 8192, "megatron"),
+    ("mixtral-8x7b", "dgx-h100", 16, 1024, 4096, "megatron"),
+    ("gpt3-175b", "dgx-a100-80gb", 64, 1536, 2048, "megatron"),
+    ("mt-nlg-530b", "dgx-a100-80gb", 280, 1920, 2048, "megatron"),
+    ("llama3-405b", "dgx-h100", 1024, 2048, 8192, "megatron"),
+    ("llama3-405b", "dgx-h100", 2048, 2048, 8192, "megatron"),
+)
+
+
+def time_case(model_name: str, cluster_name: str, nodes: int, batch: int, seq: int,
+              framework: str, runs: int) -> dict:
+    model = load_model(model_name)
+    cluster = load_cluster(cluster_name, nodes=nodes)
+    space = SearchSpace(global_batch_size=batch, seq_len=seq)
+    calibration = default_calibration()
+    walls, result = [], None
+    for _ in range(runs):
+        start = time.perf_counter()
+        result = search(model, cluster, space, framework=framework, calibration=calibration,
+                        top_k=1, time_limit_s=120)
+        walls.append(time.perf_counter() - start)
+    best = result.ranked[0].estimate
+    c = best.config
+    return {"model": model_name, "gpus": cluster.num_gpus, "gpu": cluster.gpu.key,
+            "candidates": result.candidates, "solves": result.solves,
+            "status": result.status, "median_s": statistics.median(walls),
+            "max_s": max(walls), "best_step_s": best.time.step_s,
+            "best_plan": (f"tp{c.tp} pp{c.pp} dp{c.dp} cp{c.cp} ep{c.ep} z{c.zero_stage} "
+                          f"mb{c.micro_batch_size} v{c.vpp}")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="one run per case")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    runs = 1 if args.quick else args.runs
+    table = pd.DataFrame([time_case(*case, runs=runs) for case in CASES])
+    pd.set_option("display.width", 200)
+    print(table.to_string(index=False, formatters={"median_s": "{:.2f}".format,
+                                                   "max_s": "{:.2f}".format,
+                                                   "best_step_s": "{:.3f}".format}))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"planner-scaling-{dt.date.today().isoformat()}"
+    (args.out / f"{stem}.md").write_text(
+        f"# Planner wall time (median of {runs}, 1 CP-SAT worker)\n\n"
+        + table.to_markdown(index=False, floatfmt=".3f") + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(table.to_dict(orient="records"),
+                                                      indent=2))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(table.gpus, table.median_s, "o-")
+    for _, row in table.iterrows():
+        ax.annotate(row["model"], (row.gpus, row.median_s), fontsize=7,
+                    textcoords="offset points", xytext=(3, 3))
+    ax.set(xscale="log", xlabel="GPUs", ylabel="planner wall time (s, median)",
+           title="meshplan planner: full joint search, one CP-SAT worker")
+    fig.tight_layout()
+    fig.savefig(args.out / f"{stem}.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
