@@ -11,17 +11,23 @@ STAMP := $(VENV)/.meshplan-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet -e ".[test,bench,export]"
 	touch $(STAMP)
 
+# The main job on a built-in example: plan MT-NLG 530B on 2,240 A100s, explain the best plan,
+# export it for Megatron-LM, and show the estimator's per-stage report for the published plan.
 demo: $(STAMP)
-	$(VENV)/bin/meshplan models
-	$(VENV)/bin/meshplan estimate --model megatron-145.6b --cluster dgx-a100-80gb --nodes 192 \
-		--tp 8 --pp 8 --sp --zero 1 --recompute selective --micro-batch 1 --global-batch 2304 \
+	mkdir -p build
+	$(VENV)/bin/meshplan plan --model mt-nlg-530b --cluster dgx-a100-80gb --nodes 280 \
+		--global-batch 1920 --framework megatron --top 5 -o build/demo-plan.json --force
+	$(VENV)/bin/meshplan explain build/demo-plan.json --time-limit 20
+	$(VENV)/bin/meshplan export build/demo-plan.json --to megatron
+	$(VENV)/bin/meshplan estimate --model mt-nlg-530b --cluster dgx-a100-80gb --nodes 280 \
+		--tp 8 --pp 35 --zero 1 --recompute full --micro-batch 1 --global-batch 1920 \
 		--framework megatron
 
 test: $(STAMP)
