@@ -65,9 +65,34 @@ class NoPlanFits(Exception):
         self.least = least
 
 
+@dataclass(frozen=True)
+class Bound:
+    """Pieces of a candidate's lower bound: per-micro-batch work summed over stages (``S``)
+    and once-per-step terms; ``value`` composes them as the step time does."""
+
+    per_micro_s: float
+    once_s: float
+    stages: int
+    micro_batches: int
+    vpp: int
+
+    def value(self, extra_per_micro_s: float = 0.0) -> float:
+        total = self.per_micro_s + extra_per_micro_s
+        m, v, p = self.micro_batches, self.vpp, self.stages
+        return ((m * v - 1) * total / p + total) / v + self.once_s
+
+
 def lower_bound_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                   framework: str, calibration: Calibration, lo: int, hi: int,
                   cache: dict | None = None) -> float:
+    """A step time no split or recompute choice of ``config`` can beat (see ``bound``)."""
+    return bound(model, cluster, config, framework=framework, calibration=calibration, lo=lo,
+                 hi=hi, cache=cache).value()
+
+
+def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+          framework: str, calibration: Calibration, lo: int, hi: int,
+          cache: dict | None = None) -> Bound:
     """A step time no split or recompute choice of ``config`` can beat.
 
     Per micro-batch: t_i(n, r) >= t_i(n, none) (recomputation adds compute X and hides at most
@@ -119,7 +144,60 @@ def lower_bound_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
                for s in classes for n in (heavy, hi))
     for getter in (lambda t: t.optimizer_s, lambda t: t.offload_s):
         once += min(at(s, n, getter) for s in classes for n in (heavy, hi))
-    return ((m * v - 1) * total / p + total) / v + once
+    return Bound(per_micro_s=total, once_s=once, stages=p, micro_batches=m, vpp=v)
+
+
+def recompute_deficit(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+                      framework: str, calibration: Calibration, lo: int, capacity: float,
+                      modes: tuple[str, ...]) -> float | None:
+    """Extra per-micro-batch seconds (summed over stages) that memory forces, or None if no
+    split fits.
+
+    Let cap_r(i) be the most layers stage i holds under mode r. Memory per layer does not fall
+    with the micro-batches in flight, which fall with the stage index, and the first stage also
+    holds the embedding, so cap_r(i) <= cap_r(p - 2) for i < p - 1. If the stages hold at most
+    C_none < L layers without recomputation, at least L - C_none layers sit on recomputing
+    stages, each costing at least the cheapest mode's extra time per layer. If even the most
+    memory-saving mode holds fewer than L layers, nothing fits.
+    """
+    p, total_layers = config.pp, model.num_layers
+    positions = [0] if p == 1 else ([0, 1] if p == 2 else [p - 2, p - 1])
+    multiplicity = {positions[0]: p - 1 if p > 1 else 1, positions[-1]: 1} if p > 1 \
+        else {0: 1}
+
+    def holds(mode: str) -> int:
+        total = 0
+        for stage in positions:
+            first = _reserved(model, cluster, config, stage, lo, mode, framework, calibration)
+            second = _reserved(model, cluster, config, stage, lo + 1, mode, framework,
+                               calibration)
+            slope = max(second - first, 1.0)
+            most = lo + int((capacity - first) // slope) if first <= capacity else 0
+            total += multiplicity[stage] * most
+        return total
+
+    if holds([m for m in ("full", "selective", "none") if m in modes][0]) < total_layers:
+        return None
+    if "none" not in modes:
+        return 0.0
+    deficit = total_layers - holds("none")
+    if deficit <= 0:
+        return 0.0
+    stage = positions[0]
+    per_layer = {}
+    for mode in modes:
+        at = [stage_terms(model, cluster, stage_config(config, model, stage, n, mode), stage,
+                          framework=framework, calibration=calibration).micro.linear_s
+              for n in (lo, lo + 1)]
+        per_layer[mode] = at[1] - at[0]
+    extra = min(per_layer[m] - per_layer["none"] for m in modes if m != "none")
+    return deficit * max(extra, 0.0)
+
+
+def _reserved(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
+              layers: int, mode: str, framework: str, calibration: Calibration) -> float:
+    return stage_memory(model, cluster, stage_config(config, model, stage, layers, mode), stage,
+                        framework=framework, calibration=calibration).reserved_bytes
 
 
 def surely_infeasible(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
@@ -148,37 +226,47 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
                          f"{space.global_batch_size}; check the pinned choices")
     capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
     cache: dict = {}
-    bounds = []
+    bounds, pieces = [], []
     for config in configs:
         if space.layers_per_stage is None:
             lows, highs = layer_bounds(model, config, None)
             lo, hi = lows[0], highs[0]
         else:
             lo, hi = 1, model.num_layers
-        bounds.append(lower_bound_s(model, cluster, config, framework=framework,
-                                    calibration=calibration, lo=lo, hi=max(hi, lo + 1),
-                                    cache=cache))
+        piece = bound(model, cluster, config, framework=framework, calibration=calibration,
+                      lo=lo, hi=max(hi, lo + 1), cache=cache)
+        pieces.append(piece)
+        bounds.append(piece.value())
     order = sorted(range(len(configs)), key=lambda i: bounds[i])
     best: list[tuple[float, int, Solved]] = []  # max-heap by step time via negation
     explored: list[Solved] = []
     status, solves, infeasible, pruned = "OPTIMAL", 0, 0, 0
     for rank, i in enumerate(order):
         if len(best) == top_k and bounds[i] >= -best[0][0]:
-            pruned = len(order) - rank
+            pruned += len(order) - rank
             break
         remaining = time_limit_s - (time.perf_counter() - start)
         if remaining <= 0:
             status = "FEASIBLE"
-            pruned = len(order) - rank
+            pruned += len(order) - rank
             break
         config = configs[i]
         modes = space.recompute_modes
         lo = max(1, config.vpp)
-        if space.layers_per_stage is None and surely_infeasible(
-                model, cluster, config, framework=framework, calibration=calibration, lo=lo,
-                capacity=capacity, modes=modes):
-            infeasible += 1
-            continue
+        if space.layers_per_stage is None and space.recompute_pinned is None:
+            if surely_infeasible(model, cluster, config, framework=framework,
+                                 calibration=calibration, lo=lo, capacity=capacity, modes=modes):
+                infeasible += 1
+                continue
+            extra = recompute_deficit(model, cluster, config, framework=framework,
+                                      calibration=calibration, lo=lo, capacity=capacity,
+                                      modes=modes)
+            if extra is None:
+                infeasible += 1
+                continue
+            if extra and len(best) == top_k and pieces[i].value(extra) >= -best[0][0]:
+                pruned += 1
+                continue
         cutoff = -best[0][0] if len(best) == top_k else None
         solved = _solve_one(model, cluster, config, space, framework=framework,
                             calibration=calibration, seed=seed, workers=workers,
