@@ -30,7 +30,7 @@ from planner import export as export_formats
 from planner import explain as explain_mod
 from planner import planning
 from planner.plan import read_plan, write_plan
-from planner.search import NoPlanFits
+from planner.search import NoPlanFits, SearchTimeout
 from planner.space import SearchSpace
 
 PROG = "meshplan"
@@ -325,8 +325,11 @@ def _nonnegative_float(text: str) -> float:
 
 
 def _positive_float(text: str) -> float:
-    value = _nonnegative_float(text)
-    if value <= 0:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value
 
@@ -377,16 +380,21 @@ def search_space_from_args(given: dict[str, Any], *, model: ModelSpec,
             raise ValueError(f"--layers-per-stage sums to {sum(layers)}, but {model.name} has "
                              f"{model.num_layers} layers")
         pins["layers_per_stage"] = tuple(layers)
+    source = "--pp" if "pp" in pins else None
     for name, value in (("--layers-per-stage", layers), ("--recompute", pins.get(
             "recompute_pinned"))):
         if value is None:
             continue
-        if "pp" in pins and pins["pp"] != (len(value),):
-            raise ValueError(f"{name} lists {len(value)} stages but --pp is {pins['pp'][0]}")
-        pins["pp"] = (len(value),)
+        if source is not None and pins["pp"] != (len(value),):
+            raise ValueError(f"{name} lists {len(value)} stages but {source} gives "
+                             f"{pins['pp'][0]}")
+        pins["pp"], source = (len(value),), source or name
     if "pp" in pins and "layers_per_stage" in pins and "recompute_pinned" in pins and \
             len(pins["layers_per_stage"]) != len(pins["recompute_pinned"]):
         raise ValueError("--layers-per-stage and --recompute list different stage counts")
+    if given.get("offload") == "optimizer+params" and given.get("zero_stage", 3) != 3:
+        raise ValueError("--offload optimizer+params needs --zero 3 (parameters are only "
+                         f"sharded under ZeRO-3), got --zero {given['zero_stage']}")
     dtype = given.get("dtype", "fp32" if cluster.gpu.key == CPU_GPU_KEY else "bf16")
     return SearchSpace(global_batch_size=given["global_batch_size"],
                        seq_len=given.get("seq_len", model.seq_len), dtype=dtype,
@@ -414,6 +422,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     except NoPlanFits as err:
         print(f"{PROG}: {_one_line(str(err))}", file=sys.stderr)
         return EXIT_NO_PLAN
+    except SearchTimeout as err:
+        raise ValueError(str(err)) from None
     if args.output:
         try:
             write_plan(result.plans[0], args.output)

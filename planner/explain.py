@@ -15,7 +15,7 @@ from costmodel.estimate import Estimate
 from planner.plan import Plan
 from planner.planning import summary
 from planner.search import NoPlanFits, search
-from planner.space import SearchSpace
+from planner.space import SearchSpace, space_with_pins
 
 TIME_TERMS = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "pp_bubble_s",
               "dp_comm_s", "offload_s", "optimizer_s")
@@ -29,9 +29,11 @@ def explain(plan: Plan, *, calibration: Calibration, runners_up: int = 3,
     """The explanation as JSON-ready data."""
     est = estimate(plan.model, plan.cluster, plan.config, framework=plan.framework,
                    calibration=calibration)
-    space = SearchSpace(global_batch_size=plan.config.global_batch_size,
-                        seq_len=plan.config.seq_len, dtype=plan.config.dtype,
-                        flash_attention=plan.config.flash_attention)
+    pins = plan.provenance.get("pinned", {})
+    space = space_with_pins(pins if isinstance(pins, dict) else {},
+                            global_batch_size=plan.config.global_batch_size,
+                            seq_len=plan.config.seq_len, dtype=plan.config.dtype,
+                            flash_attention=plan.config.flash_attention)
     return {"plan": {**summary(est), "step_s": est.time.step_s,
                      "tokens_per_s": est.throughput.tokens_per_s, "mfu": est.throughput.mfu,
                      "fits": est.fits},

@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from costmodel import ClusterSpec, ModelSpec, ParallelConfig
+from costmodel import FRAMEWORKS, ClusterSpec, ModelSpec, ParallelConfig, check_fits_model
 from costmodel.estimate import Estimate, config_to_dict, estimate_to_dict
 from costmodel.hardware import cluster_from_dict
 from costmodel.models import spec_from_dict
@@ -96,14 +96,27 @@ def plan_from_dict(data: dict[str, Any], *, origin: str = "plan") -> Plan:
     cluster_fields = dict(data["cluster"])
     cluster = cluster_from_dict(cluster_fields, name=str(cluster_fields.get("name", "cluster")))
     values = {k: data[k] for k in CONFIG_KEYS if k != "grad_accum_steps"}
-    values["recompute"] = (values["recompute"] if isinstance(values["recompute"], str)
-                           else tuple(values["recompute"]))
-    values["layers_per_stage"] = tuple(values["layers_per_stage"])
-    values["mesh_order"] = tuple(values["mesh_order"])
+    for key in ("recompute", "layers_per_stage", "mesh_order"):
+        value = values[key]
+        if key == "recompute" and isinstance(value, str):
+            continue
+        if not isinstance(value, list):
+            raise ValueError(f"{origin}: '{key}' must be a list"
+                             + (" or a string" if key == "recompute" else "")
+                             + f", got {value!r}")
+        values[key] = tuple(value)
     try:
         config = ParallelConfig(**values)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise ValueError(f"{origin}: {err}") from None
+    if data["framework"] not in FRAMEWORKS:
+        raise ValueError(f"{origin}: framework must be one of {', '.join(FRAMEWORKS)}, got "
+                         f"{data['framework']!r}")
+    try:
+        check_fits_model(config, model, num_gpus=cluster.num_gpus)
+    except ValueError as err:
+        raise ValueError(f"{origin}: the plan does not fit its own model and cluster: "
+                         f"{err}") from None
     if config.grad_accum_steps != data["grad_accum_steps"]:
         raise ValueError(f"{origin}: grad_accum_steps {data['grad_accum_steps']} does not equal "
                          f"global batch / (dp x micro-batch) = {config.grad_accum_steps}")

@@ -19,8 +19,8 @@ from typing import Any
 from costmodel import Calibration, ClusterSpec, ModelSpec
 from costmodel.estimate import Estimate
 from planner.plan import Plan
-from planner.search import NoPlanFits, SearchResult, Solved, search
-from planner.space import SearchSpace
+from planner.search import NoPlanFits, SearchResult, SearchTimeout, Solved, search
+from planner.space import SearchSpace, pins_of
 
 SECONDS_PER_DAY = 86400.0
 
@@ -88,6 +88,9 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
         raise ValueError(f"--objective must be time or cost, got {objective!r}")
     if objective == "cost" and (budget.train_tokens is None or budget.gpu_hour_price is None):
         raise ValueError("--objective cost needs --train-tokens and --gpu-hour-price")
+    if objective == "time" and budget.deadline_days is not None:
+        raise ValueError("--deadline-days applies to --objective cost (the cheapest run that "
+                         "meets it); with --objective time every plan reports its days")
     clusters = [cluster] if objective == "time" else [
         dataclasses.replace(cluster, nodes=n) for n in node_counts(cluster.nodes)]
     results: list[SearchResult] = []
@@ -98,13 +101,16 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
                                   calibration=calibration, top_k=top_k,
                                   time_limit_s=time_limit_s / len(clusters), seed=seed,
                                   workers=workers))
-        except NoPlanFits as err:
+        except (NoPlanFits, SearchTimeout) as err:
+            if objective == "time":
+                raise
             failures.append(err)
         except ValueError:
             if objective == "time":
                 raise
     if not results:
-        raise failures[-1] if failures else NoPlanFits("no plan fits", least=None)
+        timeouts = [f for f in failures if isinstance(f, SearchTimeout)]
+        raise (timeouts or failures or [NoPlanFits("no plan fits", least=None)])[-1]
     solved = [s for r in results for s in r.ranked]
     if objective == "cost":
         solved = [s for s in solved if budget.meets_deadline(s.estimate)]
@@ -121,6 +127,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
     plans = []
     for rank, s in enumerate(solved[:top_k], start=1):
         provenance = {"calibration": calibration_name, "objective": objective, "rank": rank,
+                      "pinned": pins_of(space),
                       "solver": {"status": status, "wall_s": round(wall, 4),
                                  "candidates": candidates, "seed": seed, "workers": workers,
                                  "time_limit_s": time_limit_s, "split_status": s.status}}

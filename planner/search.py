@@ -57,6 +57,10 @@ class SearchResult:
     stats: dict = field(default_factory=dict, hash=False)
 
 
+class SearchTimeout(Exception):
+    """The time limit passed before any plan was found (distinct from "nothing fits")."""
+
+
 class NoPlanFits(Exception):
     """No candidate of the space fits in memory; carries the least-memory configuration."""
 
@@ -227,7 +231,11 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
     cache: dict = {}
     bounds, pieces = [], []
-    for config in configs:
+    for index, config in enumerate(configs):
+        if index % 256 == 0 and time.perf_counter() - start > time_limit_s:
+            raise SearchTimeout(f"the time limit of {time_limit_s:g} s passed while bounding "
+                                f"{len(configs)} candidates, before any plan was found; "
+                                f"raise --time-limit or pin more choices")
         if space.layers_per_stage is None:
             lows, highs = layer_bounds(model, config, None)
             lo, hi = lows[0], highs[0]
@@ -284,6 +292,10 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
             heapq.heappush(best, entry)
         elif solved.step_s < -best[0][0]:
             heapq.heapreplace(best, entry)
+    if not best and status == "FEASIBLE":
+        raise SearchTimeout(f"the time limit of {time_limit_s:g} s passed before any plan was "
+                            f"found ({solves} of {len(configs)} candidates solved); raise "
+                            f"--time-limit or pin more choices")
     if not best:
         raise NoPlanFits(_no_fit_message(model, cluster, configs, space, framework=framework,
                                          calibration=calibration), least=None)
@@ -342,7 +354,7 @@ def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[Parall
     stages = ", ".join(f"{s.reserved_bytes / 2**30:.1f}" for s in least.memory.per_stage)
     hints = [f"more GPUs (at least {least_peak / capacity:.1f}x the memory is needed)",
              "offload (--offload optimizer or optimizer+params with --zero 3)"
-             if c.offload == "none" else "",
+             if c.offload == "none" and space.offload is None else "",
              f"a shorter sequence than {c.seq_len}" if least.memory.per_stage[0]
              .activations_bytes > 0.3 * least_peak else ""]
     return (f"no plan fits: the least-memory configuration (tp {c.tp}, pp {c.pp}, dp {c.dp}, "

@@ -82,6 +82,35 @@ class SearchSpace:
                              f"{self.recompute_modes}")
 
 
+PIN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
+              "micro_batch_size", "vpp", "mesh_order", "recompute_pinned", "layers_per_stage")
+
+
+def pins_of(space: SearchSpace) -> dict:
+    """The choices ``space`` pins, as JSON-ready data (recorded in a plan's provenance)."""
+    pins = {name: _listed(getattr(space, name)) for name in PIN_FIELDS
+            if getattr(space, name) is not None}
+    if space.recompute_modes != RECOMPUTE_MODES:
+        pins["recompute_modes"] = list(space.recompute_modes)
+    if space.memory_margin:
+        pins["memory_margin"] = space.memory_margin
+    return pins
+
+
+def _listed(value):
+    return [_listed(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _tupled(value):
+    return tuple(_tupled(v) for v in value) if isinstance(value, (tuple, list)) else value
+
+
+def space_with_pins(pins: dict, **fixed) -> SearchSpace:
+    """A SearchSpace with ``pins`` (as ``pins_of`` writes them) and the ``fixed`` fields."""
+    known = set(PIN_FIELDS) | {"recompute_modes", "memory_margin"}
+    return SearchSpace(**fixed, **{k: _tupled(v) for k, v in pins.items() if k in known})
+
+
 def _pick(pinned: tuple | None, default: list) -> list:
     return [v for v in default if v in pinned] if pinned is not None else default
 

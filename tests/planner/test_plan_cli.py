@@ -1,0 +1,455 @@
+"""``meshplan plan``: DESIGN.md's contract for the search command (JSON shape, ranking, pins,
+objectives, exit codes 2 and 3) checked with numbers recomputed here from the cost model.
+
+Every search below is small (megatron-1.7b / llama3-8b / tiny on one or two nodes) and finishes
+in well under a second; the time limits are generous so that a slow CI machine still completes
+the search.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from costmodel import estimate, estimate_to_dict, load_model
+from planner import cli
+from planner.plan import plan_from_dict
+
+# ----- the contract, copied from DESIGN.md ("plan --json output", "Plan file") ----------------
+PLAN_JSON_KEYS = {"schema_version", "plans", "solver", "pareto"}
+SOLVER_KEYS = {"status", "wall_s", "candidates"}
+SOLVER_STATUSES = {"OPTIMAL", "FEASIBLE"}
+ESTIMATE_PLAN_KEYS = {"tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload",
+                      "offload_device", "recompute", "micro_batch_size", "global_batch_size",
+                      "grad_accum_steps", "vpp", "seq_len", "layers_per_stage"}
+"""The ``plan`` object of ``estimate --json``; a plan file has these keys at its top level."""
+PLAN_FILE_OTHER_KEYS = {"framework", "model", "cluster", "predicted", "provenance",
+                        "schema_version"}
+
+REL = 1e-9
+SECONDS_PER_DAY = 86400.0
+SECONDS_PER_HOUR = 3600.0
+GIB = 2**30
+ADAM_MIXED_PRECISION_BYTES_PER_PARAM = 2 + 2 + 12
+"""bf16 weights + bf16 gradients + fp32 master, momentum and variance (ZeRO paper, Sec. 3.1)."""
+
+A100 = ["--cluster", "dgx-a100-80gb"]
+SMALL = ["--model", "megatron-1.7b", *A100, "--global-batch", "64", "--time-limit", "20"]
+"""megatron-1.7b: 24 layers, 24 heads, seq 2048."""
+SMALL_LAYERS = 24
+
+
+@dataclass(frozen=True)
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> dict:
+        assert self.code == 0, self.err
+        assert self.err == ""
+        return json.loads(self.out)
+
+
+def meshplan(*argv: str) -> Result:
+    """Run ``meshplan`` in this process; stdout and stderr are captured separately."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in argv])
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def plan_json(*argv: str) -> dict:
+    return meshplan("plan", *argv, "--json").json()
+
+
+def usage_error(*argv: str) -> str:
+    """``argv`` must fail as a user error: exit 2, nothing on stdout, one line, no traceback."""
+    result = meshplan(*argv, "--json")
+    assert result.code == 2, (result.code, result.err)
+    assert result.out == ""
+    assert "Traceback" not in result.err
+    lines = result.err.splitlines()
+    assert len(lines) == 1, result.err
+    assert lines[0].startswith("meshplan: error: ")
+    return lines[0]
+
+
+def assert_close_tree(got, want, path: str = "") -> None:
+    """Equal JSON trees, floats within REL relative."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (path, set(got) ^ set(want))
+        for key in want:
+            assert_close_tree(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close_tree(g, w, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=REL, abs=0), path
+    else:
+        assert got == want, path
+
+
+def step_s(plan: dict) -> float:
+    return plan["predicted"]["time"]["step_s"]
+
+
+def num_gpus(plan: dict) -> int:
+    return plan["cluster"]["nodes"] * plan["cluster"]["gpus_per_node"]
+
+
+def without_wall_time(plan: dict) -> dict:
+    """A plan with its provenance's solver wall time dropped (the only part that may vary)."""
+    plan = json.loads(json.dumps(plan))
+    del plan["provenance"]["solver"]["wall_s"]
+    return plan
+
+
+@pytest.fixture(scope="module")
+def small_plan() -> dict:
+    """megatron-1.7b on two DGX A100 80GB nodes (16 GPUs), time objective, top 5."""
+    return plan_json(*SMALL, "--nodes", "2")
+
+
+# ----- 1. plan --json: shape, ranking, plan files, Pareto front ---------------------------------
+def test_plan_json_has_exactly_the_design_keys(small_plan):
+    assert set(small_plan) == PLAN_JSON_KEYS
+    assert small_plan["schema_version"] == 1
+    assert set(small_plan["solver"]) == SOLVER_KEYS
+    assert small_plan["solver"]["status"] in SOLVER_STATUSES
+    assert isinstance(small_plan["solver"]["candidates"], int)
+    assert small_plan["solver"]["candidates"] >= len(small_plan["plans"]) > 0
+    assert small_plan["solver"]["wall_s"] >= 0
+    assert isinstance(small_plan["pareto"], list) and small_plan["pareto"]
+
+
+def test_plans_are_ranked_best_first(small_plan):
+    plans = small_plan["plans"]
+    assert len(plans) == 5  # the default --top, and this space has many more candidates
+    steps = [step_s(p) for p in plans]
+    assert steps == sorted(steps)
+    assert [p["provenance"]["rank"] for p in plans] == [1, 2, 3, 4, 5]
+    for plan in plans:
+        assert plan["provenance"]["solver"]["status"] == small_plan["solver"]["status"]
+        assert plan["provenance"]["objective"] == "time"
+        assert plan["predicted"]["fits"] is True
+        # every plan uses the whole cluster under the time objective
+        assert num_gpus(plan) == 16
+        assert plan["tp"] * plan["pp"] * plan["dp"] * plan["cp"] == 16
+
+
+def test_every_plan_is_a_plan_file_whose_prediction_is_the_cost_model(small_plan):
+    for data in small_plan["plans"]:
+        assert set(data) == set(data["predicted"]["plan"]) | PLAN_FILE_OTHER_KEYS
+        assert ESTIMATE_PLAN_KEYS <= set(data)
+        assert {"meshplan_version", "calibration", "solver"} <= set(data["provenance"])
+        assert {"status", "wall_s"} <= set(data["provenance"]["solver"])
+        plan = plan_from_dict(data)
+        # reading and writing again gives the same document
+        assert json.loads(json.dumps(plan.to_dict())) == data
+        # "predicted" is the whole estimate --json document of the plan's configuration
+        again = estimate(plan.model, plan.cluster, plan.config, framework=plan.framework)
+        assert_close_tree(data["predicted"], json.loads(json.dumps(estimate_to_dict(again))))
+        assert again.fits
+        assert sum(data["layers_per_stage"]) == SMALL_LAYERS
+        assert data["grad_accum_steps"] * data["dp"] * data["micro_batch_size"] == 64
+
+
+def test_top_k_bounds_the_number_of_plans(small_plan):
+    for k in (1, 2):
+        data = plan_json(*SMALL, "--nodes", "2", "--top", str(k))
+        assert len(data["plans"]) == k
+        # the best plan does not depend on how many runners-up are asked for
+        assert step_s(data["plans"][0]) == pytest.approx(step_s(small_plan["plans"][0]),
+                                                         rel=REL)
+    # a fully pinned space has one candidate: --top 5 gives it alone
+    pinned = plan_json(*SMALL, "--nodes", "1", "--tp", "1", "--pp", "1", "--zero", "1",
+                       "--micro-batch", "8", "--offload", "none", "--recompute", "none",
+                       "--mesh-order", "tp,cp,dp,pp")
+    assert len(pinned["plans"]) == 1 and pinned["solver"]["candidates"] == 1
+
+
+def test_pareto_points_are_mutually_non_dominated(small_plan):
+    front = small_plan["pareto"]
+    points = [(p["step_s"], p["peak_reserved_bytes"]) for p in front]
+    for i, (t_i, m_i) in enumerate(points):
+        for j, (t_j, m_j) in enumerate(points):
+            if i != j:
+                assert not (t_j <= t_i and m_j <= m_i), (front[i], front[j])
+    assert [t for t, _ in points] == sorted(t for t, _ in points)
+    # the fastest point of the front is the best plan (nothing explored is faster)
+    assert points[0][0] == pytest.approx(step_s(small_plan["plans"][0]), rel=REL)
+    for point in front:
+        assert point["num_gpus"] == 16
+        assert point["tokens_per_s"] == pytest.approx(64 * 2048 / point["step_s"], rel=REL)
+
+
+def test_plan_json_is_only_json_on_stdout_of_the_console_script():
+    script = Path(sys.executable).parent / "meshplan"
+    if not script.exists():
+        pytest.skip("meshplan console script not installed in this environment")
+    proc = subprocess.run([str(script), "plan", *SMALL, "--nodes", "1", "--top", "2", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["plans"]) == 2
+
+
+# ----- 2. pins -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("pins, check", [
+    (["--zero", "3"], lambda p: p["zero_stage"] == 3),
+    (["--recompute", "full"], lambda p: p["recompute"] in ("full", ["full"] * p["pp"])),
+    (["--pp", "2", "--layers-per-stage", "10,14"],
+     lambda p: p["pp"] == 2 and p["layers_per_stage"] == [10, 14]
+     and [s["layers"] for s in p["predicted"]["memory"]["per_stage"]] == [10, 14]),
+    (["--layers-per-stage", "10,14"], lambda p: p["pp"] == 2 and p["layers_per_stage"] == [10, 14]),
+    (["--pp", "2", "--recompute", "full,none"], lambda p: p["recompute"] == ["full", "none"]),
+    (["--micro-batch", "2", "--mesh-order", "tp,cp,pp,dp"],
+     lambda p: p["micro_batch_size"] == 2 and p["mesh_order"] == ["tp", "cp", "pp", "dp"]),
+], ids=["zero3", "recompute-full", "pp2-split", "split-implies-pp", "recompute-per-stage",
+        "micro-batch-and-mesh"])
+def test_pins_hold_in_every_plan(pins, check):
+    data = plan_json(*SMALL, "--nodes", "1", *pins)
+    assert data["plans"]
+    for plan in data["plans"]:
+        assert check(plan), plan
+        assert plan["predicted"]["plan"]["layers_per_stage"] == plan["layers_per_stage"]
+
+
+def test_tp_pin_on_llama3_8b():
+    data = plan_json("--model", "llama3-8b", *A100, "--nodes", "1", "--global-batch", "32",
+                     "--time-limit", "20", "--tp", "8")
+    assert data["plans"]
+    for plan in data["plans"]:
+        assert plan["tp"] == 8 and plan["dp"] * plan["pp"] * plan["cp"] == 1
+        assert plan["predicted"]["plan"]["tp"] == 8
+
+
+def test_pins_restrict_the_space():
+    free = plan_json(*SMALL, "--nodes", "1")
+    pinned = plan_json(*SMALL, "--nodes", "1", "--zero", "3")
+    assert pinned["solver"]["candidates"] < free["solver"]["candidates"]
+    # a restricted space cannot find a faster plan
+    assert step_s(pinned["plans"][0]) >= step_s(free["plans"][0]) * (1 - REL)
+
+
+FULLY_PINNED = ["--model", "megatron-1.7b", *A100, "--nodes", "1", "--tp", "2", "--pp", "2",
+                "--dp", "2", "--cp", "1", "--ep", "1", "--sp", "--zero", "1", "--offload", "none",
+                "--offload-device", "cpu", "--recompute", "selective", "--micro-batch", "2",
+                "--global-batch", "32", "--seq-len", "2048", "--vpp", "1",
+                "--layers-per-stage", "11,13", "--mesh-order", "tp,cp,dp,pp", "--dtype", "bf16",
+                "--framework", "meshplan"]
+"""Every plan flag of ``estimate``: the space has exactly one configuration."""
+
+
+def test_fully_pinned_plan_predicts_what_estimate_says():
+    data = plan_json(*FULLY_PINNED, "--time-limit", "20")
+    est = meshplan("estimate", *FULLY_PINNED, "--json").json()
+    assert data["solver"]["candidates"] == 1
+    assert len(data["plans"]) == 1
+    plan = data["plans"][0]
+    assert (plan["tp"], plan["pp"], plan["dp"], plan["zero_stage"], plan["recompute"],
+            plan["layers_per_stage"], plan["micro_batch_size"]) == \
+        (2, 2, 2, 1, "selective", [11, 13], 2)
+    assert_close_tree(plan["predicted"], est)
+    assert step_s(plan) == pytest.approx(est["time"]["step_s"], rel=REL)
+
+
+# ----- 4. objectives -----------------------------------------------------------------------------
+TOKENS = 1e12
+PRICE = 2.0
+COST = ["--objective", "cost", "--train-tokens", "1e12", "--gpu-hour-price", "2"]
+
+
+def train_steps(plan: dict) -> int:
+    return math.ceil(TOKENS / (plan["global_batch_size"] * plan["seq_len"]))
+
+
+def train_days(plan: dict) -> float:
+    return train_steps(plan) * step_s(plan) / SECONDS_PER_DAY
+
+
+def train_cost(plan: dict) -> float:
+    return train_steps(plan) * step_s(plan) * num_gpus(plan) * PRICE / SECONDS_PER_HOUR
+
+
+@pytest.fixture(scope="module")
+def fastest_per_node_count() -> dict[int, dict]:
+    """The fastest plan of the time objective on one and on two nodes."""
+    return {n: plan_json(*SMALL, "--nodes", str(n), "--top", "1")["plans"][0] for n in (1, 2)}
+
+
+def test_cost_objective_reports_days_and_cost(fastest_per_node_count):
+    data = plan_json(*SMALL, "--nodes", "2", *COST)
+    assert set(data) == PLAN_JSON_KEYS and data["solver"]["status"] in SOLVER_STATUSES
+    plans = data["plans"]
+    assert plans
+    for plan in plans:
+        prov = plan["provenance"]
+        assert prov["objective"] == "cost"
+        assert prov["train_steps"] == train_steps(plan) == math.ceil(1e12 / (64 * 2048))
+        assert prov["train_days"] == pytest.approx(train_days(plan), rel=REL)
+        assert prov["train_cost"] == pytest.approx(train_cost(plan), rel=REL)
+        assert num_gpus(plan) <= 16
+        assert plan_from_dict(plan).cluster.num_gpus == num_gpus(plan)
+    costs = [p["provenance"]["train_cost"] for p in plans]
+    assert costs == sorted(costs)
+    # the cheapest plan is at least as cheap as the fastest plan on either node count ...
+    cheapest_fastest = min(fastest_per_node_count.values(), key=train_cost)
+    assert costs[0] <= train_cost(cheapest_fastest) * (1 + REL)
+    # ... and here it is the one-node plan: 16 GPUs are less than twice as fast as 8 for this
+    # compute-bound 1.7B model, so the second node costs more than it saves
+    assert train_cost(fastest_per_node_count[1]) < train_cost(fastest_per_node_count[2])
+    assert num_gpus(plans[0]) == 8
+
+
+def test_cost_objective_meets_a_deadline(fastest_per_node_count):
+    """A deadline between the two node counts' fastest times forces the second node."""
+    one, two = train_days(fastest_per_node_count[1]), train_days(fastest_per_node_count[2])
+    assert two < one
+    deadline = (one + two) / 2
+    data = plan_json(*SMALL, "--nodes", "2", *COST, "--deadline-days", f"{deadline:.6f}")
+    assert data["plans"]
+    for plan in data["plans"]:
+        assert plan["provenance"]["train_days"] <= deadline
+        assert num_gpus(plan) == 16
+
+
+def test_deadline_nothing_meets_exits_3():
+    result = meshplan("plan", *SMALL, "--nodes", "2", *COST, "--deadline-days", "0.001",
+                      "--json")
+    assert result.code == 3
+    assert result.out == ""
+    lines = result.err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.err
+    assert lines[0].startswith("meshplan: ")
+    assert "0.001 days" in lines[0]
+
+
+def test_time_objective_with_train_tokens_reports_days():
+    data = plan_json(*SMALL, "--nodes", "1", "--top", "1", "--train-tokens", "1e12")
+    plan = data["plans"][0]
+    assert plan["provenance"]["train_days"] == pytest.approx(train_days(plan), rel=REL)
+    assert "train_cost" not in plan["provenance"]  # no price given
+
+
+@pytest.mark.parametrize("extra, flag", [
+    ([], "--train-tokens"),
+    (["--train-tokens", "1e12"], "--gpu-hour-price"),
+])
+def test_cost_objective_needs_tokens_and_price(extra, flag):
+    line = usage_error("plan", *SMALL, "--nodes", "1", "--objective", "cost", *extra)
+    assert flag in line
+
+
+# ----- 5. nothing fits ---------------------------------------------------------------------------
+def test_no_plan_fits_exits_3_naming_the_least_memory_configuration(tmp_path):
+    output = tmp_path / "plan.json"
+    result = meshplan("plan", "--model", "llama3-405b", "--cluster", "dgx-a100-40gb",
+                      "--nodes", "1", "--global-batch", "8", "--offload", "none",
+                      "--time-limit", "20", "--json", "-o", output)
+    assert result.code == 3
+    assert result.out == ""
+    assert not output.exists()
+    assert "Traceback" not in result.err
+    lines = result.err.splitlines()
+    assert len(lines) == 1, result.err
+    line = lines[0]
+    assert line.startswith("meshplan: no plan fits")
+    assert "least-memory configuration" in line and "offload none" in line
+    found = re.search(r"needs ([\d., ]+) GiB reserved per stage against ([\d.]+) GiB", line)
+    assert found, line
+    per_stage_gib = [float(x) for x in found.group(1).split(",")]
+    assert float(found.group(2)) == 40.0  # the A100 40GB's HBM, in GiB
+    # without offload, the 8 GPUs together hold 16 bytes per parameter: the fullest stage needs
+    # at least an eighth of that
+    floor_gib = (ADAM_MIXED_PRECISION_BYTES_PER_PARAM * load_model("llama3-405b").num_params
+                 / 8 / GIB)
+    assert max(per_stage_gib) >= floor_gib
+    assert max(per_stage_gib) > 40.0
+
+
+# ----- 6. bad input: exit 2, one line, nothing on stdout -----------------------------------------
+ONE_NODE = ["plan", *SMALL, "--nodes", "1"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([*ONE_NODE, "--pp", "2", "--layers-per-stage", "8,8,8"], ["--layers-per-stage", "3", "--pp"]),
+    ([*ONE_NODE, "--pp", "2", "--recompute", "full,full,full"], ["--recompute", "3", "--pp"]),
+    ([*ONE_NODE, "--pp", "3", "--layers-per-stage", "8,8,8", "--recompute", "full,none"],
+     ["--recompute", "2"]),
+    ([*ONE_NODE, "--layers-per-stage", "10,10"], ["sums to 20", "24"]),
+    ([*ONE_NODE, "--pp", "2", "--layers-per-stage", "12,13"], ["sums to 25", "24"]),
+    ([*ONE_NODE, "--layers-per-stage", "12,0"], ["--layers-per-stage"]),
+    ([*ONE_NODE, "--offload", "optimizer+params", "--zero", "1"], []),
+    (["plan", "--model", "megatron-1.7b", *A100, "--nodes", "1", "--global-batch", "3",
+      "--dp", "8", "--time-limit", "20"], ["global batch 3"]),
+    (["plan", "--model", "megatron-1.7b", *A100, "--nodes", "1", "--global-batch", "3",
+      "--tp", "1", "--pp", "1", "--time-limit", "20"], ["global batch 3"]),
+    # tiny (4 layers, 2 kv heads) on 16 GPUs: tp <= 2 and pp <= 4 leave dp >= 2, and no dp
+    # divides a global batch of 3; nothing is pinned
+    (["plan", "--model", "tiny", *A100, "--nodes", "2", "--global-batch", "3",
+      "--time-limit", "20"], ["global batch 3"]),
+    ([*ONE_NODE, "--tp", "3"], []),
+    ([*ONE_NODE, "--nodes", "0"], ["--nodes"]),
+    ([*ONE_NODE, "--nodes", "-2"], ["--nodes"]),
+    ([*ONE_NODE, "--gpus-per-node", "0"], ["--gpus-per-node"]),
+    ([*ONE_NODE, "--gpus-per-node", "-8"], ["--gpus-per-node"]),
+    ([*ONE_NODE, "--time-limit", "0"], ["--time-limit"]),
+    ([*ONE_NODE, "--time-limit", "-1"], ["--time-limit"]),
+    ([*ONE_NODE, "--memory-margin", "1.5"], ["--memory-margin", "1.5"]),
+    ([*ONE_NODE, "--memory-margin", "1"], ["--memory-margin"]),
+    ([*ONE_NODE, "--memory-margin", "-0.1"], ["--memory-margin"]),
+    ([*ONE_NODE, "--top", "0"], ["--top"]),
+    ([*ONE_NODE, "--recompute", "sometimes"], ["sometimes"]),
+    ([*ONE_NODE, "--objective", "money"], ["--objective"]),
+    ([*ONE_NODE, "--train-tokens", "-5"], ["--train-tokens"]),
+    ([*ONE_NODE, "--model", "no-such-model"], ["no-such-model"]),
+    (["plan", "--model", "megatron-1.7b", *A100, "--nodes", "1"], ["--global-batch"]),
+], ids=["split-vs-pp", "recompute-vs-pp", "recompute-vs-split", "split-sum",
+        "split-sum-with-pp", "split-zero", "offload-params-zero1", "batch-vs-pinned-dp",
+        "batch-vs-pinned-tp-pp", "batch-no-dp-divides", "tp3", "nodes-0", "nodes-negative",
+        "gpus-per-node-0", "gpus-per-node-negative", "time-limit-0", "time-limit-negative",
+        "margin-1.5", "margin-1", "margin-negative", "top-0", "recompute-mode",
+        "objective", "train-tokens-negative", "model", "no-global-batch"])
+def test_bad_input_is_a_one_line_user_error(argv, words):
+    line = usage_error(*argv)
+    for word in words:
+        assert word in line, line
+
+
+def test_offload_params_without_zero3_names_the_conflict():
+    line = usage_error(*ONE_NODE, "--offload", "optimizer+params", "--zero", "1")
+    assert "optimizer+params" in line and "3" in line
+
+
+def test_a_time_limit_too_short_to_solve_is_not_reported_as_no_plan_fits():
+    result = meshplan("plan", "--model", "llama3-8b", *A100, "--nodes", "2", "--global-batch",
+                      "64", "--time-limit", "0.01", "--json")
+    if result.code == 0:
+        data = json.loads(result.out)
+        assert data["plans"] and data["solver"]["status"] == "FEASIBLE"
+    else:
+        assert "no plan fits" not in result.err
+        assert "time" in result.err
+
+
+# ----- 8. determinism ----------------------------------------------------------------------------
+def test_same_command_same_plans():
+    argv = ("--model", "llama3-8b", *A100, "--nodes", "2", "--global-batch", "64",
+            "--time-limit", "30", "--seed", "7")
+    first, second = plan_json(*argv), plan_json(*argv)
+    assert first["solver"]["status"] == second["solver"]["status"] == "OPTIMAL"
+    assert first["solver"]["candidates"] == second["solver"]["candidates"]
+    assert [without_wall_time(p) for p in first["plans"]] == \
+        [without_wall_time(p) for p in second["plans"]]
+    assert first["pareto"] == second["pareto"]

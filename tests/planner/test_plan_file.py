@@ -1,0 +1,361 @@
+"""Plan files (DESIGN.md, "Plan file"): ``plan -o`` writes them, ``export`` and ``explain`` read
+them, readers reject unknown / missing keys and other schema versions, and ``explain`` says what
+binds with numbers recomputed here from the plan's own prediction and the cost model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import shlex
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from costmodel import estimate
+from planner import cli
+from planner.plan import read_plan
+
+# ----- the contract, copied from DESIGN.md --------------------------------------------------------
+ESTIMATE_PLAN_KEYS = {"tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload",
+                      "offload_device", "recompute", "micro_batch_size", "global_batch_size",
+                      "grad_accum_steps", "vpp", "seq_len", "layers_per_stage"}
+PLAN_FILE_OTHER_KEYS = {"framework", "model", "cluster", "predicted", "provenance",
+                        "schema_version"}
+EXPLAIN_KEYS = {"plan", "binding", "runners_up", "what_if"}
+TIME_TERMS = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "pp_bubble_s",
+              "dp_comm_s", "offload_s", "optimizer_s")
+"""The terms that add up to a step (communication as exposed)."""
+TARGETS = ("deepspeed", "megatron", "torchtitan")
+SUMMARY_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
+                "recompute", "micro_batch_size", "vpp", "layers_per_stage", "mesh_order")
+"""The choices that tell two configurations apart (explain's plan summaries)."""
+
+REL = 1e-9
+GLOBAL_BATCH = 64
+BASE = ["--model", "megatron-1.7b", "--cluster", "dgx-a100-80gb", "--global-batch",
+        str(GLOBAL_BATCH), "--time-limit", "20"]
+"""megatron-1.7b: 24 layers, seq 2048; searches of it take well under a second."""
+
+
+@dataclass(frozen=True)
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> dict:
+        assert self.code == 0, self.err
+        assert self.err == ""
+        return json.loads(self.out)
+
+
+def meshplan(*argv) -> Result:
+    """Run ``meshplan`` in this process; stdout and stderr are captured separately."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in argv])
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def usage_error(*argv) -> str:
+    """``argv`` must fail as a user error: exit 2, nothing on stdout, one line, no traceback."""
+    result = meshplan(*argv)
+    assert result.code == 2, (result.code, result.err)
+    assert result.out == ""
+    assert "Traceback" not in result.err
+    lines = result.err.splitlines()
+    assert len(lines) == 1, result.err
+    assert lines[0].startswith("meshplan: error: ")
+    return lines[0]
+
+
+def write_plan_file(path: Path, *argv: str) -> dict:
+    """``meshplan plan ... -o path --json``; returns the JSON output."""
+    data = meshplan("plan", *BASE, *argv, "-o", path, "--json").json()
+    assert path.is_file()
+    return data
+
+
+@pytest.fixture(scope="module")
+def pinned(tmp_path_factory) -> tuple[Path, dict]:
+    """A two-node plan with a pinned, uneven two-stage split (so stages differ in memory) and
+    the plain 1F1B schedule (DeepSpeed has no interleaved one)."""
+    path = tmp_path_factory.mktemp("pinned") / "plan.json"
+    write_plan_file(path, "--nodes", "2", "--pp", "2", "--layers-per-stage", "10,14",
+                    "--vpp", "1")
+    return path, json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def unpinned(tmp_path_factory) -> tuple[Path, dict]:
+    """The best plan of the whole one-node space."""
+    path = tmp_path_factory.mktemp("unpinned") / "plan.json"
+    write_plan_file(path, "--nodes", "1")
+    return path, json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def explained(pinned) -> dict:
+    path, _ = pinned
+    return meshplan("explain", path, "--json", "--time-limit", "20").json()
+
+
+# ----- 3. -o writes the best plan; --force; export and explain read it --------------------------
+def test_output_file_holds_the_best_plan(tmp_path):
+    path = tmp_path / "plan.json"
+    data = write_plan_file(path, "--nodes", "1")
+    written = json.loads(path.read_text())
+    assert written == data["plans"][0]
+    assert written["provenance"]["rank"] == 1
+    assert set(written) == set(written["predicted"]["plan"]) | PLAN_FILE_OTHER_KEYS
+    assert ESTIMATE_PLAN_KEYS <= set(written)
+    plan = read_plan(path)
+    assert plan.step_s == written["predicted"]["time"]["step_s"]
+    assert plan.config.global_batch_size == GLOBAL_BATCH
+
+
+def test_output_file_is_not_overwritten_without_force(tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan_file(path, "--nodes", "1", "--zero", "1")
+    before = path.read_bytes()
+    line = usage_error("plan", *BASE, "--nodes", "1", "--zero", "3", "-o", path, "--json")
+    assert "--force" in line and str(path) in line
+    assert path.read_bytes() == before
+    # the text report refuses the same way
+    usage_error("plan", *BASE, "--nodes", "1", "--zero", "3", "-o", path)
+    assert path.read_bytes() == before
+
+    data = meshplan("plan", *BASE, "--nodes", "1", "--zero", "3", "-o", path, "--force",
+                    "--json").json()
+    written = json.loads(path.read_text())
+    assert written == data["plans"][0]
+    assert written["zero_stage"] == 3
+    assert json.loads(before)["zero_stage"] == 1
+
+
+def test_text_report_says_where_the_plan_went(tmp_path):
+    path = tmp_path / "plan.json"
+    result = meshplan("plan", *BASE, "--nodes", "1", "--top", "1", "-o", path)
+    assert result.code == 0, result.err
+    assert f"wrote the best plan to {path}" in result.out
+    assert json.loads(path.read_text())["provenance"]["rank"] == 1
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_export_reads_the_written_plan(pinned, target):
+    path, data = pinned
+    result = meshplan("export", path, "--to", target, "--json")
+    assert result.code == 0, result.err
+    export = json.loads(result.out)
+    assert export["target"] == target
+    config = export["config"]
+    if target == "deepspeed":
+        assert config["train_batch_size"] == GLOBAL_BATCH
+        assert config["train_micro_batch_size_per_gpu"] == data["micro_batch_size"]
+        assert config["gradient_accumulation_steps"] == data["grad_accum_steps"]
+        assert config["zero_optimization"]["stage"] == data["zero_stage"]
+    elif target == "megatron":
+        args = dict(zip(config, config[1:]))
+        assert args["--pipeline-model-parallel-size"] == str(data["pp"])
+        assert args["--tensor-model-parallel-size"] == str(data["tp"])
+        assert args["--global-batch-size"] == str(GLOBAL_BATCH)
+        assert args["--micro-batch-size"] == str(data["micro_batch_size"])
+        assert shlex.split(export["text"]) == config
+    else:
+        assert tomllib.loads(export["text"]) == config
+        assert config["parallelism"]["pipeline_parallel_degree"] == data["pp"]
+
+
+def test_explain_reads_the_written_plan_as_text(pinned):
+    path, data = pinned
+    result = meshplan("explain", path, "--time-limit", "20")
+    assert result.code == 0, result.err
+    assert "what binds" in result.out
+    assert "runners-up" in result.out and "what if" in result.out
+    assert "2x inter-node bandwidth" in result.out
+    assert f"layers {data['layers_per_stage']}" in result.out
+
+
+# ----- 6. bad plan files: exit 2, one line naming the problem ------------------------------------
+def _edit(data: dict, **changes) -> dict:
+    return {**json.loads(json.dumps(data)), **changes}
+
+
+BAD_FILES = {
+    "unknown-key": (lambda d: _edit(d, learning_rate=3e-4), ["unknown", "learning_rate"]),
+    "missing-key": (lambda d: {k: v for k, v in d.items() if k != "zero_stage"},
+                    ["missing", "zero_stage"]),
+    "schema-2": (lambda d: _edit(d, schema_version=2), ["schema_version 2"]),
+    "bad-grad-accum": (lambda d: _edit(d, grad_accum_steps=d["grad_accum_steps"] + 1),
+                       ["grad_accum_steps"]),
+    "model-not-object": (lambda d: _edit(d, model="megatron-1.7b"), ["model"]),
+    "predicted-not-object": (lambda d: _edit(d, predicted=[]), ["predicted"]),
+    "tp-string": (lambda d: _edit(d, tp="1"), ["tp"]),
+}
+
+
+@pytest.mark.parametrize("command", [["explain", "--json"], ["export", "--to", "megatron"]],
+                         ids=["explain", "export"])
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_plan_file_is_a_user_error(unpinned, tmp_path, command, case):
+    _, data = unpinned
+    make, words = BAD_FILES[case]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(make(data)))
+    line = usage_error(command[0], path, *command[1:])
+    for word in words:
+        assert word in line, line
+
+
+@pytest.mark.parametrize("command", [["explain", "--json"], ["export", "--to", "deepspeed"]],
+                         ids=["explain", "export"])
+@pytest.mark.parametrize("text, words", [
+    ("{\"tp\": 1,", ["not valid JSON"]),
+    ("", ["not valid JSON"]),
+    ("[{\"tp\": 1}]", ["JSON object"]),
+    ("\"plan\"", ["JSON object"]),
+], ids=["truncated", "empty", "list", "string"])
+def test_unreadable_plan_file_is_a_user_error(tmp_path, command, text, words):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    line = usage_error(command[0], path, *command[1:])
+    for word in [*words, str(path)]:
+        assert word in line, line
+
+
+def test_missing_plan_file_is_a_user_error(tmp_path):
+    path = tmp_path / "nowhere.json"
+    assert "does not exist" in usage_error("explain", path)
+    assert "does not exist" in usage_error("export", path, "--to", "megatron")
+
+
+@pytest.mark.parametrize("key, value", [("layers_per_stage", None), ("mesh_order", 7),
+                                        ("recompute", 5)])
+def test_plan_file_value_of_the_wrong_type_is_a_user_error(unpinned, tmp_path, key, value):
+    _, data = unpinned
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_edit(data, **{key: value})))
+    assert key in usage_error("export", path, "--to", "megatron")
+
+
+INCONSISTENT = {
+    "degrees-vs-gpus": ({"tp": 3}, "GPUs"),
+    "split-vs-layers": ({"layers_per_stage": [10]}, "24"),
+    "framework": ({"framework": "nemo"}, "nemo"),
+}
+
+
+@pytest.mark.parametrize("case", list(INCONSISTENT))
+def test_explain_rejects_a_plan_inconsistent_with_its_model_and_cluster(unpinned, tmp_path,
+                                                                         case):
+    _, data = unpinned
+    change, word = INCONSISTENT[case]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_edit(data, **change)))
+    assert word in usage_error("explain", path)
+
+
+@pytest.mark.parametrize("case", list(INCONSISTENT))
+def test_export_rejects_a_plan_inconsistent_with_its_model_and_cluster(unpinned, tmp_path,
+                                                                        case):
+    _, data = unpinned
+    change, word = INCONSISTENT[case]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_edit(data, **change)))
+    assert word in usage_error("export", path, "--to", "megatron")
+
+
+# ----- 7. explain -------------------------------------------------------------------------------
+def test_explain_json_keys_and_plan(explained, pinned):
+    _, data = pinned
+    assert set(explained) == EXPLAIN_KEYS
+    plan = explained["plan"]
+    for key in ("tp", "pp", "dp", "cp", "zero_stage", "offload", "recompute",
+                "micro_batch_size", "vpp", "layers_per_stage", "mesh_order"):
+        assert plan[key] == data[key], key
+    assert plan["layers_per_stage"] == [10, 14]
+    assert plan["step_s"] == pytest.approx(data["predicted"]["time"]["step_s"], rel=REL)
+    assert plan["mfu"] == pytest.approx(data["predicted"]["throughput"]["mfu"], rel=REL)
+    assert plan["fits"] is True
+
+
+def test_explain_binding_memory_is_the_fullest_stage(explained, pinned):
+    _, data = pinned
+    stages = data["predicted"]["memory"]["per_stage"]
+    assert len(stages) == 2
+    fullest = max(stages, key=lambda s: s["reserved_bytes"])
+    memory = explained["binding"]["memory"]
+    assert memory["stage"] == fullest["stage"]
+    assert memory["reserved_bytes"] == fullest["reserved_bytes"]
+    capacity = data["predicted"]["memory"]["capacity_bytes"]
+    assert memory["capacity_bytes"] == capacity
+    assert memory["headroom_fraction"] == pytest.approx(
+        1 - fullest["reserved_bytes"] / capacity, rel=REL)
+    parts = {k: fullest[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                     "activations_bytes", "buffers_bytes")}
+    assert memory["largest_component"] == max(parts, key=parts.get)
+    assert memory["largest_component_bytes"] == max(parts.values())
+
+
+def test_explain_binding_time_is_the_largest_term(explained, pinned):
+    _, data = pinned
+    times = {name: data["predicted"]["time"][name] for name in TIME_TERMS}
+    binding = explained["binding"]["time"]
+    assert binding["dominant_term"] == max(times, key=times.get)
+    assert binding["dominant_s"] == pytest.approx(max(times.values()), rel=REL)
+    assert binding["dominant_fraction"] == pytest.approx(
+        max(times.values()) / data["predicted"]["time"]["step_s"], rel=REL)
+    assert binding["bottleneck_stage"] == data["predicted"]["time"]["bottleneck_stage"]
+
+
+def test_explain_what_if_doubled_inter_node_bandwidth(explained, pinned):
+    path, data = pinned
+    entries = {w["change"]: w for w in explained["what_if"]}
+    faster = entries["2x inter-node bandwidth"]
+    assert faster["same_plan_step_s"] <= data["predicted"]["time"]["step_s"]
+    plan = read_plan(path)
+    doubled = dataclasses.replace(plan.cluster, nic_bytes_per_s=2 * plan.cluster.nic_bytes_per_s)
+    again = estimate(plan.model, doubled, plan.config, framework=plan.framework)
+    assert faster["same_plan_step_s"] == pytest.approx(again.time.step_s, rel=REL)
+    # re-planned on the faster cluster: no worse than keeping this plan
+    assert faster["fits"] is True
+    assert faster["step_s"] <= faster["same_plan_step_s"] * (1 + REL)
+    assert faster["num_gpus"] == 16
+
+
+def test_explain_what_if_one_more_node_and_next_zero_stage(explained, pinned):
+    path, data = pinned
+    entries = {w["change"]: w for w in explained["what_if"]}
+    assert entries["one more node"]["num_gpus"] == 24
+    plan = read_plan(path)
+    assert plan.config.zero_stage < 3 and plan.config.dp > 1
+    nxt = entries[f"ZeRO-{plan.config.zero_stage + 1}"]
+    again = estimate(plan.model, plan.cluster,
+                     plan.config.replace(zero_stage=plan.config.zero_stage + 1),
+                     framework=plan.framework)
+    assert nxt["step_s"] == pytest.approx(again.time.step_s, rel=REL)
+    assert nxt["peak_reserved_bytes"] == int(again.memory.peak_reserved_bytes)
+    assert nxt["delta_peak_bytes"] == pytest.approx(  # bytes truncated to int on each side
+        again.memory.peak_reserved_bytes - data["predicted"]["memory"]["peak_reserved_bytes"],
+        abs=1)
+    # sharding one more kind of state never needs more memory
+    assert nxt["delta_peak_bytes"] <= 0
+
+
+def test_explain_runners_up_of_the_best_plan_are_no_faster(unpinned):
+    path, data = unpinned
+    explained = meshplan("explain", path, "--json", "--time-limit", "20").json()
+    step = data["predicted"]["time"]["step_s"]
+    assert explained["runners_up"]
+    for runner in explained["runners_up"]:
+        assert runner["step_s"] >= step * (1 - REL)
+        assert runner["delta_s"] == pytest.approx(runner["step_s"] - step, rel=REL, abs=1e-12)
+        assert {k: runner[k] for k in SUMMARY_KEYS} != {k: data[k] for k in SUMMARY_KEYS}
+    # on one node inter-node bandwidth does not matter to the plan
+    faster = {w["change"]: w for w in explained["what_if"]}["2x inter-node bandwidth"]
+    assert faster["same_plan_step_s"] == pytest.approx(step, rel=REL)
