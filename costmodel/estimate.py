@@ -13,7 +13,8 @@ from costmodel.memory import (StageMemory, host_bytes_per_node, stage_layer_rang
                               stage_params)
 from costmodel.model import ModelSpec
 from costmodel.timing import (BACKWARD_FACTOR, StageTime, dp_step_s, exposed_s,
-                              optimizer_step_s, stage_links, stage_microbatch_time)
+                              optimizer_step_s, stage_link_signature, stage_links,
+                              stage_microbatch_time)
 
 SCHEMA_VERSION = 1
 
@@ -104,13 +105,14 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                     memory=memory, time=time, throughput=throughput, fits=not why, why_not=why)
 
 
-def _stage_key(model: ModelSpec, config: ParallelConfig, stage: int) -> tuple:
-    """Stages with equal keys take equal time (catalog clusters are symmetric, so their
-    communication groups see the same links)."""
+def _stage_key(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+               stage: int) -> tuple:
+    """Stages with equal keys take equal time: same layers, role, recompute mode and links
+    (the pipeline neighbour of a stage may sit on another node than its predecessor's)."""
     layers = stage_layer_range(model, config, stage)
     moe = tuple(model.is_moe_layer(i) for i in layers) if model.is_moe else ()
     return (len(layers), moe, stage == 0, stage == config.pp - 1,
-            config.stage_recompute(stage))
+            config.stage_recompute(stage), stage_link_signature(cluster, config, stage))
 
 
 def _memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, framework: str,
@@ -195,7 +197,7 @@ def _time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, framew
     cache: dict[tuple, StageTerms] = {}
     terms = []
     for s in range(config.pp):
-        key = _stage_key(model, config, s)
+        key = _stage_key(model, cluster, config, s)
         if key not in cache:
             cache[key] = stage_terms(model, cluster, config, s, framework=framework,
                                      calibration=cal)

@@ -31,7 +31,8 @@ FP32_BYTES = 4
 DS_BUFFER_FACTOR = 1.5
 """``additional_buffer_factor`` default of DeepSpeed's estimators (host memory)."""
 DS_BUCKET_ELEMENTS = 500_000_000
-"""DeepSpeed's default ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements)."""
+"""DeepSpeed's default ``reduce_bucket_size`` (elements); with ``contiguous_gradients`` ZeRO-1/2
+allocate one gradient buffer of that size up front, whatever the model size."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,8 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
     if framework == "deepspeed":
         if zero_stage == 3:  # DeepSpeed's estimator: fp16 param + fp16 grad of the largest layer
             return 4.0 * largest_layer_params
-        if zero_stage in (1, 2):  # reduce and all-gather buckets, fp16
-            return 2 * compute_bytes * min(DS_BUCKET_ELEMENTS, stage_params)
+        if zero_stage in (1, 2):  # the contiguous reduce bucket (ipg buffer), allocated whole
+            return compute_bytes * DS_BUCKET_ELEMENTS
         return 0.0
     if framework == "megatron":
         if zero_stage == 3:

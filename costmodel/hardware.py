@@ -128,7 +128,8 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
     """
     g = nx.Graph()
     gpu = cluster.gpu
-    nic_share = max(1, cluster.gpus_per_node // cluster.nics_per_node)
+    rails = min(cluster.nics_per_node, cluster.gpus_per_node)  # NICs with a GPU on them
+    nic_share = max(1, cluster.gpus_per_node // rails)
     per_gpu_nic = cluster.nic_bytes_per_s / nic_share
     leaves_per_rail = -(-cluster.nodes // cluster.nodes_per_leaf)
     for node in range(cluster.nodes):
@@ -140,12 +141,12 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
             g.add_edge(("gpu", gid), switch, bytes_per_s=gpu.nvlink_bytes_per_s,
                        latency_s=cluster.nvlink_latency_s / 2, tier="nvlink")
             if cluster.nodes > 1:
-                rail = local % cluster.nics_per_node
+                rail = local % rails
                 g.add_edge(("gpu", gid), ("nic", node, rail), bytes_per_s=per_gpu_nic,
                            latency_s=cluster.nic_latency_s / 4, tier="pcie-nic")
         if cluster.nodes == 1:
             continue
-        for rail in range(cluster.nics_per_node):
+        for rail in range(rails):
             nic = ("nic", node, rail)
             g.nodes[nic].update(kind="nic", node=node, rail=rail)
             leaf = ("leaf", rail, node // cluster.nodes_per_leaf)
@@ -153,7 +154,7 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
             g.add_edge(nic, leaf, bytes_per_s=per_gpu_nic, latency_s=cluster.nic_latency_s / 4,
                        tier="nic-leaf")
     if cluster.nodes > 1 and leaves_per_rail > 1:
-        for rail in range(cluster.nics_per_node):
+        for rail in range(rails):
             spine = ("spine", rail)
             g.add_node(spine, kind="spine", rail=rail)
             for j in range(leaves_per_rail):

@@ -94,6 +94,22 @@ def stage_links(cluster: ClusterSpec, config: ParallelConfig, stage: int) -> Lin
                         tuple(config.mesh_order), stage)
 
 
+def stage_link_signature(cluster: ClusterSpec, config: ParallelConfig, stage: int) -> tuple:
+    """What a stage's communication sees: its groups and the pipeline link it pays for."""
+    links = stage_links(cluster, config, stage)
+    return (links.tp, links.cp, links.dp, links.ep, _pp_link(cluster, config, stage, links))
+
+
+def _pp_link(cluster: ClusterSpec, config: ParallelConfig, stage: int,
+             links: Links) -> coll.GroupLink | None:
+    """The point-to-point link ``stage`` sends over: to the next stage, or for the last stage
+    (which sends gradients back) to the previous one."""
+    if links.pp_next is not None or stage == 0:
+        return links.pp_next
+    return coll.group_link(cluster, (rank_of(config, {"pp": stage - 1}),
+                                     rank_of(config, {"pp": stage})))
+
+
 @functools.lru_cache(maxsize=16384)
 def _stage_links(cluster: ClusterSpec, tp: int, cp: int, dp: int, pp: int, ep: int,
                  mesh_order: tuple[str, ...], stage: int) -> Links:
@@ -240,11 +256,7 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         compute += _lm_head_s(model, cluster, config, calibration)
     compute *= calibration.compute_factor(framework)
     tp *= 1 - calibration.tp_overlap
-    pp = _pp_comm_s(model, config, links.pp_next, calibration)
-    if stage > 0 and links.pp_next is None:
-        pp = _pp_comm_s(model, config, coll.group_link(
-            cluster, (rank_of(config, {"pp": stage - 1}), rank_of(config, {"pp": stage}))),
-            calibration)
+    pp = _pp_comm_s(model, config, _pp_link(cluster, config, stage, links), calibration)
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework)
     offload = _param_offload_per_microbatch_s(config, cluster, params=params)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
 from costmodel.estimate import Estimate, stage_terms
 from costmodel.memory import stage_memory
+from costmodel.timing import stage_link_signature
 from planner import solver as cpsat
 from planner.space import SearchSpace, candidates
 from planner.tables import build_tables, layer_bounds, stage_config
@@ -102,14 +103,21 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     Per micro-batch: t_i(n, r) >= t_i(n, none) (recomputation adds compute X and hides at most
     X more traffic), max_i t_i >= mean_i t_i, and sums over stages of terms linear in the layer
     count (one slope for all stages) are fixed for a given layer total; with S a lower bound of
-    sum_i t_i, ``v * step >= (m v - 1) S / p + S``. Once per step: some stage holds at least ceil(L/p)
-    layers, so the largest exposed data-parallel, optimizer and offload terms are at least the
+    sum_i t_i, ``v * step >= (m v - 1) S / p + S``. Once per step: some stage holds at least
+    ceil(L/p) layers, so the largest exposed data-parallel, optimizer and offload terms are at least the
     smallest value any stage class takes for a count in [ceil(L/p), hi] (each is linear, or
     max(0, linear), in the count, so that minimum sits at an end of the range).
     """
     p, total_layers = config.pp, model.num_layers
-    classes = [0] if p == 1 else ([0, p - 1] if p == 2 else [0, 1, p - 1])
     heavy = max(lo, min(hi, -(-total_layers // p)))
+    # one representative per kind of stage: role and links (see costmodel.estimate._stage_key)
+    kinds: dict[tuple, int] = {}
+    counts: dict[int, int] = {}
+    for stage in range(p):
+        kind = (stage == 0, stage == p - 1, stage_link_signature(cluster, config, stage))
+        first = kinds.setdefault(kind, stage)
+        counts[first] = counts.get(first, 0) + 1
+    classes = list(counts)
     forms: dict[int, dict[int, object]] = {}
     for stage in classes:
         forms[stage] = {}
@@ -128,10 +136,6 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
         """A term linear in the layer count, extrapolated from lo and lo + 1."""
         first, second = getter(forms[stage][lo]), getter(forms[stage][lo + 1])
         return first + (second - first) * (n - lo)
-
-    counts = {s: 1 for s in classes}
-    if p > 2:
-        counts[1] = p - 2
 
     def summed(getter) -> float:
         """sum over stages of a term linear in the layer count, for any split of L layers."""
@@ -281,6 +285,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
                             time_limit_s=min(remaining, SOLVE_TIME_CAP_S), bound=bounds[i],
                             cutoff_s=cutoff)
         solves += 1
+        if solved == "timeout":
+            status = "FEASIBLE"  # this candidate's optimum is unknown: the search is incomplete
+            continue
         if solved is None:
             infeasible += 1
             continue
@@ -297,8 +304,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
                             f"found ({solves} of {len(configs)} candidates solved); raise "
                             f"--time-limit or pin more choices")
     if not best:
-        raise NoPlanFits(_no_fit_message(model, cluster, configs, space, framework=framework,
-                                         calibration=calibration), least=None)
+        message, least = _no_fit_message(model, cluster, configs, space, framework=framework,
+                                         calibration=calibration)
+        raise NoPlanFits(message, least=least)
     ranked = tuple(s for _, _, s in sorted(best, key=lambda e: (-e[0], e[1])))
     return SearchResult(ranked=ranked, explored=tuple(explored), status=status,
                         wall_s=time.perf_counter() - start, candidates=len(configs),
@@ -308,9 +316,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
 def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                space: SearchSpace, *, framework: str, calibration: Calibration, seed: int,
                workers: int, time_limit_s: float, bound: float,
-               cutoff_s: float | None = None) -> Solved | None:
-    """The candidate's best split, or None if nothing fits or (with ``cutoff_s``) nothing
-    beats the current k-th best plan."""
+               cutoff_s: float | None = None) -> Solved | str | None:
+    """The candidate's best split; None if nothing fits or (with ``cutoff_s``) nothing beats
+    the current k-th best plan; ``"timeout"`` if its solve ran out of time without a split."""
     tables = build_tables(model, cluster, config, modes=space.recompute_modes,
                           framework=framework, calibration=calibration,
                           memory_margin=space.memory_margin,
@@ -319,8 +327,10 @@ def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     try:
         solution = cpsat.solve(tables, time_limit_s=time_limit_s, seed=seed, workers=workers,
                                cutoff_s=cutoff_s)
-    except (cpsat.Infeasible, cpsat.NoSolutionInTime):
+    except cpsat.Infeasible:
         return None
+    except cpsat.NoSolutionInTime:
+        return "timeout"
     final = config.replace(layers_per_stage=solution.layers,
                            recompute=_compact(solution.modes))
     est = estimate(model, cluster, final, framework=framework, calibration=calibration)
@@ -334,9 +344,10 @@ def _compact(modes: tuple[str, ...]) -> str | tuple[str, ...]:
 
 
 def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[ParallelConfig],
-                    space: SearchSpace, *, framework: str, calibration: Calibration) -> str:
+                    space: SearchSpace, *, framework: str,
+                    calibration: Calibration) -> tuple[str, Estimate | None]:
     """Name the least-memory configuration, its peak per stage against capacity, and what
-    would make it fit."""
+    would make it fit; also return that configuration's estimate."""
     saving = [m for m in ("full", "selective", "none") if m in space.recompute_modes][0]
     least, least_peak = None, float("inf")
     for config in configs:
@@ -349,7 +360,7 @@ def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[Parall
             least, least_peak = est, est.memory.peak_reserved_bytes
     capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
     if least is None:
-        return "no plan fits: no candidate configuration could be evaluated"
+        return "no plan fits: no candidate configuration could be evaluated", None
     c = least.config
     stages = ", ".join(f"{s.reserved_bytes / 2**30:.1f}" for s in least.memory.per_stage)
     hints = [f"more GPUs (at least {least_peak / capacity:.1f}x the memory is needed)",
@@ -360,4 +371,5 @@ def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[Parall
     return (f"no plan fits: the least-memory configuration (tp {c.tp}, pp {c.pp}, dp {c.dp}, "
             f"cp {c.cp}, ZeRO-{c.zero_stage}, offload {c.offload}, recompute {saving}, "
             f"micro-batch {c.micro_batch_size}) needs {stages} GiB reserved per stage against "
-            f"{capacity / 2**30:.1f} GiB per GPU; try " + ", ".join(h for h in hints if h))
+            f"{capacity / 2**30:.1f} GiB per GPU; try " + ", ".join(h for h in hints if h),
+            least)

@@ -103,14 +103,15 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, worker
     ``cutoff_s``: only solutions with a step time below it are wanted (branch and bound);
     Infeasible then also means "nothing beats the cutoff".
 
-    Middle stages run alike, so unless the user pinned per-stage choices they are modelled by
-    how many of them take each (layer count, mode) combination (``_build_counts``); otherwise
-    every stage gets its own variables (``_build_per_stage``).
+    When the middle stages run alike (same time terms, links included, and no per-stage pins)
+    they are modelled by how many of them take each (layer count, mode) combination
+    (``_build_counts``); otherwise every stage gets its own variables (``_build_per_stage``).
     """
     start = time.perf_counter()
     middle = range(1, len(tables.lo) - 1)
     alike = (len(middle) > 0 and len({tables.allowed[i] for i in middle}) == 1
              and len({(tables.lo[i], tables.hi[i]) for i in middle}) == 1
+             and all(tables.time_ns[i] == tables.time_ns[1] for i in middle)
              and tables.lo[1] < tables.hi[1])
     model = cp_model.CpModel()
     build = _build_counts if alike else _build_per_stage

@@ -11,8 +11,8 @@ compute and per-layer communication all scale with n; first and last stages add 
 * reserved memory of one rank.
 
 So each is ``base + slope * (n - lo)`` per stage and mode, read off two evaluations of the cost
-model (``costmodel.estimate.stage_terms`` for the first, a middle and the last stage, which
-differ only by the embedding and LM head; ``costmodel.memory.stage_memory`` for every stage,
+model (``costmodel.estimate.stage_terms`` once per kind of stage: first, middle, last, and
+stages whose communication links differ; ``costmodel.memory.stage_memory`` for every stage,
 which also differ by the micro-batches in flight). Times are integer nanoseconds, memory integer
 bytes. ``costmodel.estimate.compose_step`` combines the terms; ``solver.py`` does the same with
 CP-SAT variables.
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
 from costmodel.estimate import stage_terms
 from costmodel.memory import stage_memory
+from costmodel.timing import stage_link_signature
 
 NS_PER_S = 1e9
 WINDOW_LAYERS = 32
@@ -122,7 +123,8 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     by_class: dict[tuple[int, int, str], dict[str, Linear]] = {}
     times, memories = [], []
     for stage in range(p):
-        cls = (stage == 0, stage == p - 1, lo[stage], hi[stage])
+        cls = (stage == 0, stage == p - 1, lo[stage], hi[stage],
+               stage_link_signature(cluster, config, stage))
         stage_times, stage_memory_forms = {}, {}
         for mode in allowed[stage]:
             key = (*cls, mode)

@@ -331,7 +331,10 @@ def test_explain_what_if_doubled_inter_node_bandwidth(explained, pinned):
 def test_explain_what_if_one_more_node_and_next_zero_stage(explained, pinned):
     path, data = pinned
     entries = {w["change"]: w for w in explained["what_if"]}
-    assert entries["one more node"]["num_gpus"] == 24
+    more = entries["one more node"]
+    # the plan's pins (pp 2, layers 10,14) hold for the what-if too: on 24 GPUs no dp divides
+    # the global batch of 64, so the honest answer is "no plan", with the reason
+    assert (more.get("num_gpus") == 24) if more["fits"] else ("24 GPUs" in more["why"])
     plan = read_plan(path)
     assert plan.config.zero_stage < 3 and plan.config.dp > 1
     nxt = entries[f"ZeRO-{plan.config.zero_stage + 1}"]

@@ -1,0 +1,564 @@
+"""planner.search end to end: the plan it returns is the brute-force optimum of the same space.
+
+The issue's acceptance: on at least 50 random small scenarios (up to 64 GPUs, up to 16 layers)
+``search`` returns the step time that enumerating the same space through the same cost model
+finds. Brute force here is independent of the planner's tables and CP-SAT model: for every
+candidate of ``space.candidates``, every composition of the L layers into pp stages (each at
+least max(1, vpp); with at most 16 layers the planner applies no per-stage window) and every
+per-stage recompute assignment from ``space.recompute_modes``, it calls ``costmodel.estimate``
+and keeps the fastest configuration that fits (``est.fits`` and reserved memory within
+capacity x (1 - margin)).
+
+Scenarios come from a seeded ``random.Random`` (not hypothesis: the brute force must stay
+small, so sizes are picked against a budget of estimate calls). The GPU memory is shrunk in
+most scenarios so that memory binds (the best fitting plan is slower than the best plan
+ignoring memory) or nothing fits.
+
+Known issue, asserted separately (``test_split_with_asymmetric_middle_stages``): when middle
+stages see different links (a pipeline hop that crosses a leaf switch or a node boundary that
+other hops do not), the tables give every middle stage stage 1's time terms and
+``costmodel.estimate`` reuses one middle stage's terms for another with the same layer count
+and mode. The random test then only checks search >= brute force and within ``ASYM_REL_TOL``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from costmodel import (ClusterSpec, ModelSpec, ParallelConfig, default_calibration, estimate,
+                       load_cluster)
+from costmodel.config import RECOMPUTE_MODES
+from costmodel.estimate import compose_step, stage_terms
+from planner import solver
+from planner import search as search_module
+from planner.search import (NoPlanFits, SearchTimeout, bound, lower_bound_s, recompute_deficit,
+                             search)
+from planner.space import MESH_ORDERS, SearchSpace, candidates
+from planner.tables import build_tables, layer_bounds, objective_ns, stage_config
+
+CAL = default_calibration()
+FRAMEWORKS = ("meshplan", "megatron", "deepspeed", "torchtitan")
+SEED = 20240611
+SCENARIOS = 120
+ESTIMATES_PER_SCENARIO = 5000
+"""Budget of brute-force estimate calls per scenario (about 0.1 ms each)."""
+REL_TOL = 1e-6
+"""CP-SAT works in integer ns; search re-evaluates its split with ``estimate``."""
+ASYM_REL_TOL = 0.1
+"""Scenarios whose middle stages see different links (the known issue above; up to 10% per
+candidate seen, see ``test_pipeline_across_two_nodes_of_two``)."""
+
+
+# ----- scenarios ---------------------------------------------------------------------------------
+def compositions(total: int, parts: int, low: int):
+    """Every tuple of ``parts`` integers >= ``low`` summing to ``total``."""
+    if parts == 1:
+        if total >= low:
+            yield (total,)
+        return
+    for first in range(low, total - low * (parts - 1) + 1):
+        for rest in compositions(total - first, parts - 1, low):
+            yield (first, *rest)
+
+
+def count_compositions(total: int, parts: int, low: int) -> int:
+    free = total - parts * low
+    return math.comb(free + parts - 1, parts - 1) if free >= 0 else 0
+
+
+def random_model(rng: random.Random) -> ModelSpec:
+    layers = rng.randint(2, 16)
+    hidden = 64 * rng.randint(1, 16)
+    heads = rng.choice([a for a in (1, 2, 4, 8, 16) if hidden % a == 0 and hidden // a >= 32])
+    kv_heads = rng.choice([k for k in (1, 2, 4, 8, 16) if heads % k == 0])
+    act = rng.choice(["gelu", "swiglu"])
+    ffn = 4 * hidden if act == "gelu" else 64 * math.ceil(8 * hidden / 3 / 64)
+    return ModelSpec(name=f"rand-{layers}x{hidden}", num_layers=layers, hidden_size=hidden,
+                     num_heads=heads, num_kv_heads=kv_heads, ffn_hidden_size=ffn,
+                     vocab_size=rng.randint(1000, 50000),
+                     seq_len=rng.choice([256, 512, 1024, 2048, 4096]), activation=act,
+                     norm="layernorm" if act == "gelu" else "rmsnorm",
+                     position_embedding="learned" if act == "gelu" else "rope",
+                     linear_bias=act == "gelu", tied_embeddings=rng.random() < 0.5)
+
+
+def small_cluster(name: str, *, nodes: int, gpus_per_node: int) -> ClusterSpec:
+    """A catalog cluster with ``gpus_per_node`` overridden. ``nics_per_node`` is capped at the
+    GPUs of a node: ``load_cluster('dgx-a100-80gb', nodes=2, gpus_per_node=2)`` keeps 8 NICs and
+    building its graph raises KeyError ('nic', 0, 2) (reported)."""
+    cluster = load_cluster(name, nodes=nodes, gpus_per_node=gpus_per_node)
+    return dataclasses.replace(cluster, nics_per_node=min(cluster.nics_per_node, gpus_per_node))
+
+
+def with_hbm(cluster: ClusterSpec, hbm_bytes: float) -> ClusterSpec:
+    """A fresh ClusterSpec (its graph is a cached_property) with another GPU memory size."""
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu,
+                                                                hbm_bytes=int(hbm_bytes)))
+
+
+def brute_force_work(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> int:
+    return sum(count_compositions(model.num_layers, c.pp, max(1, c.vpp))
+               * len(space.recompute_modes) ** c.pp for c in candidates(model, cluster, space))
+
+
+def saving_mode(modes: tuple[str, ...]) -> str:
+    return [m for m in ("full", "selective", "none") if m in modes][0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CandidateOptimum:
+    config: ParallelConfig
+    step_s: float | None
+    """Fastest fitting split and recompute (None: nothing fits)."""
+    layers: tuple[int, ...] | None
+    modes: tuple[str, ...] | None
+    any_step_s: float
+    """Fastest ignoring memory."""
+    alike: bool
+    """Middle stages see the same links (see the module docstring)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    index: int
+    model: ModelSpec
+    cluster: ClusterSpec
+    space: SearchSpace
+    framework: str
+    optima: tuple[CandidateOptimum, ...]
+
+    @property
+    def alike(self) -> bool:
+        return all(o.alike for o in self.optima)
+
+    @property
+    def best_s(self) -> float | None:
+        fitting = [o.step_s for o in self.optima if o.step_s is not None]
+        return min(fitting) if fitting else None
+
+    @property
+    def binding(self) -> bool:
+        best = self.best_s
+        return best is not None and best > min(o.any_step_s for o in self.optima) * (1 + 1e-9)
+
+    def describe(self) -> str:
+        c = self.cluster
+        return (f"scenario {self.index}: {self.model}, {c.nodes}x{c.gpus_per_node} {c.gpu.key} "
+                f"hbm_bytes={c.gpu.hbm_bytes}, {self.space}, framework={self.framework}")
+
+
+def random_space(rng: random.Random, model: ModelSpec, cluster: ClusterSpec) -> SearchSpace:
+    n = cluster.num_gpus
+    batch = n * rng.choice([1, 2, 4]) if rng.random() < 0.7 else rng.choice([8, 16, 32, 64])
+    zero = rng.choice([1, 3])
+    offloads = ["none"] * 4 + ["optimizer"] + (["optimizer+params"] if zero == 3 else [])
+    return SearchSpace(global_batch_size=batch, seq_len=model.seq_len,
+                       micro_batch_size=(rng.choice([1, 1, 2]),), zero_stage=(zero,),
+                       offload=(rng.choice(offloads),), mesh_order=(rng.choice(MESH_ORDERS),),
+                       vpp=rng.choice([(1,), (1, 2)]),
+                       recompute_modes=rng.choice([RECOMPUTE_MODES, RECOMPUTE_MODES,
+                                                   ("none", "full"), ("none", "selective")]),
+                       memory_margin=rng.choice([0.0, 0.0, 0.05]))
+
+
+def shrink_space(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> SearchSpace | None:
+    """Drop the largest pipeline degrees (then the selective mode) until brute force is small."""
+    pps = sorted({c.pp for c in candidates(model, cluster, space)})
+    while brute_force_work(model, cluster, space) > ESTIMATES_PER_SCENARIO and len(pps) > 1:
+        pps.pop()
+        space = dataclasses.replace(space, pp=tuple(pps))
+    if (brute_force_work(model, cluster, space) > ESTIMATES_PER_SCENARIO
+            and len(space.recompute_modes) > 2):
+        space = dataclasses.replace(space, recompute_modes=("none", "full"))
+    if not pps or brute_force_work(model, cluster, space) > ESTIMATES_PER_SCENARIO:
+        return None
+    return space
+
+
+def pick_memory(rng: random.Random, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace,
+                framework: str) -> ClusterSpec:
+    """Keep the catalog memory (slack), or shrink it between what the fastest even split needs
+    with all 'none' and with the most saving mode (binding), or below what any even split
+    needs with the most saving mode (mostly infeasible)."""
+    kind = rng.choice(["slack", "binding", "binding", "binding", "infeasible"])
+    if kind == "slack":
+        return cluster
+    save = saving_mode(space.recompute_modes)
+    rows = []
+    for config in candidates(model, cluster, space):
+        plain = estimate(model, cluster, config, framework=framework, calibration=CAL)
+        saved = estimate(model, cluster, config.replace(recompute=save), framework=framework,
+                         calibration=CAL)
+        rows.append((plain.time.step_s, plain.memory.peak_reserved_bytes,
+                     saved.memory.peak_reserved_bytes))
+    if kind == "binding":
+        _, plain_bytes, saved_bytes = min(rows)
+        hbm = (rng.uniform(saved_bytes, plain_bytes) if plain_bytes > saved_bytes
+               else plain_bytes * rng.uniform(0.9, 1.0))
+    else:
+        hbm = min(r[2] for r in rows) * rng.uniform(0.5, 0.95)
+    return with_hbm(cluster, hbm / (1 - space.memory_margin))
+
+
+def middle_stages_alike(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                        framework: str) -> bool:
+    """Every middle stage has the same time terms for the same layer count and mode."""
+    lo = max(1, config.vpp)
+    terms = [stage_terms(model, cluster, stage_config(config, model, j, lo, "none"), j,
+                         framework=framework, calibration=CAL) for j in range(1, config.pp - 1)]
+    return all(t == terms[0] for t in terms)
+
+
+def brute_force(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                space: SearchSpace, framework: str) -> CandidateOptimum:
+    capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
+    best, any_step = None, math.inf
+    for layers in compositions(model.num_layers, config.pp, max(1, config.vpp)):
+        for modes in itertools.product(space.recompute_modes, repeat=config.pp):
+            est = estimate(model, cluster, config.replace(layers_per_stage=layers,
+                                                          recompute=modes),
+                           framework=framework, calibration=CAL)
+            step = est.time.step_s
+            any_step = min(any_step, step)
+            fits = est.fits and est.memory.peak_reserved_bytes <= capacity
+            if fits and (best is None or step < best[0]):
+                best = (step, layers, modes)
+    step, layers, modes = best if best else (None, None, None)
+    return CandidateOptimum(config=config, step_s=step, layers=layers, modes=modes,
+                            any_step_s=any_step,
+                            alike=middle_stages_alike(model, cluster, config, framework))
+
+
+def random_scenario(rng: random.Random, index: int) -> Scenario:
+    while True:
+        model = random_model(rng)
+        gpus_per_node = rng.choice([1, 2, 4, 8])
+        cluster = small_cluster(rng.choice(["dgx-a100-80gb", "dgx-h100"]),
+                                nodes=rng.randint(1, min(8, 64 // gpus_per_node)),
+                                gpus_per_node=gpus_per_node)
+        space = random_space(rng, model, cluster)
+        if not candidates(model, cluster, space):
+            continue
+        space = shrink_space(model, cluster, space)
+        if space is None:
+            continue
+        framework = rng.choice(FRAMEWORKS)
+        cluster = pick_memory(rng, model, cluster, space, framework)
+        optima = tuple(brute_force(model, cluster, c, space, framework)
+                       for c in candidates(model, cluster, space))
+        return Scenario(index=index, model=model, cluster=cluster, space=space,
+                        framework=framework, optima=optima)
+
+
+@pytest.fixture(scope="module")
+def scenarios() -> list[Scenario]:
+    rng = random.Random(SEED)
+    return [random_scenario(rng, i) for i in range(SCENARIOS)]
+
+
+def fits_capacity(est, space: SearchSpace) -> bool:
+    return est.fits and est.memory.peak_reserved_bytes <= est.cluster.gpu.hbm_bytes * (
+        1 - space.memory_margin)
+
+
+# ----- optimality against brute force ------------------------------------------------------------
+@pytest.mark.slow
+def test_search_matches_brute_force(scenarios):
+    counts = dict(exact=0, asymmetric=0, asymmetric_off=0, binding=0, infeasible=0, feasible=0)
+    for sc in scenarios:
+        want = sc.best_s
+        try:
+            result = search(sc.model, sc.cluster, sc.space, framework=sc.framework,
+                            calibration=CAL, top_k=1, time_limit_s=60)
+        except NoPlanFits:
+            assert want is None, f"search found no plan, brute force {want} s; {sc.describe()}"
+            counts["infeasible"] += 1
+            continue
+        assert want is not None, f"brute force finds no plan that fits; {sc.describe()}"
+        best = result.ranked[0]
+        assert result.status == "OPTIMAL"
+        assert fits_capacity(best.estimate, sc.space)
+        counts["feasible"] += 1
+        counts["binding"] += sc.binding
+        if sc.alike:
+            assert best.step_s == pytest.approx(want, rel=REL_TOL), sc.describe()
+            counts["exact"] += 1
+        else:  # the known issue: only bracket the brute-force optimum
+            assert want * (1 - 1e-12) <= best.step_s <= want * (1 + ASYM_REL_TOL), sc.describe()
+            counts["asymmetric"] += 1
+            counts["asymmetric_off"] += best.step_s > want * (1 + REL_TOL)
+    print(f"\nsearch vs brute force: {counts}")
+    assert counts["exact"] >= 50
+    assert counts["binding"] >= 20
+    assert counts["infeasible"] >= 5
+    assert counts["feasible"] - counts["binding"] >= 5  # some with memory slack too
+
+
+@pytest.mark.slow
+def test_each_candidate_solve_matches_brute_force(scenarios):
+    """Every candidate of every scenario whose middle stages are alike: CP-SAT on its tables
+    finds the brute-force optimum of its own splits, or proves that none fits."""
+    solved = infeasible = 0
+    for sc in scenarios:
+        for opt in sc.optima:
+            if not opt.alike:
+                continue
+            tables = build_tables(sc.model, sc.cluster, opt.config, modes=sc.space.recompute_modes,
+                                  framework=sc.framework, calibration=CAL,
+                                  memory_margin=sc.space.memory_margin)
+            try:
+                sol = solver.solve(tables, time_limit_s=10)
+            except solver.Infeasible:
+                assert opt.step_s is None, f"{opt}; {sc.describe()}"
+                infeasible += 1
+                continue
+            assert opt.step_s is not None, f"CP-SAT found {sol}; {sc.describe()}"
+            assert sol.status == "OPTIMAL"
+            assert sol.objective == objective_ns(tables, sol.layers, sol.modes)
+            est = estimate(sc.model, sc.cluster,
+                           opt.config.replace(layers_per_stage=sol.layers, recompute=sol.modes),
+                           framework=sc.framework, calibration=CAL)
+            assert fits_capacity(est, sc.space)
+            assert est.time.step_s == pytest.approx(opt.step_s, rel=REL_TOL), sc.describe()
+            # the integer tables reproduce the cost model to within ns rounding
+            assert sol.step_s == pytest.approx(est.time.step_s, rel=REL_TOL, abs=1e-7)
+            solved += 1
+    print(f"\nper-candidate CP-SAT vs brute force: {solved} solved, {infeasible} infeasible")
+    assert solved >= 200
+    assert infeasible >= 20
+
+
+@pytest.mark.slow
+def test_lower_bound_never_exceeds_candidate_optimum(scenarios):
+    """lower_bound_s holds for every split and recompute choice, memory or not."""
+    checked, ratios = 0, []
+    for sc in scenarios:
+        for opt in sc.optima:
+            lows, highs = layer_bounds(sc.model, opt.config, None)
+            value = lower_bound_s(sc.model, sc.cluster, opt.config, framework=sc.framework,
+                                  calibration=CAL, lo=lows[0], hi=max(highs[0], lows[0] + 1))
+            assert value <= opt.any_step_s + 1e-9, f"{value} > {opt}; {sc.describe()}"
+            assert value > 0
+            ratios.append(value / opt.any_step_s)
+            checked += 1
+    print(f"\nlower bounds: {checked} candidates, bound/optimum in "
+          f"[{min(ratios):.3f}, {max(ratios):.3f}]")
+    assert checked >= 300
+
+
+@pytest.mark.slow
+def test_memory_aware_bound_never_exceeds_fitting_optimum(scenarios):
+    """recompute_deficit: None only when brute force finds no fitting split; otherwise the
+    bound with the forced recomputation added stays below the best fitting split."""
+    checked = raised = pruned = 0
+    for sc in scenarios:
+        capacity = sc.cluster.gpu.hbm_bytes * (1 - sc.space.memory_margin)
+        for opt in sc.optima:
+            lows, highs = layer_bounds(sc.model, opt.config, None)
+            lo, hi = lows[0], max(highs[0], lows[0] + 1)
+            extra = recompute_deficit(sc.model, sc.cluster, opt.config, framework=sc.framework,
+                                      calibration=CAL, lo=lo, capacity=capacity,
+                                      modes=sc.space.recompute_modes)
+            if extra is None:
+                assert opt.step_s is None, f"declared infeasible: {opt}; {sc.describe()}"
+                pruned += 1
+                continue
+            if opt.step_s is None:
+                continue
+            pieces = bound(sc.model, sc.cluster, opt.config, framework=sc.framework,
+                           calibration=CAL, lo=lo, hi=hi)
+            value = pieces.value(extra)
+            assert value <= opt.step_s + 1e-9, f"{value} > {opt}; {sc.describe()}"
+            raised += extra > 0
+            checked += 1
+    print(f"\nmemory-aware bounds: {checked} checked, {raised} raised by recomputation, "
+          f"{pruned} candidates declared infeasible")
+    assert checked >= 200
+    assert raised >= 20
+
+
+# ----- the known issue: middle stages that see different links ------------------------------------
+def asymmetric_case():
+    """Five single-GPU nodes, pp 5: under 4 nodes per leaf switch the hop from stage 3 to 4
+    crosses the spine (7.5 us latency against 5 us), so stage 3 is 5 us slower per
+    micro-batch than stages 1 and 2 at the same layer count."""
+    model = ModelSpec(name="m6", num_layers=6, hidden_size=960, num_heads=8, num_kv_heads=2,
+                      ffn_hidden_size=2560, vocab_size=25672, seq_len=256, activation="swiglu",
+                      norm="rmsnorm", position_embedding="rope", linear_bias=False,
+                      tied_embeddings=False)
+    cluster = small_cluster("dgx-h100", nodes=5, gpus_per_node=1)
+    config = ParallelConfig(pp=5, zero_stage=1, global_batch_size=10, seq_len=256,
+                            mesh_order=("tp", "cp", "pp", "dp"))
+    return model, cluster, config
+
+
+def test_asymmetric_case_has_a_slow_middle_stage():
+    model, cluster, config = asymmetric_case()
+    assert not middle_stages_alike(model, cluster, config, "megatron")
+    pp_us = [stage_terms(model, cluster, config, s, framework="megatron",
+                         calibration=CAL).micro.pp_comm_s * 1e6 for s in range(5)]
+    assert pp_us[3] - pp_us[1] == pytest.approx(5.0, rel=1e-6)
+    assert pp_us[1] == pytest.approx(pp_us[2], rel=1e-12)
+
+
+def test_split_with_asymmetric_middle_stages():
+    """Brute force: (1, 1, 2, 1, 1) is 0.05 ms faster than CP-SAT's (1, 1, 1, 2, 1) (the two
+    layers belong on a stage whose hop does not cross the spine). The tables price both at
+    18,739,390 ns, and estimate prices (1, 1, 2, 1, 1) at 18.73939 ms although composing each
+    stage's own terms gives 18.74439 ms."""
+    model, cluster, config = asymmetric_case()
+    tables = build_tables(model, cluster, config, modes=("none",), framework="megatron",
+                          calibration=CAL)
+    sol = solver.solve(tables, time_limit_s=10)
+    space = SearchSpace(global_batch_size=10, seq_len=256, pp=(5,), zero_stage=(1,),
+                        micro_batch_size=(1,), vpp=(1,), mesh_order=(config.mesh_order,),
+                        recompute_modes=("none",))
+    want = brute_force(model, cluster, config, space, "megatron")
+    got = estimate(model, cluster, config.replace(layers_per_stage=sol.layers),
+                   framework="megatron", calibration=CAL).time.step_s
+
+    def own_terms_step(layers):
+        staged = config.replace(layers_per_stage=layers)
+        return compose_step([stage_terms(model, cluster, staged, s, framework="megatron",
+                                         calibration=CAL) for s in range(5)],
+                            micro_batches=staged.grad_accum_steps, vpp=1).step_s
+
+    assert own_terms_step(want.layers) == pytest.approx(want.step_s, rel=REL_TOL)
+    assert got == pytest.approx(want.step_s, rel=REL_TOL)
+
+
+def test_deepspeed_bucket_cap_does_not_hide_a_fitting_split():
+    """8 layers of width 4096 on 4 GPUs (pp 2, dp 2, ZeRO-1, DeepSpeed), 16 GiB per GPU. One
+    layer and the embedding hold 4.1e8 parameters, two 6.1e8, so the bucket buffer stops
+    growing after the first layer; the tables keep adding 0.37 GiB per layer. (4, 4) without
+    recomputation needs 15.42 / 15.37 GiB (estimate) and fits; the tables say 16.12 / 16.09
+    GiB, so search returns (4, 4) with 'full' at 0.2727 s instead of 0.2177 s (at 15 GiB it
+    raises NoPlanFits although (4, 4) 'full' fits at 14.56 / 15.00 GiB)."""
+    model = ModelSpec(name="m8w", num_layers=8, hidden_size=4096, num_heads=32,
+                      ffn_hidden_size=16384, vocab_size=50257, seq_len=1024)
+    cluster = with_hbm(small_cluster("dgx-a100-80gb", nodes=1, gpus_per_node=4), 16 * 2**30)
+    space = SearchSpace(global_batch_size=8, seq_len=1024, tp=(1,), pp=(2,), zero_stage=(1,),
+                        offload=("none",), micro_batch_size=(1,), vpp=(1,),
+                        mesh_order=(("tp", "cp", "dp", "pp"),), recompute_modes=("none", "full"))
+    (config,) = candidates(model, cluster, space)
+    want = brute_force(model, cluster, config, space, "deepspeed")
+    assert (want.layers, want.modes) == ((4, 4), ("none", "none"))
+    assert want.step_s == pytest.approx(0.21769, rel=1e-4)
+    result = search(model, cluster, space, framework="deepspeed", calibration=CAL, top_k=1)
+    assert result.ranked[0].step_s == pytest.approx(want.step_s, rel=REL_TOL)
+
+
+def test_pipeline_across_two_nodes_of_two():
+    """pp 4 over 2 nodes of 2 H100s: only stage 1's hop crosses nodes (about 1 ms more per
+    micro-batch with vpp 2). Brute force puts 3 layers on stage 2 (fast hop) and 2 on stage 1:
+    (3, 2, 3, 2) at 30.140 ms; CP-SAT, pricing stage 2 like stage 1, picks (3, 2, 2, 3) at
+    33.238 ms (+10%), and search then prefers pp 2 (5, 5) at 31.147 ms (+3.3%)."""
+    model = ModelSpec(name="m10", num_layers=10, hidden_size=832, num_heads=16, num_kv_heads=2,
+                      ffn_hidden_size=2240, vocab_size=10307, seq_len=2048, activation="swiglu",
+                      norm="rmsnorm", position_embedding="rope", linear_bias=False)
+    cluster = small_cluster("dgx-h100", nodes=2, gpus_per_node=2)
+    space = SearchSpace(global_batch_size=16, seq_len=2048, zero_stage=(0,),
+                        offload=("optimizer",), micro_batch_size=(2, 4), vpp=(2,),
+                        mesh_order=(("tp", "cp", "pp", "dp"),), memory_margin=0.05)
+    optima = [brute_force(model, cluster, c, space, "meshplan")
+              for c in candidates(model, cluster, space)]
+    want = min(optima, key=lambda o: o.step_s)
+    assert (want.config.pp, want.layers) == (4, (3, 2, 3, 2))
+    assert want.step_s == pytest.approx(0.03014003, rel=1e-6)
+    result = search(model, cluster, space, framework="meshplan", calibration=CAL, top_k=1)
+    assert result.ranked[0].step_s == pytest.approx(want.step_s, rel=REL_TOL)
+
+
+# ----- errors and limits -----------------------------------------------------------------------
+def no_fit_case():
+    """8 x A100 with 0.7 GiB each: the least-memory even split (tp 8, 'full') needs 0.95 GiB."""
+    model = ModelSpec(name="m8", num_layers=8, hidden_size=1024, num_heads=8,
+                      ffn_hidden_size=4096, vocab_size=32000, seq_len=2048)
+    cluster = with_hbm(load_cluster("dgx-a100-80gb", nodes=1), 0.7 * 2**30)
+    space = SearchSpace(global_batch_size=16, seq_len=2048, micro_batch_size=(2,),
+                        zero_stage=(1,), offload=("none",), vpp=(1,),
+                        recompute_modes=("none", "full"))
+    return model, cluster, space
+
+
+def test_no_plan_fits_names_the_least_memory_configuration():
+    model, cluster, space = no_fit_case()
+    configs = candidates(model, cluster, space)
+    assert len(configs) == 13
+    assert all(brute_force(model, cluster, c, space, "meshplan").step_s is None for c in configs)
+    with pytest.raises(NoPlanFits) as info:
+        search(model, cluster, space, framework="meshplan", calibration=CAL, top_k=1)
+    # the least-memory configuration: even split, 'full', computed here
+    ests = [estimate(model, cluster, c.replace(recompute="full"), framework="meshplan",
+                     calibration=CAL) for c in configs]
+    least = min(ests, key=lambda e: e.memory.peak_reserved_bytes)
+    assert (least.config.tp, least.config.pp, least.config.dp) == (8, 1, 1)
+    assert least.memory.peak_reserved_bytes / 2**30 == pytest.approx(0.9511, abs=1e-4)
+    message = str(info.value)
+    assert message.startswith("no plan fits: the least-memory configuration (tp 8, pp 1, dp 1, "
+                              "cp 1, ZeRO-1, offload none, recompute full, micro-batch 2) needs "
+                              "1.0 GiB reserved per stage against 0.7 GiB per GPU; try ")
+    # offload is pinned to none, so the only hint is more GPUs
+    assert message.endswith("; try more GPUs (at least 1.4x the memory is needed)")
+
+
+def test_no_plan_fits_carries_the_least_memory_estimate():
+    model, cluster, space = no_fit_case()
+    with pytest.raises(NoPlanFits) as info:
+        search(model, cluster, space, framework="meshplan", calibration=CAL, top_k=1)
+    assert info.value.least is not None
+
+
+def timing_case():
+    model = ModelSpec(name="m8", num_layers=8, hidden_size=1024, num_heads=8,
+                      ffn_hidden_size=4096, vocab_size=32000, seq_len=2048)
+    return model, load_cluster("dgx-a100-80gb", nodes=2), SearchSpace(global_batch_size=64,
+                                                                      seq_len=2048)
+
+
+def test_time_limit_spent_before_any_plan_is_a_timeout():
+    """Plans fit with room to spare (the full search proves it); a time limit spent while
+    bounding gives SearchTimeout, not NoPlanFits."""
+    model, cluster, space = timing_case()
+    full = search(model, cluster, space, framework="meshplan", calibration=CAL, top_k=1)
+    assert full.status == "OPTIMAL"
+    assert full.candidates == 1197
+    assert full.ranked[0].estimate.memory.peak_reserved_bytes < 0.5 * cluster.gpu.hbm_bytes
+    with pytest.raises(SearchTimeout, match=r"the time limit of 1e-06 s passed"):
+        search(model, cluster, space, framework="meshplan", calibration=CAL, top_k=1,
+               time_limit_s=1e-6)
+
+
+def test_solves_that_time_out_are_not_reported_as_no_plan_fits(monkeypatch):
+    """Each CP-SAT solve capped at 1 us finds nothing in time: the search did not finish, so
+    the outcome must be a FEASIBLE result or SearchTimeout. Today: NoPlanFits ('needs 0.6
+    GiB reserved per stage against 80.0 GiB per GPU; try more GPUs (at least 0.0x ...)')."""
+    model, cluster, space = timing_case()
+    monkeypatch.setattr(search_module, "SOLVE_TIME_CAP_S", 1e-6)
+    try:
+        result = search(model, cluster, space, framework="meshplan", calibration=CAL, top_k=1)
+    except SearchTimeout:
+        return
+    except NoPlanFits as err:
+        pytest.fail(f"unfinished solves reported as: {err}")
+    assert result.status == "FEASIBLE"
+
+
+def test_search_is_deterministic():
+    rng = random.Random(7)
+    model = random_model(rng)
+    model = dataclasses.replace(model, num_layers=12)
+    cluster = with_hbm(small_cluster("dgx-h100", nodes=2, gpus_per_node=4), 4 * 2**30)
+    space = SearchSpace(global_batch_size=32, seq_len=model.seq_len)
+    runs = [search(model, cluster, space, framework="megatron", calibration=CAL, top_k=3,
+                   seed=5) for _ in range(2)]
+    assert [s.estimate.config for s in runs[0].ranked] == [s.estimate.config
+                                                          for s in runs[1].ranked]
+    assert [s.step_s for s in runs[0].ranked] == [s.step_s for s in runs[1].ranked]
+    assert (runs[0].solves, runs[0].pruned) == (runs[1].solves, runs[1].pruned)
