@@ -4,7 +4,8 @@ argparse lives here and nowhere else: each handler turns its ``Namespace`` into 
 (``ModelSpec``, ``ClusterSpec``, ``ParallelConfig``, ``Calibration``) and hands only those on.
 
 Exit codes: 0 success (``estimate`` also when the plan does not fit), 2 user error (one line
-``meshplan: error: <message>`` on stderr, never a traceback), 3 reserved for "no plan fits".
+``meshplan: error: <message>`` on stderr, never a traceback), 3 reserved for "no plan fits",
+1 ``run`` failed in a worker (its traceback is above).
 """
 
 from __future__ import annotations
@@ -463,6 +464,69 @@ def _run_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan_file", metavar="plan.json", help="a plan file (meshplan plan -o)")
+    parser.add_argument("--steps", type=_positive_int, default=10, metavar="N",
+                        help="optimizer steps (default 10; the first is a warm-up)")
+    parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
+    parser.add_argument("--data", metavar="FILE",
+                        help="token file (flat uint16/int32 array) instead of synthetic tokens")
+    parser.add_argument("--report", metavar="FILE",
+                        help="write the run report JSON (schema_version 1) to FILE")
+    parser.add_argument("--timeout", type=_positive_float, default=60.0, metavar="S",
+                        help="process-group timeout in seconds (default 60)")
+    group = parser.add_argument_group("torchrun (ignored when already under torchrun)")
+    group.add_argument("--nproc-per-node", type=_positive_int, metavar="K",
+                       help="processes per node (default: the plan's world size / nodes)")
+    group.add_argument("--nnodes", type=_positive_int, default=1, metavar="N",
+                       help="nodes (default 1)")
+    group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="c10d rendezvous (default on one node: 127.0.0.1, a free port)")
+    group.add_argument("--rdzv-id", metavar="ID", help="rendezvous job id, the same on all nodes")
+    parser.add_argument("--json", action="store_true",
+                        help="print the run report JSON on stdout (progress goes to stderr)")
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    """Execute a plan with torch.distributed; the runtime is imported only here (DESIGN.md)."""
+    from runtime import launch
+    from runtime.train import RunOptions
+
+    if args.data and not os.path.isfile(args.data):
+        raise ValueError(f"--data {args.data!r}: no such file")
+    if args.report and not os.path.isdir(os.path.dirname(os.path.abspath(args.report))):
+        raise ValueError(f"--report {args.report!r}: its folder does not exist")
+    options = RunOptions(steps=args.steps, seed=args.seed, data=args.data,
+                         timeout_s=args.timeout)
+    where = launch.Launch(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+                          rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    result = launch.run(args.plan_file, options=options, launch=where, report=args.report,
+                        json_output=args.json)
+    if result.report is not None:
+        if args.json:
+            _dump_json(result.report)
+        else:
+            print(_run_summary(result.report))
+    return result.exit_code
+
+
+def _run_summary(report: dict[str, Any]) -> str:
+    """Measured against predicted, for people: step time and the largest per-rank peak."""
+    def ratio(value: float | None) -> str:
+        return f"{value:.2f}x" if value is not None else "n/a"
+
+    predicted = report["predicted"]
+    lines = [f"ran {len(report['losses'])} steps on {report['world_size']} processes "
+             f"({report['backend']}); final loss {report['losses'][-1]:.4f}",
+             f"step time  measured {report['step_s_median']:.4f} s   predicted "
+             f"{predicted['step_s']:.4f} s   ratio {ratio(report['ratio']['step_s'])}"]
+    if report["peak_bytes"] is not None:
+        lines.append(f"peak/rank  measured {report['peak_bytes'] / 1e6:.2f} MB   predicted "
+                     f"{predicted['peak_bytes'] / 1e6:.2f} MB   ratio "
+                     f"{ratio(report['ratio']['peak_bytes'])}")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Command:
     """One subcommand: its one-line help, its flags and its handler (returns the exit code)."""
@@ -483,10 +547,11 @@ COMMANDS: dict[str, Command] = {
                        _run_explain),
     "export": Command("write a plan as a DeepSpeed / Megatron / torchtitan config",
                       _add_export_arguments, _run_export),
+    "run": Command("run a plan with torchrun and report measurements", _add_run_arguments,
+                   _run_run),
 }
 
 NOT_IMPLEMENTED: dict[str, str] = {
-    "run": "run a plan with torchrun and report measurements",
     "profile": "measure this machine's compute and links",
     "validate": "run a plan, compare measured vs predicted, refit",
 }

@@ -1,0 +1,122 @@
+"""``meshplan run``: start torchrun for a plan, or be the worker when already under torchrun.
+
+Outside torchrun (no RANK / WORLD_SIZE in the environment) ``run`` checks the plan against the
+launch (world size = nproc-per-node x nnodes must equal tp*cp*dp*pp, else ValueError before
+anything starts) and runs ``python -m torch.distributed.run`` with ``python -m runtime.worker``
+as the program: one node uses a c10d rendezvous on 127.0.0.1 with a free port (torchrun's
+``--standalone``, without its ``localhost`` lookup); several nodes pass ``--nnodes``,
+``--rdzv-endpoint`` and ``--rdzv-id`` through. ``OMP_NUM_THREADS=1`` is set for the workers
+(each also calls ``torch.set_num_threads(1)`` on the CPU). Under torchrun (e.g.
+``torchrun --nproc-per-node 8 $(which meshplan) run plan.json``) ``run`` is the worker itself.
+
+torch APIs: ``torch.distributed.run`` (torchrun), with ``--max-restarts 0`` so one failing rank
+ends the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from planner.plan import read_plan
+from runtime import mesh as mesh_mod
+from runtime.train import RunOptions
+from runtime.worker import Job, run_job_or_exit, under_torchrun
+
+LOCAL_ENDPOINT = "127.0.0.1:0"
+"""Single-node rendezvous: loopback, port chosen by the agent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """How many processes, on how many nodes, meeting where."""
+
+    nproc_per_node: int | None = None
+    """Processes on this node; None: the plan's world size divided by ``nnodes``."""
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None
+    """host:port of the c10d rendezvous; None on one node means 127.0.0.1 and a free port."""
+    rdzv_id: str | None = None
+    """Job id shared by all nodes; None picks a fresh one (single node only)."""
+
+    def __post_init__(self) -> None:
+        if self.nnodes > 1 and (self.rdzv_endpoint is None or self.rdzv_id is None):
+            raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT and "
+                             "--rdzv-id ID (the same on every node)")
+
+
+def processes_per_node(launch: Launch, world_size: int) -> int:
+    """``nproc_per_node``, or the plan's world size spread over ``nnodes``."""
+    if launch.nproc_per_node is not None:
+        return launch.nproc_per_node
+    if world_size % launch.nnodes:
+        raise ValueError(f"the plan's {world_size} processes do not divide over "
+                         f"{launch.nnodes} nodes; give --nproc-per-node")
+    return world_size // launch.nnodes
+
+
+def torchrun_command(job: Job, launch: Launch, *, nproc_per_node: int) -> list[str]:
+    """The ``python -m torch.distributed.run ... -m runtime.worker <job>`` command line."""
+    return [sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(launch.nnodes), "--nproc-per-node", str(nproc_per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint or LOCAL_ENDPOINT,
+            "--rdzv-id", launch.rdzv_id or uuid.uuid4().hex, "--max-restarts", "0",
+            "-m", "runtime.worker", job.to_json()]
+
+
+def start(job: Job, launch: Launch, *, nproc_per_node: int,
+          timeout_s: float | None = None) -> subprocess.CompletedProcess:
+    """Run torchrun for ``job`` and wait; output goes to this process's stdout and stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(torchrun_command(job, launch, nproc_per_node=nproc_per_node),
+                          env=env, timeout=timeout_s, check=False)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Exit code of ``run`` and the report, where this process can read it (rank 0's node)."""
+
+    exit_code: int
+    report: dict[str, Any] | None
+
+
+def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | None = None,
+        json_output: bool = False) -> RunResult:
+    """``meshplan run``: exit code 0 (ok), 1 (a worker failed); ValueError when refused.
+
+    The report is returned where this process can read it (the launching process, or rank 0
+    under torchrun), also without a ``report`` path (a temporary file carries it). With
+    ``json_output`` progress lines go to stderr.
+    """
+    plan = read_plan(plan_path)
+    mesh_mod.check_supported(plan.config, plan.model)
+    if not under_torchrun():
+        nproc = processes_per_node(launch, plan.config.world_size)
+        mesh_mod.check_world_size(plan.config, nproc * launch.nnodes)
+    else:
+        mesh_mod.check_world_size(plan.config, int(os.environ["WORLD_SIZE"]))
+    with tempfile.TemporaryDirectory(prefix="meshplan-run-") as scratch:
+        path = os.path.abspath(report) if report else os.path.join(scratch, "report.json")
+        job = Job(plans=(os.path.abspath(plan_path),), reports=(path,), options=options,
+                  progress_to_stderr=json_output)
+        if under_torchrun():
+            code = run_job_or_exit(job)
+            rank0 = os.environ["RANK"] == "0"
+            return RunResult(code, _read_report(path) if code == 0 and rank0 else None)
+        code = start(job, launch, nproc_per_node=nproc).returncode
+        return RunResult(code, _read_report(path) if code == 0 else None)
+
+
+def _read_report(path: str | None) -> dict[str, Any] | None:
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        return json.load(handle)

@@ -1,0 +1,171 @@
+"""Per-rank peak memory: the CUDA allocator's counters, or live tensor bytes on the CPU.
+
+On CUDA, ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after
+``torch.cuda.reset_peak_memory_stats``.
+
+On the CPU there is no caching allocator to ask, so ``LiveStorageTracker`` (a
+``TorchDispatchMode``) counts the bytes of every tensor storage created while it is active and
+drops them when the storage is freed (a ``weakref`` callback); ``UntypedStorage.resize_`` is
+patched while tracking because FSDP2 frees and re-allocates unsharded parameters that way. The
+same method as ``torch.distributed._tools.mem_tracker.MemTracker`` (which agrees with it to
+the byte, shared/notes/torch-distributed-on-cpu.md) without its per-module bookkeeping. Not
+seen: temporaries that a tensor subclass (DTensor) allocates inside its own dispatch, and
+allocations on non-Python threads (gloo's workers); both are transient. Reserved bytes on the
+CPU are reported equal to allocated bytes; the process's peak RSS is reported beside them.
+"""
+
+from __future__ import annotations
+
+import resource
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+_KIB = 1024
+
+
+def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """Untyped storages behind ``tensor``, looking through wrapper subclasses (DTensor)."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = (getattr(tensor, name) for name in names)
+        return [s for t in inner if isinstance(t, torch.Tensor) for s in _storages(t)]
+    if tensor.device.type == "meta":
+        return []
+    return [tensor.untyped_storage()]
+
+
+class _Entry:
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Live and peak bytes of tensor storages created under this dispatch mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: set[weakref.ref] = set()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._original_resize = None
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storages from now on (idempotent)."""
+        for storage in _storages(tensor):
+            if storage in self._entries:
+                continue
+            entry = self._register(storage, storage.nbytes())
+            self._add(entry.nbytes)
+
+    def _register(self, storage: torch.UntypedStorage, nbytes: int) -> _Entry:
+        entry = _Entry(nbytes)
+        self._entries[storage] = entry
+
+        def freed(ref: weakref.ref, entry: _Entry = entry) -> None:
+            self._refs.discard(ref)
+            self._free(entry)
+
+        self._refs.add(weakref.ref(storage, freed))
+        return entry
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _add(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _free(self, entry: _Entry) -> None:
+        self.live_bytes -= entry.nbytes
+        entry.nbytes = 0
+
+    def _resized(self, storage: torch.UntypedStorage, size: int) -> None:
+        entry = self._entries.get(storage)
+        if entry is None:
+            entry = self._register(storage, 0)
+        self._add(size - entry.nbytes)
+        entry.nbytes = size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for item in tree_flatten(out)[0]:
+            if isinstance(item, torch.Tensor):
+                self.track(item)
+        return out
+
+    def __enter__(self):
+        original = torch.UntypedStorage.resize_
+        self._original_resize = original
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            self._resized(storage, size)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
+
+class PeakMemory:
+    """Peak allocated / reserved bytes of this rank since ``reset``, on CUDA or CPU.
+
+    Use as a context around everything to be counted (model construction included, so the
+    CPU tracker knows every persistent storage); call ``reset`` where the window starts.
+    ``cpu_tracking=False`` skips the CPU tracker (its dispatch overhead slows small steps);
+    the peaks are then None on the CPU.
+    """
+
+    def __init__(self, device: torch.device, *, cpu_tracking: bool = True) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._tracker = LiveStorageTracker() if not self._cuda and cpu_tracking else None
+
+    def __enter__(self) -> "PeakMemory":
+        if self._tracker is not None:
+            self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+
+    @property
+    def source(self) -> str:
+        """What the peaks measure: ``cuda-allocator``, ``cpu-live-tensors`` or ``off``."""
+        if self._cuda:
+            return "cuda-allocator"
+        return "cpu-live-tensors" if self._tracker is not None else "off"
+
+    def reset(self) -> None:
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._tracker is not None:
+            self._tracker.reset_peak()
+
+    @property
+    def peak_bytes(self) -> int | None:
+        if self._cuda:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(self._tracker.peak_bytes) if self._tracker is not None else None
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        if self._cuda:
+            return int(torch.cuda.max_memory_reserved(self.device))
+        return self.peak_bytes
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _KIB

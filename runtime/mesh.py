@@ -1,0 +1,129 @@
+"""Process group and DeviceMesh of a plan, and the plan checks the runtime makes before any work.
+
+The plan's ``mesh_order`` lists axes fastest-varying first (Megatron's ``RankGenerator``:
+rank = tp_i + tp*(cp_i + cp*(dp_i + dp*pp_i)) for the default ``tp-cp-dp-pp``).
+``init_device_mesh`` lays ranks out row-major (last dimension fastest), so the mesh dimensions
+are the plan's order reversed: ``("pp", "dp", "tp")`` for the default. Context parallelism is
+not implemented, so ``cp`` (always 1 here) is left out of the mesh.
+
+torch APIs: ``torch.distributed.init_process_group`` (gloo on CPU, NCCL on CUDA, with a
+timeout), ``torch.distributed.device_mesh.init_device_mesh`` with ``backend_override`` carrying
+the same timeout to every sub-group (sub-groups would otherwise wait 30 minutes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from costmodel.config import ParallelConfig, check_fits_model
+from costmodel.model import ModelSpec
+
+DEFAULT_TIMEOUT_S = 60.0
+"""Process-group timeout: a rank waiting this long on a collective fails instead of hanging."""
+MESH_AXES = ("pp", "dp", "tp")
+"""Axes the runtime builds (cp is refused when > 1)."""
+
+
+class UnsupportedPlan(ValueError):
+    """The plan is valid for the cost model but this runtime cannot execute it."""
+
+
+def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
+    """Raise ValueError for a plan that does not fit its model (``check_fits_model``), or
+    ``UnsupportedPlan`` naming the first plan feature the runtime does not implement."""
+    check_fits_model(config, model, num_gpus=config.world_size)
+    for name, size in (("ffn_hidden_size", model.ffn_hidden_size),
+                       ("the (padded) vocabulary", model.vocab_rows)):
+        if size % config.tp:
+            raise UnsupportedPlan(f"tp {config.tp} must divide {name} ({size}) for the "
+                                  "runtime's even tensor-parallel split")
+    if config.cp > 1:
+        raise UnsupportedPlan(f"context parallelism (cp {config.cp}) is not implemented by "
+                              "the runtime yet; use cp 1")
+    if config.ep > 1 or model.is_moe:
+        raise UnsupportedPlan(f"MoE models and expert parallelism are not implemented by the "
+                              f"runtime yet (model {model.name}, ep {config.ep})")
+    if config.offload_device != "cpu" and config.offload != "none":
+        raise UnsupportedPlan(f"offload to {config.offload_device} is not implemented; the "
+                              "runtime offloads to host memory (offload_device cpu)")
+    if model.tied_embeddings and config.pp > 1:
+        raise UnsupportedPlan("tied embeddings across pipeline stages are not implemented; "
+                              "use pp 1 or an untied model")
+    if model.position_embedding == "alibi":
+        raise UnsupportedPlan("ALiBi positions are not implemented; use rope or learned")
+    if config.seq_len > model.seq_len and model.position_embedding == "learned":
+        raise UnsupportedPlan(f"seq_len {config.seq_len} exceeds the learned position table "
+                              f"({model.seq_len})")
+
+
+def check_world_size(config: ParallelConfig, world_size: int) -> None:
+    """Raise ValueError when the launch does not have the plan's tp*cp*dp*pp ranks."""
+    if config.world_size != world_size:
+        raise ValueError(f"the plan needs tp*cp*dp*pp = {config.tp}*{config.cp}*{config.dp}*"
+                         f"{config.pp} = {config.world_size} processes but the launch has "
+                         f"{world_size}")
+
+
+def mesh_dims(config: ParallelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(names, sizes) of the mesh dimensions, slowest-varying first, cp left out."""
+    names = tuple(axis for axis in reversed(config.mesh_order) if axis != "cp")
+    sizes = {"tp": config.tp, "dp": config.dp, "pp": config.pp}
+    return names, tuple(sizes[n] for n in names)
+
+
+def device_for_rank() -> torch.device:
+    """``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+    """Join the torchrun job (env:// rendezvous); return the backend name (gloo or nccl)."""
+    device = device_for_rank()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return backend
+
+
+def _group_options(backend: str, timeout_s: float):
+    """Backend options carrying ``timeout_s`` to the mesh's sub-groups."""
+    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
+               else dist.ProcessGroupGloo._Options())
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return options
+
+
+@dataclass(frozen=True)
+class MeshCoords:
+    """This rank's coordinates on the plan's axes."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+def build_mesh(config: ParallelConfig, *, backend: str,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
+    """The plan's DeviceMesh (dimensions named ``pp``, ``dp``, ``tp`` in layout order)."""
+    names, sizes = mesh_dims(config)
+    override = {name: (backend, _group_options(backend, timeout_s)) for name in names}
+    return init_device_mesh(device_for_rank().type, sizes, mesh_dim_names=names,
+                            backend_override=override)
+
+
+def coords(mesh: DeviceMesh) -> MeshCoords:
+    return MeshCoords(pp=mesh.get_local_rank("pp"), dp=mesh.get_local_rank("dp"),
+                      tp=mesh.get_local_rank("tp"))

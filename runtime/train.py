@@ -1,0 +1,303 @@
+"""Run one plan on this rank: build the model chunk(s), apply the plan, train, measure.
+
+``run_plan`` is what every torchrun worker calls (``worker.py``). Order of application
+(DESIGN.md, Runtime): DeviceMesh -> tensor/sequence parallel -> pipeline split -> activation
+checkpointing -> ZeRO / data parallel (+ offload) -> optimizer -> pipeline schedule.
+
+Each step: zero gradients; forward and backward over the plan's grad_accum_steps
+micro-batches (a loop, or the pipeline schedule); optimizer step. The loss logged is the mean
+over the global batch: the last pipeline stage's first tensor-parallel rank of every replica
+contributes its replica mean / dp, and one all-reduce over all ranks adds them up, so every
+layout reports the same number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from costmodel.estimate import config_to_dict
+from planner.plan import Plan
+from runtime import data as data_mod
+from runtime import mesh as mesh_mod
+from runtime import optim as optim_mod
+from runtime import parallelize, pipeline
+from runtime.memory import PeakMemory, peak_rss_bytes
+from runtime.model import build_decoder
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """What to run besides the plan."""
+
+    steps: int = 5
+    """Optimizer steps; the first is a warm-up left out of the median step time."""
+    seed: int = 0
+    """Seed of the weights and of the synthetic data."""
+    data: str | None = None
+    """Token file (numpy memmap) instead of synthetic data."""
+    timeout_s: float = mesh_mod.DEFAULT_TIMEOUT_S
+    """Process-group timeout of the mesh's sub-groups."""
+    track_memory: bool = True
+    """Count live tensor bytes on the CPU (memory.py); costs dispatch time on every op."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over a micro-batch (fp32)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype:
+    """The plan's dtype on CUDA; fp32 on the CPU (no fast low-precision kernels there)."""
+    return _DTYPES[plan.config.dtype] if device.type == "cuda" else torch.float32
+
+
+@dataclass
+class RankModel:
+    """This rank's part of the model, wrapped for the plan, and how to step it."""
+
+    modules: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    schedule: Any | None
+    stage_indices: list[int]
+    coords: mesh_mod.MeshCoords
+    autocast_dtype: torch.dtype | None
+    num_stages: int = 1
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def last(self) -> bool:
+        return self.num_stages - 1 in self.stage_indices
+
+
+def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
+                   device: torch.device) -> tuple[list[nn.Module], list[int]]:
+    """Build, tensor-parallelise and checkpoint-wrap this rank's (virtual) stage modules."""
+    config, spec = plan.config, plan.model
+    pp_rank = mesh.get_local_rank("pp")
+    layers = pipeline.virtual_stage_layers(config, spec.num_layers)
+    indices = pipeline.rank_stage_indices(config, pp_rank)
+    modules = []
+    for index in indices:
+        module = build_decoder(spec, layer_ids=layers[index], first=index == 0,
+                               last=index == len(layers) - 1, seed=seed, device=device)
+        if config.tp > 1:
+            parallelize.apply_tensor_parallel(module, mesh["tp"], sp=config.sp)
+        parallelize.apply_checkpointing(module, config.stage_recompute(pp_rank))
+        modules.append(module)
+    return modules, indices
+
+
+def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int,
+                     device: torch.device) -> RankModel:
+    """Everything this rank needs to train ``plan``."""
+    config = plan.config
+    dtype = compute_dtype(plan, device)
+    modules, indices = _chunk_modules(plan, mesh, seed=seed, device=device)
+    choice = parallelize.DataParallelChoice(
+        zero_stage=config.zero_stage, offload=config.offload, dp=config.dp,
+        tensor_parallel=config.tp > 1, pipelined=config.pp > 1, interleaved=config.vpp > 1,
+        param_dtype=dtype if dtype != torch.float32 else None)
+    modules = [parallelize.apply_data_parallel(m, mesh["dp"], choice) for m in modules]
+    optimizer = optim_mod.build_optimizer(modules, zero_stage=config.zero_stage,
+                                          offload=config.offload, dp_mesh=mesh["dp"])
+    schedule = None
+    if config.pp > 1:
+        schedule = pipeline.build_schedule(modules, indices, config=config, device=device,
+                                           pp_group=mesh["pp"].get_group(), loss_fn=lm_loss)
+    autocast = dtype if dtype != torch.float32 and not choice.uses_fsdp else None
+    return RankModel(modules=modules, optimizer=optimizer, schedule=schedule,
+                     stage_indices=indices, coords=mesh_mod.coords(mesh),
+                     autocast_dtype=autocast, num_stages=config.pp * config.vpp)
+
+
+def _autocast(rank_model: RankModel, device: torch.device):
+    if rank_model.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=rank_model.autocast_dtype)
+
+
+def _no_sync(module: nn.Module, last: bool):
+    """DDP's ``no_sync`` for all but the last micro-batch (one all-reduce per step)."""
+    if isinstance(module, DistributedDataParallel) and not last:
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+def _loop_step(rank_model: RankModel, inputs: torch.Tensor, targets: torch.Tensor,
+               microbatches: int) -> torch.Tensor:
+    """Forward/backward over ``microbatches`` equal slices; returns the replica's mean loss."""
+    model = rank_model.modules[0]
+    total = torch.zeros((), device=inputs.device)
+    pairs = zip(inputs.chunk(microbatches), targets.chunk(microbatches))
+    for index, (x, y) in enumerate(pairs):
+        with _no_sync(model, last=index == microbatches - 1):
+            with _autocast(rank_model, inputs.device):
+                loss = lm_loss(model(x), y)
+            (loss / microbatches).backward()
+        total += loss.detach()
+    return total / microbatches
+
+
+def _pipeline_step(rank_model: RankModel, inputs: torch.Tensor, targets: torch.Tensor,
+                   microbatches: int) -> torch.Tensor:
+    """One pass of the pipeline schedule; the replica's mean loss on the last stage, else 0."""
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if rank_model.first else ()
+    with _autocast(rank_model, inputs.device):
+        rank_model.schedule.step(*args, target=targets if rank_model.last else None,
+                                 losses=losses if rank_model.last else None,
+                                 return_outputs=False)
+    if not rank_model.last:
+        return torch.zeros((), device=inputs.device)
+    return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+
+def train_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor,
+               device: torch.device) -> float:
+    """One optimizer step on global batch ``batch`` [B, s + 1]; returns the global mean loss."""
+    config = plan.config
+    rows = data_mod.replica_rows(batch, dp_rank=rank_model.coords.dp, dp=config.dp)
+    inputs, targets = (t.to(device) for t in data_mod.split_inputs_targets(rows))
+    rank_model.optimizer.zero_grad(set_to_none=True)
+    step = _pipeline_step if rank_model.schedule is not None else _loop_step
+    replica_loss = step(rank_model, inputs, targets, config.grad_accum_steps)
+    rank_model.optimizer.step()
+    reports = rank_model.last and rank_model.coords.tp == 0
+    contribution = replica_loss / config.dp if reports else torch.zeros((), device=device)
+    dist.all_reduce(contribution)
+    return float(contribution)
+
+
+def _timed_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor,
+                device: torch.device) -> tuple[float, float]:
+    """(global loss, step seconds: the slowest rank's)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    loss = train_step(rank_model, plan, batch, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return loss, float(elapsed)
+
+
+def run_plan(plan: Plan, options: RunOptions, *, backend: str) -> dict[str, Any] | None:
+    """Train ``plan`` for ``options.steps`` steps; the report on global rank 0, else None.
+
+    The mesh's sub-groups stay alive until the job ends: DTensor caches redistribution plans
+    by mesh *layout*, so a later plan of the same launch with an equal mesh may reach a group
+    of an earlier one (same ranks, so still correct) and must not find it destroyed.
+    """
+    config = plan.config
+    mesh_mod.check_supported(config, plan.model)
+    mesh_mod.check_world_size(config, dist.get_world_size())
+    device = mesh_mod.device_for_rank()
+    mesh = mesh_mod.build_mesh(config, backend=backend, timeout_s=options.timeout_s)
+    if compute_dtype(plan, device) != _DTYPES[config.dtype] and dist.get_rank() == 0:
+        logger.warning("the plan's dtype %s runs in fp32 on the CPU", config.dtype)
+    data_spec = data_mod.DataSpec(global_batch_size=config.global_batch_size,
+                                  seq_len=config.seq_len, vocab_size=plan.model.vocab_size,
+                                  seed=options.seed, token_file=options.data)
+    with PeakMemory(device, cpu_tracking=options.track_memory) as memory:
+        rank_model = build_rank_model(plan, mesh, seed=options.seed, device=device)
+        memory.reset()
+        losses, times_s = _train(rank_model, plan, data_spec, options.steps, device)
+    report = _report(plan, backend, rank_model, memory, losses, times_s)
+    if report is not None:
+        report["compute_dtype"] = _DTYPE_NAMES[compute_dtype(plan, device)]
+    dist.barrier()  # every rank is done with this plan's mesh (never on an error path)
+    return report
+
+
+def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec, steps: int,
+           device: torch.device) -> tuple[list[float], list[float]]:
+    losses, times_s = [], []
+    tokens = plan.config.global_batch_size * plan.config.seq_len
+    for step in range(steps):
+        loss, step_s = _timed_step(rank_model, plan, data_mod.global_batch(data_spec, step),
+                                   device)
+        losses.append(loss)
+        times_s.append(step_s)
+        if dist.get_rank() == 0:
+            logger.info("step %d loss %.6f step_time %.4f tokens/s %.1f", step, loss, step_s,
+                        tokens / step_s)
+    return losses, times_s
+
+
+def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
+            losses: list[float], times_s: list[float]) -> dict[str, Any] | None:
+    """The ``run --report`` document (DESIGN.md, schema_version 1), gathered on rank 0."""
+    stage = rank_model.coords.pp
+    mine = {"rank": dist.get_rank(), "stage": stage, "peak_bytes": memory.peak_bytes,
+            "peak_reserved_bytes": memory.peak_reserved_bytes,
+            "rss_peak_bytes": peak_rss_bytes(), "memory_source": memory.source}
+    gathered: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return None
+    return build_report(plan, backend=backend, losses=losses, times_s=times_s,
+                        per_rank=gathered)
+
+
+def _predicted_stage_peak(plan: Plan, stage: int) -> float | None:
+    """The estimate's peak bytes for pipeline stage ``stage`` (None if the plan lacks it)."""
+    stages = plan.predicted.get("memory", {}).get("per_stage", [])
+    return next((s.get("peak_bytes") for s in stages if s.get("stage") == stage), None)
+
+
+def _ratio(measured: float | None, predicted: float | None) -> float | None:
+    return measured / predicted if measured is not None and predicted else None
+
+
+def build_report(plan: Plan, *, backend: str, losses: list[float], times_s: list[float],
+                 per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Assemble the report from measurements; ratios are measured / predicted.
+
+    ``step_s_median`` leaves out the first (warm-up) step when there are several.
+    """
+    config = plan.config
+    step_s = statistics.median(times_s[1:] if len(times_s) > 1 else times_s)
+    ranks = []
+    for entry in sorted(per_rank, key=lambda e: e["rank"]):
+        stage_peak = _predicted_stage_peak(plan, entry["stage"])
+        ranks.append({**entry, "predicted_peak_bytes": stage_peak,
+                      "peak_ratio": _ratio(entry["peak_bytes"], stage_peak)})
+    peaks = [e["peak_bytes"] for e in ranks if e["peak_bytes"] is not None]
+    peak = max(peaks) if peaks else None
+    return {"schema_version": 1, "plan": config_to_dict(plan.config, plan.model),
+            "world_size": config.world_size, "backend": backend, "losses": losses,
+            "step_s_median": step_s,
+            "tokens_per_s": config.global_batch_size * config.seq_len / step_s,
+            "predicted": {"step_s": plan.step_s, "peak_bytes": plan.peak_bytes},
+            "ratio": {"step_s": _ratio(step_s, plan.step_s),
+                      "peak_bytes": _ratio(peak, plan.peak_bytes)},
+            "peak_bytes": peak, "step_s": times_s, "per_rank": ranks}

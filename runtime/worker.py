@@ -1,0 +1,141 @@
+"""The torchrun worker: ``python -m runtime.worker '<job JSON>'`` (what ``launch.py`` starts).
+
+A job lists one or more plan files of the same world size and the run options. The worker
+joins the process group once and runs the plans one after another, each on a fresh DeviceMesh
+(new sub-groups, destroyed after the plan), writing each plan's report on rank 0. Running
+several plans in one launch saves the start-up of the processes (seconds per rank on a small
+CPU machine), which is what the runtime tests use.
+
+Fail fast: plan checks run before the process group is joined and end the worker with exit
+code 2 and one line; any other error prints its traceback and ends the process at once
+(``os._exit``) so no rank lingers in a collective; torchrun then stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from planner.plan import Plan, read_plan
+from runtime import mesh as mesh_mod
+from runtime.train import RunOptions, run_plan
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """Plans to run in one launch, where to write their reports, and the run options."""
+
+    plans: tuple[str, ...]
+    """Plan files (all of the same world size)."""
+    reports: tuple[str | None, ...]
+    """Report path per plan (None: no report file)."""
+    options: RunOptions
+    progress_to_stderr: bool = False
+    """Log progress lines on stderr (keeps stdout for ``--json``)."""
+
+    def __post_init__(self) -> None:
+        if len(self.plans) != len(self.reports) or not self.plans:
+            raise ValueError(f"a job needs one report entry per plan, got {len(self.plans)} "
+                             f"plans and {len(self.reports)} reports")
+
+    def to_json(self) -> str:
+        return json.dumps({"plans": list(self.plans), "reports": list(self.reports),
+                           "options": asdict(self.options),
+                           "progress_to_stderr": self.progress_to_stderr})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Job":
+        data = json.loads(text)
+        return cls(plans=tuple(data["plans"]), reports=tuple(data["reports"]),
+                   options=RunOptions(**data["options"]),
+                   progress_to_stderr=bool(data.get("progress_to_stderr", False)))
+
+
+def under_torchrun() -> bool:
+    """True inside a torchrun worker (RANK and WORLD_SIZE are set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_job(job: Job, world_size: int) -> list[Plan]:
+    """Read and check every plan before any work; ValueError names the first problem."""
+    plans = [read_plan(path) for path in job.plans]
+    for path, plan in zip(job.plans, plans):
+        try:
+            mesh_mod.check_supported(plan.config, plan.model)
+            mesh_mod.check_world_size(plan.config, world_size)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+    return plans
+
+
+def _configure_logging(rank: int, *, to_stderr: bool) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(message)s", stream=sys.stderr if to_stderr else sys.stdout,
+                        force=True)
+
+
+def _write_report(report: dict, path: str) -> None:
+    """Write ``report`` as JSON; a missing folder (another node's path) only logs a warning."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        logging.getLogger(__name__).warning("report not written: no folder for %s on this "
+                                            "node (rank 0's)", path)
+        return
+    with open(path, "w") as out:
+        json.dump(report, out, indent=2)
+        out.write("\n")
+
+
+def run_job(job: Job) -> int:
+    """Run ``job`` in this torchrun worker; returns the exit code."""
+    rank = int(os.environ.get("RANK", "0"))
+    _configure_logging(rank, to_stderr=job.progress_to_stderr)
+    try:
+        plans = check_job(job, int(os.environ["WORLD_SIZE"]))
+    except ValueError as err:
+        if rank == 0:
+            print(f"meshplan: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    backend = mesh_mod.init_distributed(timeout_s=job.options.timeout_s)
+    for plan, report_path in zip(plans, job.reports):
+        report = run_plan(plan, job.options, backend=backend)
+        if report is not None and report_path:
+            _write_report(report, report_path)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_job_or_exit(job: Job) -> int:
+    """``run_job``, but any error prints its traceback and ends the process at once: a rank
+    that failed must not linger (its peers would wait in a collective until the timeout)."""
+    try:
+        return run_job(job)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m runtime.worker '<job JSON>' (started by meshplan run)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    return run_job_or_exit(Job.from_json(args[0]))
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

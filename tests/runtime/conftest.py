@@ -1,0 +1,83 @@
+"""Helpers of the runtime tests, as fixtures: plan files from the cost model, and torchrun.
+
+Multi-process tests run on CPU with gloo under torchrun on 127.0.0.1 (a c10d rendezvous on a
+free port), fp32, with ``OMP_NUM_THREADS=1``. ``runtime.worker`` can run several plans of one
+world size in one launch (each on a fresh DeviceMesh), which keeps process start-up -- seconds
+per rank on a 2-core machine -- to one launch per world size.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from costmodel import ModelSpec, ParallelConfig, estimate, load_cluster
+from planner.plan import Plan, write_plan
+
+LAUNCH_TIMEOUT_S = 110
+"""A torchrun launch of the tests must finish within this (tests time out at 120 s)."""
+
+
+def plan_config(**values: Any) -> ParallelConfig:
+    """A test configuration: global batch 8, sequence 64, fp32 unless given."""
+    return ParallelConfig(**{"global_batch_size": 8, "seq_len": 64, "dtype": "fp32", **values})
+
+
+def write_plan_file(model: ModelSpec, config: ParallelConfig, path: Path) -> Path:
+    """A plan file for ``config``: the cost model's estimate on the ``cpu`` cluster."""
+    cluster = load_cluster("cpu", gpus_per_node=config.world_size)
+    plan = Plan.from_estimate(estimate(model, cluster, config),
+                              provenance={"source": "tests/runtime"})
+    write_plan(plan, path)
+    return path
+
+
+def worker_env() -> dict[str, str]:
+    """This environment without torchrun's variables, one thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    return dict(env, OMP_NUM_THREADS="1")
+
+
+def run_torchrun(plans: Sequence[Path], reports: Sequence[Path], *, nproc: int, steps: int,
+                 timeout_s: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``runtime.worker`` on ``nproc`` local processes for ``plans``, one report each."""
+    from runtime.launch import Launch, torchrun_command
+    from runtime.train import RunOptions
+    from runtime.worker import Job
+
+    job = Job(plans=tuple(map(str, plans)), reports=tuple(map(str, reports)),
+              options=RunOptions(steps=steps, timeout_s=60.0))
+    return subprocess.run(torchrun_command(job, Launch(), nproc_per_node=nproc),
+                          capture_output=True, text=True, timeout=timeout_s, env=worker_env())
+
+
+@pytest.fixture(scope="session")
+def plan_file() -> Callable[..., Path]:
+    return write_plan_file
+
+
+@pytest.fixture(scope="session")
+def torchrun() -> Callable[..., subprocess.CompletedProcess]:
+    return run_torchrun
+
+
+@pytest.fixture(scope="session")
+def make_config() -> Callable[..., ParallelConfig]:
+    return plan_config
+
+
+def run_meshplan(*argv: str, timeout_s: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``meshplan ARGV`` in a fresh interpreter (``python -m planner.cli``)."""
+    return subprocess.run([sys.executable, "-m", "planner.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout_s, env=worker_env())
+
+
+@pytest.fixture(scope="session")
+def meshplan() -> Callable[..., subprocess.CompletedProcess]:
+    return run_meshplan

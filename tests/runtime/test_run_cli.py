@@ -1,0 +1,115 @@
+"""``meshplan run``: refusals before any work (exit 2), an end-to-end run, a failing run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from costmodel import load_model
+from planner import cli
+
+TINY = load_model("tiny")
+
+
+@pytest.fixture
+def dp2_plan(tmp_path, plan_file, make_config):
+    return plan_file(TINY, make_config(dp=2, zero_stage=3), tmp_path / "dp2.json")
+
+
+def test_world_size_mismatch_is_refused_before_any_work(capsys, dp2_plan):
+    assert cli.main(["run", str(dp2_plan), "--nproc-per-node", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == ("meshplan: error: the plan needs tp*cp*dp*pp = 1*1*2*1 = 2 processes but "
+                   "the launch has 3\n")
+
+
+def test_world_size_mismatch_over_nodes_is_refused(capsys, dp2_plan):
+    argv = ["run", str(dp2_plan), "--nnodes", "2", "--nproc-per-node", "2",
+            "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "job"]
+    assert cli.main(argv) == 2
+    assert "2 processes but the launch has 4" in capsys.readouterr().err
+
+
+def test_multi_node_needs_a_rendezvous(capsys, dp2_plan):
+    assert cli.main(["run", str(dp2_plan), "--nnodes", "2"]) == 2
+    assert "--rdzv-endpoint" in capsys.readouterr().err
+
+
+def test_context_parallel_plan_is_refused(capsys, tmp_path, plan_file, make_config):
+    plan = plan_file(TINY, make_config(cp=2), tmp_path / "cp2.json")
+    assert cli.main(["run", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshplan: error: context parallelism") and err.count("\n") == 1
+
+
+def test_missing_data_file_is_refused(capsys, dp2_plan, tmp_path):
+    assert cli.main(["run", str(dp2_plan), "--data", str(tmp_path / "none.bin")]) == 2
+    assert "--data" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_run_json_prints_the_report(meshplan, dp2_plan, tmp_path):
+    report_path = tmp_path / "report.json"
+    done = meshplan("run", str(dp2_plan), "--steps", "2", "--json", "--report",
+                    str(report_path))
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    assert report == json.loads(report_path.read_text())
+    assert report["world_size"] == 2 and len(report["losses"]) == 2
+    assert "step 1 loss" in done.stderr  # progress goes to stderr under --json
+    assert [r["rank"] for r in report["per_rank"]] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_failing_workers_end_the_run_at_once(meshplan, dp2_plan, tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    np.full(4096, 60000, dtype=np.uint16).tofile(tokens)  # ids beyond the 256-token vocabulary
+    start = time.monotonic()
+    done = meshplan("run", str(dp2_plan), "--steps", "2", "--data", str(tokens))
+    elapsed_s = time.monotonic() - start
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert "token id 60000 >= vocab size 256" in done.stderr, done.stderr[-4000:]
+    assert elapsed_s < 60  # well before the 60 s process-group timeout
+
+
+def test_report_folder_must_exist(capsys, dp2_plan, tmp_path):
+    assert cli.main(["run", str(dp2_plan), "--report", str(tmp_path / "no" / "r.json")]) == 2
+    assert "--report" in capsys.readouterr().err
+
+
+def test_negative_seed_is_refused(capsys, dp2_plan):
+    assert cli.main(["run", str(dp2_plan), "--seed", "-1"]) == 2
+    assert "seed must be >= 0" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_nodes_meet_at_the_rendezvous(dp2_plan, tmp_path):
+    """Two launchers of one process each (as on two nodes) form one dp2 job on 127.0.0.1."""
+    endpoint, report = f"127.0.0.1:{_free_port()}", tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    argv = [sys.executable, "-m", "planner.cli", "run", str(dp2_plan), "--steps", "2",
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", "two-nodes", "--report", str(report)]
+    nodes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=110) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    data = json.loads(report.read_text())
+    assert data["world_size"] == 2 and len(data["losses"]) == 2

@@ -1,0 +1,194 @@
+"""Single-process tests of the runtime's pieces: model, layout, data, optimizer, memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from costmodel import ParallelConfig, load_model
+from runtime import data, mesh, optim, pipeline
+from runtime.memory import LiveStorageTracker
+from runtime.model import build_decoder
+
+TINY = load_model("tiny")
+
+
+# ----- model -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["tiny", "gpt3-125m", "llama2-7b"])
+def test_parameter_count_equals_the_cost_model(name):
+    spec = dataclasses.replace(load_model(name), num_layers=1, reported_params=None)
+    if spec.hidden_size > 1024:  # keep it small: same architecture, narrower
+        spec = dataclasses.replace(spec, hidden_size=256, ffn_hidden_size=688,
+                                   vocab_size=1000, padded_vocab_size=None, num_heads=8,
+                                   num_kv_heads=None if spec.num_kv_heads is None else 8,
+                                   head_dim=None)
+    model = build_decoder(spec)
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params
+
+
+def test_stages_reproduce_the_whole_model():
+    """Weights are seeded by parameter name, so stage-wise construction equals the full model."""
+    full = build_decoder(TINY, seed=3)
+    first = build_decoder(TINY, layer_ids=[0], last=False, seed=3)
+    middle = build_decoder(TINY, layer_ids=[1, 2], first=False, last=False, seed=3)
+    last = build_decoder(TINY, layer_ids=[3], first=False, seed=3)
+    params = dict(full.named_parameters())
+    for part in (first, middle, last):
+        for name, param in part.named_parameters():
+            assert torch.equal(param, params[name]), name
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16))
+    torch.testing.assert_close(last(middle(first(tokens))), full(tokens), rtol=0, atol=0)
+
+
+def test_seed_changes_the_weights():
+    a, b = build_decoder(TINY, seed=0), build_decoder(TINY, seed=1)
+    assert not torch.equal(a.layers["0"].attention.wq.weight, b.layers["0"].attention.wq.weight)
+
+
+def test_attention_is_causal():
+    model = build_decoder(TINY)
+    tokens = torch.randint(0, TINY.vocab_size, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10] = (changed[0, 10] + 1) % TINY.vocab_size
+    torch.testing.assert_close(model(tokens)[0, :10], model(changed)[0, :10])
+
+
+def test_tied_embeddings_share_one_matrix():
+    spec = dataclasses.replace(TINY, tied_embeddings=True, reported_params=None)
+    model = build_decoder(spec)
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_moe_is_refused():
+    spec = dataclasses.replace(TINY, num_experts=4, moe_top_k=2, reported_params=None)
+    with pytest.raises(ValueError, match="MoE"):
+        build_decoder(spec)
+
+
+# ----- layout ------------------------------------------------------------------------------------
+
+def test_interleaved_split_follows_the_worked_example():
+    config = ParallelConfig(pp=2, vpp=2, layers_per_stage=(3, 5), global_batch_size=8, seq_len=64)
+    assert pipeline.virtual_stage_layers(config, 8) == [[0, 1], [2, 3, 4], [5], [6, 7]]
+    assert pipeline.rank_stage_indices(config, 0) == [0, 2]
+    assert pipeline.rank_stage_indices(config, 1) == [1, 3]
+
+
+def test_plain_split_uses_layers_per_stage():
+    config = ParallelConfig(pp=2, layers_per_stage=(1, 3), global_batch_size=8, seq_len=64)
+    assert pipeline.virtual_stage_layers(config, 4) == [[0], [1, 2, 3]]
+
+
+def test_mesh_dims_reverse_the_plan_order():
+    config = ParallelConfig(tp=2, pp=2, dp=2, global_batch_size=8, seq_len=64)
+    assert mesh.mesh_dims(config) == (("pp", "dp", "tp"), (2, 2, 2))
+    swapped = config.replace(mesh_order=("dp", "tp", "cp", "pp"))
+    assert mesh.mesh_dims(swapped) == (("pp", "tp", "dp"), (2, 2, 2))
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"cp": 2, "dp": 1}, "context parallelism"),
+    ({"offload": "optimizer", "offload_device": "nvme"}, "nvme"),
+])
+def test_unsupported_plans_are_refused(changes, match):
+    config = ParallelConfig(global_batch_size=8, seq_len=64, **changes)
+    with pytest.raises(mesh.UnsupportedPlan, match=match):
+        mesh.check_supported(config, TINY)
+
+
+def test_tied_embeddings_with_pipeline_are_refused():
+    spec = dataclasses.replace(TINY, tied_embeddings=True, reported_params=None)
+    config = ParallelConfig(pp=2, global_batch_size=8, seq_len=64)
+    with pytest.raises(mesh.UnsupportedPlan, match="tied"):
+        mesh.check_supported(config, spec)
+
+
+def test_world_size_mismatch_names_both_sizes():
+    config = ParallelConfig(tp=2, dp=2, global_batch_size=8, seq_len=64)
+    with pytest.raises(ValueError, match="= 4 processes but the launch has 3"):
+        mesh.check_world_size(config, 3)
+
+
+# ----- data --------------------------------------------------------------------------------------
+
+def test_global_batch_is_deterministic_and_sliced_by_replica():
+    spec = data.DataSpec(global_batch_size=8, seq_len=16, vocab_size=256, seed=1)
+    batch = data.global_batch(spec, 3)
+    assert torch.equal(batch, data.global_batch(spec, 3))
+    assert not torch.equal(batch, data.global_batch(spec, 4))
+    assert batch.shape == (8, 17) and int(batch.max()) < 256
+    halves = [data.replica_rows(batch, dp_rank=r, dp=2) for r in range(2)]
+    assert torch.equal(torch.cat(halves), batch)
+    inputs, targets = data.split_inputs_targets(batch)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_token_file_is_read_in_windows(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(100, dtype=np.uint16).tofile(path)
+    spec = data.DataSpec(global_batch_size=2, seq_len=4, vocab_size=256, token_file=str(path))
+    assert data.global_batch(spec, 0).tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert data.global_batch(spec, 1)[0].tolist() == [10, 11, 12, 13, 14]
+
+
+def test_token_file_ids_must_fit_the_vocabulary(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.full(20, 300, dtype=np.uint16).tofile(path)
+    spec = data.DataSpec(global_batch_size=2, seq_len=4, vocab_size=256, token_file=str(path))
+    with pytest.raises(ValueError, match="token id 300"):
+        data.global_batch(spec, 0)
+
+
+# ----- optimizer ---------------------------------------------------------------------------------
+
+def test_host_offload_adamw_matches_adamw():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.AdamW(a.parameters(), **optim.ADAMW)
+    opt_b = optim.HostOffloadAdamW(b.parameters(), **optim.ADAMW)
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+def test_partition_balances_and_is_deterministic():
+    owners = optim.partition([10, 1, 7, 3, 3], 2)
+    loads = [sum(s for s, o in zip([10, 1, 7, 3, 3], owners) if o == p) for p in range(2)]
+    assert owners == optim.partition([10, 1, 7, 3, 3], 2)
+    assert sorted(loads) == [11, 13]  # 10, 7 apart; 3 to 7 (10, 10); 3 to the first (13, 10); 1 (13, 11)
+
+
+# ----- memory ------------------------------------------------------------------------------------
+
+def test_tracker_counts_live_bytes_and_resizes():
+    tracker = LiveStorageTracker()
+    with tracker:
+        a = torch.empty(1000)  # 4000 bytes
+        b = torch.ones(250)  # 1000 bytes
+        assert tracker.live_bytes == 5000
+        del b
+        assert tracker.live_bytes == 4000
+        a.untyped_storage().resize_(0)
+        assert tracker.live_bytes == 0
+        a.untyped_storage().resize_(400)
+        assert tracker.live_bytes == 400
+    assert tracker.peak_bytes == 5000
+
+
+def test_plans_that_do_not_fit_the_model_are_refused():
+    config = ParallelConfig(tp=4, global_batch_size=8, seq_len=64)  # tiny has 2 kv heads
+    with pytest.raises(ValueError, match="kv heads"):
+        mesh.check_supported(config, TINY)
+    odd_ffn = dataclasses.replace(TINY, ffn_hidden_size=177, reported_params=None)
+    with pytest.raises(mesh.UnsupportedPlan, match="ffn_hidden_size"):
+        mesh.check_supported(ParallelConfig(tp=2, global_batch_size=8, seq_len=64), odd_ffn)
