@@ -37,8 +37,14 @@ def _tokens(config: ParallelConfig) -> int:
 
 
 def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recompute: str,
-                           moe: bool = False) -> float:
-    """Bytes one transformer layer keeps for backward for one micro-batch on one rank."""
+                           moe: bool = False, eager: bool = False) -> float:
+    """Bytes one transformer layer keeps for backward for one micro-batch on one rank.
+
+    ``eager``: unfused PyTorch modules (meshplan's runtime) also keep, per layer, the
+    attention output twice (SDPA saves it; the head-merging reshape copies it for the output
+    projection), SiLU's output beside its input (SwiGLU), and each RMSNorm's normalised input
+    beside the input itself (RMSNorm decomposes into pow, mean, rsqrt and two multiplies).
+    """
     t, act = config.tp, config.bytes_per_activation
     tokens = _tokens(config)
     seq_div = t if config.sp else 1
@@ -49,6 +55,13 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     seq_split = 4 * act * tokens * h + dropout_masks
     attention = act * tokens * (2 * model.q_size + 2 * model.kv_size)
     mlp = _mlp_activation_bytes(model, config, tokens=tokens, moe=moe)
+    if eager:
+        attention += act * tokens * model.q_size
+        if model.activation == "swiglu":
+            f = model.expert_ffn_size * model.moe_top_k if moe else model.ffn_hidden_size
+            mlp += act * tokens * f
+        if model.norm == "rmsnorm":
+            seq_split += 2 * act * tokens * h
     total = seq_split / seq_div + (attention + mlp) / t
     if recompute == "none":
         total += attention_core_bytes(model, config)
@@ -96,17 +109,19 @@ def embedding_activation_bytes(model: ModelSpec, config: ParallelConfig) -> floa
 
 
 def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
-                          logit_copies: float) -> float:
+                          logit_copies: float, vocab_parallel: bool = True) -> float:
     """Last stage, one micro-batch: final-norm and LM-head inputs plus the logits.
 
     Megatron-LM counts ``4 s b h (1 + V/h)``: two 2-byte h-wide tensors and fp32 logits over
     the vocabulary-parallel shard; ``logit_copies`` says how many fp32-sized logit tensors the
-    framework's loss keeps alive (1 for Megatron's fused vocab-parallel cross entropy).
+    framework's loss keeps alive (1 for Megatron's fused vocab-parallel cross entropy), and
+    ``vocab_parallel`` False means the logits are gathered to the full vocabulary first.
     """
     tokens = _tokens(config)
     act = config.bytes_per_activation
     h_part = 2 * act * tokens * model.hidden_size / (config.tp if config.sp else 1)
-    logits = logit_copies * LOGIT_BYTES * tokens * model.vocab_rows / config.tp
+    shards = config.tp if vocab_parallel else 1
+    logits = logit_copies * LOGIT_BYTES * tokens * model.vocab_rows / shards
     return h_part + logits
 
 

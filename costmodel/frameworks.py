@@ -132,6 +132,30 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
     return (2 * compute_bytes + FP32_BYTES) * largest_layer_params
 
 
+def eager_autograd(framework: str) -> bool:
+    """Whether the framework runs unfused PyTorch modules, which keep a few more tensors for
+    backward than Megatron's fused kernels (see ``activations.layer_activation_bytes``)."""
+    return framework == "meshplan"
+
+
+def vocab_parallel_loss(framework: str) -> bool:
+    """Whether the loss runs on vocabulary-sharded logits (Megatron's vocab-parallel cross
+    entropy, torchtitan's loss_parallel); meshplan's runtime gathers the logits first."""
+    return framework != "meshplan"
+
+
+def optimizer_workspace_bytes(framework: str, *, optimizer_params: float) -> float:
+    """Temporary device bytes of the optimizer step over ``optimizer_params`` parameters.
+
+    PyTorch's foreach AdamW (meshplan's runtime, torchtitan) allocates one fp32 tensor per
+    parameter for sqrt(v) + eps before the in-place update (torch/optim/adam.py,
+    ``_multi_tensor_adam``); Megatron's and DeepSpeed's fused Adam kernels update in place.
+    """
+    if framework in ("meshplan", "torchtitan"):
+        return FP32_BYTES * optimizer_params
+    return 0.0
+
+
 def logit_copies(framework: str, fp32: bool) -> float:
     """fp32-sized vocabulary tensors alive at the loss (see activations.head_activation_bytes)."""
     if framework in ("megatron", "ideal"):

@@ -13,7 +13,9 @@ from costmodel import activations as act
 from costmodel.calibration import Calibration
 from costmodel.config import ParallelConfig
 from costmodel.frameworks import (StateBytes, deepspeed_host_bytes_per_node,
-                                  framework_buffer_bytes, logit_copies, model_state_bytes)
+                                  framework_buffer_bytes, logit_copies, model_state_bytes,
+                                  eager_autograd, optimizer_workspace_bytes,
+                                  vocab_parallel_loss)
 from costmodel.hardware import ClusterSpec
 from costmodel.model import ModelSpec
 
@@ -108,20 +110,25 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     layer_range = stage_layer_range(model, config, stage)
     moe_layers = sum(1 for i in layer_range if model.is_moe_layer(i))
     dense_layers = len(layer_range) - moe_layers
-    per_mb = dense_layers * act.layer_activation_bytes(model, config, recompute=mode)
+    eager = eager_autograd(framework)
+    per_mb = dense_layers * act.layer_activation_bytes(model, config, recompute=mode,
+                                                       eager=eager)
     if moe_layers:
-        per_mb += moe_layers * act.layer_activation_bytes(model, config, recompute=mode, moe=True)
+        per_mb += moe_layers * act.layer_activation_bytes(model, config, recompute=mode,
+                                                          moe=True, eager=eager)
     in_flight = act.in_flight_microbatches(config, stage)
     total = in_flight * per_mb
     if stage == 0:
         total += in_flight * act.embedding_activation_bytes(model, config)
     if stage == config.pp - 1:
         total += act.head_activation_bytes(
-            model, config, logit_copies=logit_copies(framework, config.dtype == "fp32"))
+            model, config, logit_copies=logit_copies(framework, config.dtype == "fp32"),
+            vocab_parallel=vocab_parallel_loss(framework))
     return total
 
 
-def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
+def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: int, *,
+                              eager: bool = False) -> float:
     """Activations rebuilt by recomputation during one layer's backward, on top of those stored.
 
     Full: the layer's whole activations less its stored input (the recomputation starts from
@@ -134,22 +141,36 @@ def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: i
     if mode == "selective":
         return act.attention_core_bytes(model, config)
     moe = any(model.is_moe_layer(i) for i in stage_layer_range(model, config, stage))
-    return (act.layer_activation_bytes(model, config, recompute="none", moe=moe)
+    return (act.layer_activation_bytes(model, config, recompute="none", moe=moe, eager=eager)
             - act.layer_activation_bytes(model, config, recompute="full"))
 
 
 def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
                  framework: str, calibration: Calibration) -> StageMemory:
-    """Allocated peak and reserved bytes on one rank of ``stage``."""
+    """Allocated peak and reserved bytes on one rank of ``stage``.
+
+    The peak is the larger of two phases on top of the model states and the buffers that stay
+    allocated (DDP's gradient buckets): forward/backward (activations, gather buffers, the
+    recomputation workspace) and the optimizer step (its temporaries; activations are freed).
+    """
     states, params = stage_states(model, config, stage, framework)
     activations = stage_activation_bytes(model, config, stage, framework)
     buffers = framework_buffer_bytes(
         framework, zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
         largest_layer_params=params.largest_layer, fp32=config.dtype == "fp32",
         data_parallel=config.dp * config.cp > 1)
+    persistent = buffers if framework in ("meshplan", "torchtitan") and \
+        config.zero_stage <= 1 else 0.0
     if framework != "ideal":
-        buffers += recompute_workspace_bytes(model, config, stage)
-    peak = states.params + states.grads + states.optimizer + activations + buffers
+        buffers += recompute_workspace_bytes(model, config, stage,
+                                             eager=eager_autograd(framework))
+    optimizer_params = 0.0 if config.offload != "none" else (
+        params.dense / (config.dp * config.cp if config.zero_stage >= 1 else 1)
+        + params.expert / (max(1, config.dp * config.cp // config.ep)
+                           if config.zero_stage >= 1 else 1))
+    step_workspace = optimizer_workspace_bytes(framework, optimizer_params=optimizer_params)
+    peak = (states.params + states.grads + states.optimizer + persistent
+            + max(activations + buffers - persistent, step_workspace))
     comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
     reserved = peak * (1 + calibration.allocator_fragmentation) + comm
     return StageMemory(stage=stage, layers=len(stage_layer_range(model, config, stage)),

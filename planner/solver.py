@@ -125,8 +125,6 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, worker
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
-    if workers > 1:  # deterministic for a seed also with several workers
-        solver.parameters.interleave_search = True
     status = solver.Solve(model)
     wall = time.perf_counter() - start
     if status == cp_model.INFEASIBLE:

@@ -20,7 +20,7 @@ from costmodel import activations as act
 from costmodel.config import (FRAMEWORKS, MESH_AXES, RECOMPUTE_MODES, ParallelConfig,
                               check_fits_model)
 from costmodel.estimate import estimate
-from costmodel.frameworks import logit_copies, model_state_bytes
+from costmodel.frameworks import logit_copies, model_state_bytes, vocab_parallel_loss
 from costmodel.hardware import ClusterSpec, load_cluster
 from costmodel.memory import stage_activation_bytes, stage_states
 from costmodel.model import ModelSpec
@@ -184,7 +184,8 @@ def test_stage_activations_decrease_with_stage_index(plan, pp, v, m_per_p, recom
     config = config.replace(pp=pp, vpp=v, recompute=recompute,
                             global_batch_size=pp * m_per_p * config.micro_batch_size)
     head = act.head_activation_bytes(model, config,
-                                     logit_copies=logit_copies(framework, config.dtype == "fp32"))
+                                     logit_copies=logit_copies(framework, config.dtype == "fp32"),
+                                     vocab_parallel=vocab_parallel_loss(framework))
     by_stage = [stage_activation_bytes(model, config, s, framework) for s in range(pp)]
     by_stage[-1] -= head
     assert all(_at_most(b, a) for a, b in zip(by_stage, by_stage[1:])), by_stage
