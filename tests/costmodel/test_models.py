@@ -55,6 +55,7 @@ PUBLISHED_EXACT = {
     "llama2-7b": 6_738_415_616,  # meta-llama/Llama-2-7b-hf
     "llama2-13b": 13_015_864_320,  # meta-llama/Llama-2-13b-hf
     "llama2-70b": 68_976_648_192,  # meta-llama/Llama-2-70b-hf
+    "llama3.2-1b": 1_235_814_400,  # meta-llama/Llama-3.2-1B
     "llama3-8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
     "llama3-70b": 70_553_706_496,  # meta-llama/Meta-Llama-3-70B
     "llama3-405b": 405_853_388_800,  # meta-llama/Llama-3.1-405B
@@ -130,7 +131,7 @@ def test_bloom_vocab_padding_explains_count():
 
 def test_every_entry_has_source_and_matches_reported():
     catalog = model_catalog()
-    assert len(catalog) == 29
+    assert len(catalog) == 30
     for name, spec in catalog.items():
         assert spec.name == name
         assert spec.source.strip(), name
@@ -148,7 +149,9 @@ def test_family_conventions():
         if name.startswith(("llama", "mixtral")) or name == "tiny":
             assert (spec.activation, spec.norm, spec.position_embedding) == \
                 ("swiglu", "rmsnorm", "rope"), name
-            assert not spec.linear_bias and not spec.tied_embeddings and not spec.dropout, name
+            assert not spec.linear_bias and not spec.dropout, name
+            # the small Llama 3.2 models tie the LM head to the embedding; the others do not
+            assert spec.tied_embeddings == (name == "llama3.2-1b"), name
         elif name.startswith(("gpt3", "megatron", "mt-nlg")):
             assert (spec.activation, spec.norm, spec.position_embedding) == \
                 ("gelu", "layernorm", "learned"), name

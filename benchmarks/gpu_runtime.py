@@ -1,0 +1,110 @@
+"""One GPU, a ~1B-parameter model, several plans: measured against predicted memory and time.
+
+Runs Llama-3.2-1B (1.24B parameters, bf16, sequence 2048) through ``meshplan run`` on one GPU
+under plans that differ in recomputation (none, selective, full) and ZeRO / offload (ZeRO-0,
+optimizer offload, ZeRO-3 with parameters offloaded), and prints each plan's measured peak
+allocated and reserved memory and median step time next to the cost model's prediction for the
+``meshplan`` framework on a one-GPU cluster of the detected kind. Writes
+``gpu-<gpu>-<date>.{md,json}`` under ``benchmarks/results/`` (rows as notebook 03 reads them).
+
+Sized to finish in under 8 minutes on one H200 (about 20 s start-up and 8 steps per plan):
+
+    python benchmarks/gpu_runtime.py [--cluster dgx-h200] [--steps 8] [--plans none,full,...]
+
+On a machine without CUDA it stops with a one-line message (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from costmodel import ParallelConfig, default_calibration, estimate, load_cluster, load_model
+from planner.plan import Plan, write_plan
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "llama3.2-1b"
+COMMON = dict(global_batch_size=8, micro_batch_size=2, seq_len=2048, dtype="bf16")
+PLANS = {
+    "none": dict(recompute="none"),
+    "selective": dict(recompute="selective"),
+    "full": dict(recompute="full"),
+    "offload-optimizer": dict(recompute="selective", offload="optimizer"),
+    "zero3-offload-params": dict(recompute="selective", zero_stage=3,
+                                 offload="optimizer+params"),
+}
+
+
+def make_plan(cluster_name: str, fields: dict) -> Plan:
+    model = load_model(MODEL)
+    cluster = load_cluster(cluster_name, nodes=1, gpus_per_node=1)
+    config = ParallelConfig(**{**COMMON, **fields})
+    est = estimate(model, cluster, config, framework="meshplan",
+                   calibration=default_calibration())
+    return Plan.from_estimate(est, provenance={"calibration": "built-in",
+                                               "source": "benchmarks/gpu_runtime.py"})
+
+
+def run_plan(plan: Plan, steps: int, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_file, report_file = Path(tmp) / "plan.json", Path(tmp) / "report.json"
+        write_plan(plan, plan_file)
+        subprocess.run([sys.executable, "-m", "planner.cli", "run", str(plan_file),
+                        "--steps", str(steps), "--report", str(report_file),
+                        "--nproc-per-node", "1"], check=True, timeout=timeout_s)
+        return json.loads(report_file.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cluster", default="dgx-h200",
+                        help="catalog cluster whose GPU this is (default dgx-h200)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--plans", default=",".join(PLANS),
+                        help=f"comma-separated subset of {', '.join(PLANS)}")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per plan")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_runtime.py: no CUDA device here; run it on a GPU machine", file=sys.stderr)
+        return 2
+    rows, start = [], time.perf_counter()
+    for name in args.plans.split(","):
+        plan = make_plan(args.cluster, PLANS[name])
+        report = run_plan(plan, args.steps, args.timeout)
+        rank = report["per_rank"][0]
+        rows.append({"plan": name, "gpu": torch.cuda.get_device_name(0),
+                     "measured_peak_bytes": rank["peak_bytes"],
+                     "measured_reserved_bytes": rank["peak_reserved_bytes"],
+                     "predicted_peak_bytes": rank["predicted_peak_bytes"],
+                     "predicted_reserved_bytes": plan.predicted["memory"]["peak_reserved_bytes"],
+                     "measured_step_s": report["step_s_median"],
+                     "predicted_step_s": report["predicted"]["step_s"]})
+        print(f"{name}: done after {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    table = pd.DataFrame(rows)
+    table["peak_ratio"] = table.measured_peak_bytes / table.predicted_peak_bytes
+    table["step_ratio"] = table.measured_step_s / table.predicted_step_s
+    pd.set_option("display.width", 200)
+    print(table.to_string(index=False))
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = load_cluster(args.cluster).gpu.key
+    stem = f"gpu-{gpu}-{dt.date.today().isoformat()}"
+    (args.out / f"{stem}.md").write_text(f"# {MODEL} on one {gpu}: measured vs predicted\n\n"
+                                         + table.to_markdown(index=False, floatfmt=".4g") + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(table.to_dict(orient="records"),
+                                                      indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
