@@ -475,6 +475,15 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the run report JSON (schema_version 1) to FILE")
     parser.add_argument("--timeout", type=_positive_float, default=60.0, metavar="S",
                         help="process-group timeout in seconds (default 60)")
+    saving = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
+    saving.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="checkpoint folder, shared by all nodes (layout: "
+                             "runtime/checkpoint.py)")
+    saving.add_argument("--checkpoint-every", type=_positive_int, metavar="N",
+                        help="save after every N steps (default: never; DIR is then only read)")
+    saving.add_argument("--resume", action="store_true",
+                        help="continue from the latest complete checkpoint in DIR, under this "
+                             "plan (it may differ from the one that saved it)")
     group = parser.add_argument_group("torchrun (ignored when already under torchrun)")
     group.add_argument("--nproc-per-node", type=_positive_int, metavar="K",
                        help="processes per node (default: the plan's world size / nodes)")
@@ -483,6 +492,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="c10d rendezvous (default on one node: 127.0.0.1, a free port)")
     group.add_argument("--rdzv-id", metavar="ID", help="rendezvous job id, the same on all nodes")
+    group.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                       help="restart the workers up to K times after a failure; they resume "
+                            "from the latest checkpoint in DIR (default 0)")
     parser.add_argument("--json", action="store_true",
                         help="print the run report JSON on stdout (progress goes to stderr)")
 
@@ -497,9 +509,11 @@ def _run_run(args: argparse.Namespace) -> int:
     if args.report and not os.path.isdir(os.path.dirname(os.path.abspath(args.report))):
         raise ValueError(f"--report {args.report!r}: its folder does not exist")
     options = RunOptions(steps=args.steps, seed=args.seed, data=args.data,
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
+                         checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
     where = launch.Launch(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                          rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+                          rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                          max_restarts=args.max_restarts)
     result = launch.run(args.plan_file, options=options, launch=where, report=args.report,
                         json_output=args.json)
     if result.report is not None:
@@ -520,6 +534,9 @@ def _run_summary(report: dict[str, Any]) -> str:
              f"({report['backend']}); final loss {report['losses'][-1]:.4f}",
              f"step time  measured {report['step_s_median']:.4f} s   predicted "
              f"{predicted['step_s']:.4f} s   ratio {ratio(report['ratio']['step_s'])}"]
+    if report.get("resumed_from_step") is not None:
+        lines.append(f"resumed from checkpoint step-{report['resumed_from_step']} "
+                     f"({report['restarts']} torchrun restarts)")
     if report["peak_bytes"] is not None:
         lines.append(f"peak/rank  measured {report['peak_bytes'] / 1e6:.2f} MB   predicted "
                      f"{predicted['peak_bytes'] / 1e6:.2f} MB   ratio "

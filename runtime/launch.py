@@ -9,8 +9,14 @@ as the program: one node uses a c10d rendezvous on 127.0.0.1 with a free port (t
 (each also calls ``torch.set_num_threads(1)`` on the CPU). Under torchrun (e.g.
 ``torchrun --nproc-per-node 8 $(which meshplan) run plan.json``) ``run`` is the worker itself.
 
-torch APIs: ``torch.distributed.run`` (torchrun), with ``--max-restarts 0`` so one failing rank
-ends the job.
+Fault tolerance: ``--max-restarts K`` (default 0: one failing rank ends the job) lets torchrun
+restart all workers up to K times after a failure; the restarted workers resume from the latest
+checkpoint in ``--checkpoint-dir`` (train.py, checkpoint.py). Each attempt then gets its own
+rendezvous store (``FRESH_STORE_PER_ATTEMPT``; set it yourself when starting torchrun by hand).
+Checkpoint flags are checked here, before torchrun starts (``checkpoint.check_start``):
+``--resume`` without a checkpoint, or with one of another data stream or model, is refused.
+
+torch APIs: ``torch.distributed.run`` (torchrun) with ``--max-restarts``.
 """
 
 from __future__ import annotations
@@ -24,13 +30,19 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from planner.plan import read_plan
+from planner.plan import Plan, read_plan
+from runtime import checkpoint
 from runtime import mesh as mesh_mod
-from runtime.train import RunOptions
+from runtime.train import RunOptions, plan_data
 from runtime.worker import Job, run_job_or_exit, under_torchrun
 
 LOCAL_ENDPOINT = "127.0.0.1:0"
 """Single-node rendezvous: loopback, port chosen by the agent."""
+FRESH_STORE_PER_ATTEMPT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set to 1 when restarts are allowed: by default the workers of every attempt share the
+rendezvous' TCPStore, where the first attempt's process-group keys remain; the restarted
+workers then read dead peers' addresses and fail to build the mesh's sub-groups (torch 2.13,
+gloo: "connectFullMesh failed ... Connection refused"). With it, each attempt gets a new store."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +56,12 @@ class Launch:
     """host:port of the c10d rendezvous; None on one node means 127.0.0.1 and a free port."""
     rdzv_id: str | None = None
     """Job id shared by all nodes; None picks a fresh one (single node only)."""
+    max_restarts: int = 0
+    """Times torchrun restarts the workers after a failure (they resume from a checkpoint)."""
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.nnodes > 1 and (self.rdzv_endpoint is None or self.rdzv_id is None):
             raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT and "
                              "--rdzv-id ID (the same on every node)")
@@ -66,7 +82,8 @@ def torchrun_command(job: Job, launch: Launch, *, nproc_per_node: int) -> list[s
     return [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(launch.nnodes), "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint or LOCAL_ENDPOINT,
-            "--rdzv-id", launch.rdzv_id or uuid.uuid4().hex, "--max-restarts", "0",
+            "--rdzv-id", launch.rdzv_id or uuid.uuid4().hex,
+            "--max-restarts", str(launch.max_restarts),
             "-m", "runtime.worker", job.to_json()]
 
 
@@ -74,6 +91,8 @@ def start(job: Job, launch: Launch, *, nproc_per_node: int,
           timeout_s: float | None = None) -> subprocess.CompletedProcess:
     """Run torchrun for ``job`` and wait; output goes to this process's stdout and stderr."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if launch.max_restarts:
+        env[FRESH_STORE_PER_ATTEMPT] = "1"
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return subprocess.run(torchrun_command(job, launch, nproc_per_node=nproc_per_node),
@@ -98,6 +117,7 @@ def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | No
     """
     plan = read_plan(plan_path)
     mesh_mod.check_supported(plan.config, plan.model)
+    _check_checkpoint_flags(plan, options)
     if not under_torchrun():
         nproc = processes_per_node(launch, plan.config.world_size)
         mesh_mod.check_world_size(plan.config, nproc * launch.nnodes)
@@ -113,6 +133,15 @@ def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | No
             return RunResult(code, _read_report(path) if code == 0 and rank0 else None)
         code = start(job, launch, nproc_per_node=nproc).returncode
         return RunResult(code, _read_report(path) if code == 0 else None)
+
+
+def _check_checkpoint_flags(plan: Plan, options: RunOptions) -> None:
+    """ValueError when the checkpoint flags cannot work for this plan (``check_start``)."""
+    checkpoint.check_start(options.checkpoint_dir, resume=options.resume,
+                           saving=options.checkpoint_every > 0,
+                           restarted=checkpoint.torchrun_restarts() > 0,
+                           data=checkpoint.data_stream(plan_data(plan, options)),
+                           model=checkpoint.architecture(plan.model), steps=options.steps)
 
 
 def _read_report(path: str | None) -> dict[str, Any] | None:

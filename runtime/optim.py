@@ -14,6 +14,10 @@
   AdamW: the sharded parameters, gradients and states all live on the host.
 
 Hyperparameters are fixed (``ADAMW``) so runs of different layouts are comparable.
+
+For checkpoints (``checkpoint.py``) ``adamw_states`` presents the AdamW state this rank keeps,
+whichever wrapper holds it, per model parameter and in the parameter's layout;
+``reload_master_weights`` refreshes host copies after the parameters were loaded.
 """
 
 from __future__ import annotations
@@ -54,6 +58,22 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         self._pairs = [(p, _local(p).detach().to("cpu", torch.float32, copy=True))
                        for group in self.param_groups for p in group["params"]]
         self._host = torch.optim.AdamW([h for _, h in self._pairs], **hyper)
+
+    @property
+    def host_optimizer(self) -> torch.optim.AdamW:
+        """The AdamW stepping the host copies (it holds the moments)."""
+        return self._host
+
+    @property
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, its fp32 host copy) for every parameter."""
+        return list(self._pairs)
+
+    @torch.no_grad()
+    def reload_master_weights(self) -> None:
+        """Copy the parameters into the host copies (after the parameters were loaded)."""
+        for param, host in self._pairs:
+            host.copy_(_local(param))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -98,6 +118,11 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
         mine = [p for p, src in zip(self._params, self._sources) if src == dist.get_rank()]
         self._inner = optimizer_class(mine, **hyper) if mine else None
 
+    @property
+    def inner(self) -> torch.optim.Optimizer | None:
+        """The optimizer over this rank's parameters (None when it owns none)."""
+        return self._inner
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
@@ -122,3 +147,80 @@ def build_optimizer(modules: list[nn.Module], *, zero_stage: int, offload: str,
         return ZeroRedundancyOptimizer(params, optimizer_class=inner,
                                        process_group=dp_mesh.get_group(), **hyper)
     return inner(params, **hyper)
+
+
+# ----- state for checkpoints ---------------------------------------------------------------------
+
+def _state_holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer that keeps this rank's states: ZeRO-1 wrappers hold them in an inner one."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.optim
+    if isinstance(optimizer, ShardedStateOptimizer):
+        return optimizer.inner
+    return optimizer
+
+
+def _adamw_keys(optimizer: torch.optim.Optimizer
+                ) -> tuple[torch.optim.AdamW | None, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(the torch AdamW holding the states, [(model parameter, its key in that AdamW)])."""
+    holder = _state_holder(optimizer)
+    if holder is None:
+        return None, []
+    if isinstance(holder, HostOffloadAdamW):
+        return holder.host_optimizer, holder.pairs
+    if isinstance(holder, torch.optim.AdamW):
+        return holder, [(p, p) for group in holder.param_groups for p in group["params"]]
+    raise TypeError(f"no checkpoint support for optimizer {type(holder).__name__}")
+
+
+@torch.no_grad()
+def _init_states(adamw: torch.optim.AdamW, keys: list[torch.Tensor]) -> None:
+    """Create missing AdamW states with a zero-learning-rate step on zero gradients (as
+    ``torch.distributed.checkpoint.state_dict`` does): moments 0, parameters unchanged."""
+    missing = [key for key in keys if key not in adamw.state]
+    if not missing:
+        return
+    for key in missing:  # AdamW skips the others (no gradient): their states stay as they are
+        key.grad = torch.zeros_like(key)
+    rates = [group["lr"] for group in adamw.param_groups]
+    for group in adamw.param_groups:
+        group["lr"] = 0.0
+    adamw.step()
+    for group, rate in zip(adamw.param_groups, rates):
+        group["lr"] = rate
+    for key in missing:
+        key.grad = None
+
+
+def _as_param_layout(state: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``state`` (shaped like ``param``'s local shard) as a DTensor laid out like ``param``."""
+    if not isinstance(param, DTensor) or isinstance(state, DTensor) or state.dim() == 0:
+        return state
+    return DTensor.from_local(state, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def adamw_states(optimizer: torch.optim.Optimizer
+                 ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """(model parameter, its AdamW state) for each parameter whose state this rank keeps.
+
+    The state is ``{"step", "exp_avg", "exp_avg_sq"}`` holding the optimizer's own tensors
+    (loading into them in place restores the optimizer); moments kept on host copies of local
+    shards are wrapped as DTensors laid out like the parameter, so every layout presents the
+    same global tensors. Under ZeRO-1 a rank lists only the parameters it owns. States not
+    created yet (before the first step) are created first (``_init_states``).
+    """
+    adamw, pairs = _adamw_keys(optimizer)
+    if adamw is None:
+        return []
+    _init_states(adamw, [key for _, key in pairs])
+    return [(param, {name: _as_param_layout(value, param)
+                     for name, value in adamw.state[key].items()})
+            for param, key in pairs]
+
+
+def reload_master_weights(optimizer: torch.optim.Optimizer) -> None:
+    """Refresh host master copies from the parameters (optimizer offload), else nothing."""
+    holder = _state_holder(optimizer)
+    if isinstance(holder, HostOffloadAdamW):
+        holder.reload_master_weights()

@@ -9,6 +9,13 @@ micro-batches (a loop, or the pipeline schedule); optimizer step. The loss logge
 over the global batch: the last pipeline stage's first tensor-parallel rank of every replica
 contributes its replica mean / dp, and one all-reduce over all ranks adds them up, so every
 layout reports the same number.
+
+Checkpoints (``checkpoint.py``): with ``checkpoint_every`` N every N-th step is saved into
+``checkpoint_dir``; a run asked to ``resume``, or restarted by torchrun (``--max-restarts``,
+seen as TORCHELASTIC_RESTART_COUNT > 0), first loads the latest checkpoint and continues after
+its step, taking the earlier steps' losses from it. Saves run inside the measured memory window
+(their buffers count in the per-rank peak); loading runs before it. ``fault.py`` can end one
+rank after a step.
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from costmodel.estimate import config_to_dict
 from planner.plan import Plan
+from runtime import checkpoint
 from runtime import data as data_mod
 from runtime import mesh as mesh_mod
 from runtime import optim as optim_mod
 from runtime import parallelize, pipeline
+from runtime.fault import Fault
 from runtime.memory import PeakMemory, peak_rss_bytes
 from runtime.model import build_decoder
 
@@ -56,14 +65,32 @@ class RunOptions:
     """Process-group timeout of the mesh's sub-groups."""
     track_memory: bool = True
     """Count live tensor bytes on the CPU (memory.py); costs dispatch time on every op."""
+    checkpoint_dir: str | None = None
+    """Folder of the checkpoints (checkpoint.py), shared by all nodes; None: no checkpoints."""
+    checkpoint_every: int = 0
+    """Save after every this many steps; 0: never save (the folder is only read)."""
+    resume: bool = False
+    """Start from the latest checkpoint in ``checkpoint_dir`` (it must exist)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 1 (0: never save), got "
+                             f"{self.checkpoint_every}")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def plan_data(plan: Plan, options: RunOptions) -> data_mod.DataSpec:
+    """The data stream of ``plan`` run with ``options``."""
+    return data_mod.DataSpec(global_batch_size=plan.config.global_batch_size,
+                             seq_len=plan.config.seq_len, vocab_size=plan.model.vocab_size,
+                             seed=options.seed, token_file=options.data)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -224,25 +251,48 @@ def run_plan(plan: Plan, options: RunOptions, *, backend: str) -> dict[str, Any]
     mesh = mesh_mod.build_mesh(config, backend=backend, timeout_s=options.timeout_s)
     if compute_dtype(plan, device) != _DTYPES[config.dtype] and dist.get_rank() == 0:
         logger.warning("the plan's dtype %s runs in fp32 on the CPU", config.dtype)
-    data_spec = data_mod.DataSpec(global_batch_size=config.global_batch_size,
-                                  seq_len=config.seq_len, vocab_size=plan.model.vocab_size,
-                                  seed=options.seed, token_file=options.data)
+    data_spec = plan_data(plan, options)
+    restarts = checkpoint.torchrun_restarts()
     with PeakMemory(device, cpu_tracking=options.track_memory) as memory:
         rank_model = build_rank_model(plan, mesh, seed=options.seed, device=device)
+        history = _resume(rank_model, plan, options, data_spec, restarted=restarts > 0)
         memory.reset()
-        losses, times_s = _train(rank_model, plan, data_spec, options.steps, device)
+        losses, times_s = _train(rank_model, plan, data_spec, options, device, history)
     report = _report(plan, backend, rank_model, memory, losses, times_s)
     if report is not None:
         report["compute_dtype"] = _DTYPE_NAMES[compute_dtype(plan, device)]
+        report["resumed_from_step"] = history.step if history is not None else None
+        report["restarts"] = restarts
     dist.barrier()  # every rank is done with this plan's mesh (never on an error path)
     return report
 
 
-def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec, steps: int,
-           device: torch.device) -> tuple[list[float], list[float]]:
-    losses, times_s = [], []
+def _resume(rank_model: RankModel, plan: Plan, options: RunOptions,
+            data_spec: data_mod.DataSpec, *, restarted: bool) -> checkpoint.TrainState | None:
+    """Load the checkpoint to continue from, if any (``RunOptions.resume`` or a restart)."""
+    step = checkpoint.resume_step(options.checkpoint_dir, resume=options.resume,
+                                  restarted=restarted)
+    if step is None:
+        return None
+    state = checkpoint.read_train_state(options.checkpoint_dir, step)
+    checkpoint.check_compatible(state, data=checkpoint.data_stream(data_spec),
+                                model=checkpoint.architecture(plan.model), steps=options.steps,
+                                where=checkpoint.step_dir(options.checkpoint_dir, step))
+    checkpoint.load(rank_model.modules, rank_model.optimizer, options.checkpoint_dir, step)
+    if dist.get_rank() == 0:
+        logger.info("resumed from %s", checkpoint.step_dir(options.checkpoint_dir, step))
+    return state
+
+
+def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
+           options: RunOptions, device: torch.device,
+           history: checkpoint.TrainState | None) -> tuple[list[float], list[float]]:
+    """Steps after ``history``'s (all when None); losses and step times of every step."""
+    losses = list(history.losses) if history else []
+    times_s = list(history.step_s) if history else []
     tokens = plan.config.global_batch_size * plan.config.seq_len
-    for step in range(steps):
+    fault = Fault.from_env()
+    for step in range(len(losses), options.steps):
         loss, step_s = _timed_step(rank_model, plan, data_mod.global_batch(data_spec, step),
                                    device)
         losses.append(loss)
@@ -250,6 +300,17 @@ def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec, step
         if dist.get_rank() == 0:
             logger.info("step %d loss %.6f step_time %.4f tokens/s %.1f", step, loss, step_s,
                         tokens / step_s)
+        done = step + 1
+        if options.checkpoint_every and done % options.checkpoint_every == 0:
+            state = checkpoint.TrainState(
+                step=done, losses=tuple(losses), step_s=tuple(times_s),
+                data=checkpoint.data_stream(data_spec),
+                model=checkpoint.architecture(plan.model),
+                plan=config_to_dict(plan.config, plan.model))
+            checkpoint.save(rank_model.modules, rank_model.optimizer, options.checkpoint_dir,
+                            state)
+        if fault is not None:
+            fault.after_step(done, dist.get_rank())
     return losses, times_s
 
 

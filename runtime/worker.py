@@ -46,6 +46,9 @@ class Job:
         if len(self.plans) != len(self.reports) or not self.plans:
             raise ValueError(f"a job needs one report entry per plan, got {len(self.plans)} "
                              f"plans and {len(self.reports)} reports")
+        if self.options.checkpoint_dir and len(self.plans) > 1:
+            raise ValueError(f"a job with a checkpoint folder runs one plan, got "
+                             f"{len(self.plans)}")
 
     def to_json(self) -> str:
         return json.dumps({"plans": list(self.plans), "reports": list(self.reports),

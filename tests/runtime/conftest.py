@@ -72,10 +72,12 @@ def make_config() -> Callable[..., ParallelConfig]:
     return plan_config
 
 
-def run_meshplan(*argv: str, timeout_s: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """``meshplan ARGV`` in a fresh interpreter (``python -m planner.cli``)."""
+def run_meshplan(*argv: str, timeout_s: float = LAUNCH_TIMEOUT_S,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``meshplan ARGV`` in a fresh interpreter (``python -m planner.cli``), with ``env``
+    added to ``worker_env()``."""
     return subprocess.run([sys.executable, "-m", "planner.cli", *argv], capture_output=True,
-                          text=True, timeout=timeout_s, env=worker_env())
+                          text=True, timeout=timeout_s, env={**worker_env(), **(env or {})})
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,302 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic saves, the latest one, resume.
+
+Layout of ``--checkpoint-dir DIR``::
+
+    DIR/
+      latest                "step-4": the last committed checkpoint (replaced with os.replace)
+      step-2/               committed after optimizer step 2 (steps count from 1)
+      step-4/
+        .metadata           DCP: every key's global shape, and which file holds each shard
+        __<r>_0.distcp      DCP data, one file per rank r that wrote shards
+        train_state.json    step, data stream, model, loss log and step times of steps 1..4
+      step-6.tmp/           a save in progress, or an interrupted one: never read
+
+Keys, the same under every layout (DCP joins nested keys with dots)::
+
+    model.<fqn>                                    a parameter of the whole model
+    optimizer.<fqn>.step / .exp_avg / .exp_avg_sq  its AdamW state
+
+``<fqn>`` is the parameter's name in the whole, unsplit model (``layers.3.attention.wq.weight``):
+pipeline chunks key their blocks by global layer index (model.py), ``get_model_state_dict``
+drops wrapper prefixes (DDP's ``module.``; ``checkpoint_wrapper``'s) and ``_fqn`` does the same
+for the optimizer's parameters. Tensor parallelism, FSDP2 and ``replicate`` hold DTensors, whose
+shards DCP places by global offset; replicas are written once. So a checkpoint saved under one
+plan loads under any other plan of the same model (tp, pp, vpp, dp, ZeRO stage, offload): every
+rank asks for the pieces it now holds and DCP reads them wherever they were written. Under ZeRO-1
+a rank saves and loads the AdamW states of the parameters it owns only (``optim.adamw_states``).
+
+Save (``save``, collective): rank 0 clears a stale ``step-K.tmp`` or uncommitted ``step-K`` and
+creates ``step-K.tmp``; barrier; every rank writes its shards with ``dcp.save`` (it returns after
+rank 0 has written ``.metadata``, which it does once every rank's data is written), rank 0 adds
+``train_state.json``; barrier; rank 0 renames ``step-K.tmp`` to ``step-K`` and then points
+``latest`` at it (``latest.tmp`` written, fsynced, ``os.replace``d); barrier. ``latest`` is the
+commit record: a save interrupted anywhere before that ``os.replace`` leaves ``latest`` on the
+previous checkpoint. All nodes must see DIR (a shared file system).
+
+Resume (``load``, collective) restores the parameters, the AdamW moments and step counts, the
+step counter, and the loss log and step times of steps 1..K (``TrainState``), so a run's report
+lists one loss per step even across restarts, the steps after K being run again. The data of
+step k is a pure function of the data stream (seed, token file, batch shape) and k (data.py),
+so K is the data position; training draws nothing from global random generators (no dropout;
+weights and data use their own seeded generators), so there is no RNG state to keep. A resume
+with another data stream or model is refused (``check_compatible``). Not saved: the AdamW
+hyperparameters (fixed, ``optim.ADAMW``; there is no learning-rate schedule).
+
+torch APIs: ``torch.distributed.checkpoint.save`` / ``load``;
+``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``set_model_state_dict``.
+The optimizer half comes from ``optim.adamw_states`` rather than ``get_optimizer_state_dict``,
+which cannot see these optimizers' states: ``ZeroRedundancyOptimizer.state_dict`` gathers
+everything on one rank, the offloaded and TP ZeRO-1 optimizers keep states in inner optimizers
+(keyed by host copies, or on owner ranks only), and one optimizer spans all pipeline chunks of
+a rank while ``get_optimizer_state_dict`` takes one module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from costmodel.model import ModelSpec
+from runtime import optim as optim_mod
+from runtime.data import DataSpec
+
+LATEST = "latest"
+"""Pointer file naming the last committed checkpoint folder."""
+TRAIN_STATE = "train_state.json"
+DCP_METADATA = ".metadata"
+TMP_SUFFIX = ".tmp"
+_STEP_NAME = re.compile(r"step-(\d+)")
+_MODEL_FIELDS_IGNORED = ("name", "source", "reported_params")
+"""ModelSpec fields that do not change the weights (a renamed model still resumes)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainState:
+    """What a checkpoint keeps besides tensors (``train_state.json``)."""
+
+    step: int
+    """Optimizer steps done (K)."""
+    losses: tuple[float, ...]
+    """Global mean loss of steps 1..K."""
+    step_s: tuple[float, ...]
+    """Step times of steps 1..K, seconds (the slowest rank's)."""
+    data: dict[str, Any]
+    """The data stream (``data_stream``)."""
+    model: dict[str, Any]
+    """The architecture (``architecture``)."""
+    plan: dict[str, Any]
+    """The plan that saved it (for people; a resume may use another)."""
+
+    def __post_init__(self) -> None:
+        if self.step < 1 or len(self.losses) != self.step or len(self.step_s) != self.step:
+            raise ValueError(f"a train state after step {self.step} needs {self.step} losses "
+                             f"and step times, got {len(self.losses)} and {len(self.step_s)}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainState":
+        data = json.loads(text)
+        return cls(**{**data, "losses": tuple(data["losses"]), "step_s": tuple(data["step_s"])})
+
+
+def data_stream(spec: DataSpec) -> dict[str, Any]:
+    """What decides the batches of each step (data.py), as JSON."""
+    token_file = os.path.abspath(spec.token_file) if spec.token_file else None
+    return {**dataclasses.asdict(spec), "token_file": token_file}
+
+
+def architecture(model: ModelSpec) -> dict[str, Any]:
+    """The fields of ``model`` that shape or initialise the weights, as JSON."""
+    fields = dataclasses.asdict(model)
+    return json.loads(json.dumps({k: v for k, v in fields.items()
+                                  if k not in _MODEL_FIELDS_IGNORED}))
+
+
+def step_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step}")
+
+
+def latest_step(directory: str) -> int | None:
+    """The step of the last committed checkpoint in ``directory`` (``latest``), or None.
+
+    ``step-K.tmp`` folders are never considered. ValueError when ``latest`` names something
+    that is not a complete checkpoint.
+    """
+    pointer = os.path.join(directory, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as handle:
+        name = handle.read().strip()
+    match = _STEP_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"{pointer}: expected 'step-<N>', found {name!r}")
+    folder = os.path.join(directory, name)
+    for required in (DCP_METADATA, TRAIN_STATE):
+        if not os.path.isfile(os.path.join(folder, required)):
+            raise ValueError(f"{pointer} names {folder}, which has no {required}: not a "
+                             "complete checkpoint")
+    return int(match.group(1))
+
+
+def read_train_state(directory: str, step: int) -> TrainState:
+    with open(os.path.join(step_dir(directory, step), TRAIN_STATE)) as handle:
+        return TrainState.from_json(handle.read())
+
+
+def check_compatible(state: TrainState, *, data: dict[str, Any], model: dict[str, Any],
+                     steps: int, where: str) -> None:
+    """Raise ValueError unless a run of ``steps`` steps on ``data`` and ``model`` can continue
+    from ``state`` (saved at ``where``): same data stream, same architecture, K <= steps."""
+    for what, saved, now in (("data stream", state.data, data), ("model", state.model, model)):
+        changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        if changed:
+            detail = ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+            raise ValueError(f"{where} was saved with another {what} ({detail}); a resume "
+                             "continues the same one")
+    if state.step > steps:
+        raise ValueError(f"{where} is past --steps {steps} (it holds {state.step} steps)")
+
+
+def check_start(directory: str | None, *, resume: bool, saving: bool, restarted: bool,
+                data: dict[str, Any], model: dict[str, Any], steps: int) -> None:
+    """Raise ValueError when a run cannot start as asked (before any work): ``resume`` without
+    a committed checkpoint, a checkpoint it would continue (``resume``, or ``restarted`` by
+    torchrun) that is incompatible, or saving into a folder that holds checkpoints without
+    ``resume`` (it would mix two runs)."""
+    if directory is None:
+        return
+    step = latest_step(directory) if os.path.isdir(directory) else None
+    if resume or (restarted and step is not None):
+        if step is None:
+            raise ValueError(f"--resume: no complete checkpoint in {directory} (no "
+                             f"{os.path.join(directory, LATEST)})")
+        check_compatible(read_train_state(directory, step), data=data, model=model,
+                         steps=steps, where=step_dir(directory, step))
+    elif saving and step is not None:
+        raise ValueError(f"--checkpoint-dir {directory} already holds checkpoints (latest: "
+                         f"step-{step}); pass --resume to continue from it, or use another "
+                         "folder")
+
+
+def torchrun_restarts() -> int:
+    """How many times torchrun restarted this job's workers (TORCHELASTIC_RESTART_COUNT)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def resume_step(directory: str | None, *, resume: bool, restarted: bool) -> int | None:
+    """The step to resume from, agreed by all ranks (rank 0 reads ``latest``), or None.
+
+    A run resumes when asked (``resume``: the checkpoint must exist) or when torchrun restarted
+    it (``restarted``) and a checkpoint exists; otherwise it starts at step 0.
+    """
+    if directory is None or not (resume or restarted):
+        return None
+    found = [latest_step(directory) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is None and resume:
+        raise ValueError(f"--resume: no complete checkpoint in {directory}")
+    return found[0]
+
+
+# ----- state dicts -------------------------------------------------------------------------------
+
+def _fqn(name: str) -> str:
+    """A parameter's whole-model name from its name in a wrapped chunk."""
+    return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")
+
+
+def _state_dict(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer
+                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(``{"model": {fqn: tensor}, "optimizer": {fqn: AdamW state}}``, each chunk's model
+    state dict).
+
+    The tensors are the model's and the optimizer's own (or views of them): DCP loads in place.
+    """
+    parts = [get_model_state_dict(module) for module in modules]
+    model: dict[str, Any] = {}
+    names: dict[torch.Tensor, str] = {}
+    for module, part in zip(modules, parts):
+        if model.keys() & part.keys():
+            raise RuntimeError(f"pipeline chunks share keys {sorted(model.keys() & part.keys())}")
+        model.update(part)
+        names.update((param, _fqn(name)) for name, param in module.named_parameters())
+    states = {}
+    for param, state in optim_mod.adamw_states(optimizer):
+        fqn = names[param]
+        if fqn not in model:
+            raise RuntimeError(f"optimizer parameter {fqn} is not a model state key")
+        states[fqn] = state
+    return {"model": model, "optimizer": states}, parts
+
+
+def _sync_write(path: str, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _commit(directory: str, step: int) -> None:
+    """Rank 0: rename ``step-K.tmp`` to ``step-K``, then point ``latest`` at it atomically."""
+    final = step_dir(directory, step)
+    os.rename(final + TMP_SUFFIX, final)
+    _fsync_dir(directory)
+    _sync_write(os.path.join(directory, LATEST + TMP_SUFFIX), f"step-{step}\n")
+    os.replace(os.path.join(directory, LATEST + TMP_SUFFIX), os.path.join(directory, LATEST))
+    _fsync_dir(directory)
+
+
+def save(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, directory: str,
+         state: TrainState) -> None:
+    """Write checkpoint ``step-<state.step>`` of this rank's chunks and optimizer (collective;
+    module docstring: the commit protocol)."""
+    final = step_dir(directory, state.step)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        if latest_step(directory) == state.step:
+            raise RuntimeError(f"{final} is the committed latest checkpoint; not overwriting it")
+        for stale in (final + TMP_SUFFIX, final):  # left by an interrupted run
+            shutil.rmtree(stale, ignore_errors=True)
+        os.makedirs(final + TMP_SUFFIX)
+    dist.barrier()
+    tensors, _ = _state_dict(modules, optimizer)
+    dcp.save(tensors, checkpoint_id=final + TMP_SUFFIX)
+    if rank0:
+        _sync_write(os.path.join(final + TMP_SUFFIX, TRAIN_STATE), state.to_json())
+    dist.barrier()
+    if rank0:
+        _commit(directory, state.step)
+    dist.barrier()
+
+
+def load(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, directory: str,
+         step: int) -> None:
+    """Load checkpoint ``step-<step>`` into this rank's chunks and optimizer, resharding to
+    their layout (collective). Its ``TrainState`` is ``read_train_state``'s."""
+    tensors, parts = _state_dict(modules, optimizer)
+    dcp.load(tensors, checkpoint_id=step_dir(directory, step))
+    for module, part in zip(modules, parts):
+        set_model_state_dict(module, part)
+    optim_mod.reload_master_weights(optimizer)

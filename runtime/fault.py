@@ -1,0 +1,59 @@
+"""Fault injection for the fault-tolerance tests: one rank dies abruptly, once.
+
+``MESHPLAN_FAULT_AT_STEP=k`` makes global rank ``MESHPLAN_FAULT_RANK`` (default 0) end with
+``os._exit(1)`` right after step k (counted from 1; after that step's checkpoint when one is
+due), as a crashed or killed process would: no cleanup, its peers left waiting in a collective
+until torchrun stops them. ``MESHPLAN_FAULT_MARKER`` names a file that the rank creates just
+before it exits; while the file exists no fault is injected, so the job torchrun restarts (with
+``--max-restarts``) runs through.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+FAULT_EXIT_CODE = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """Which rank dies after which step, and the marker that makes it happen once."""
+
+    step: int
+    rank: int
+    marker: str
+
+    def __post_init__(self) -> None:
+        if self.step < 1 or self.rank < 0:
+            raise ValueError(f"MESHPLAN_FAULT_AT_STEP must be >= 1 and MESHPLAN_FAULT_RANK "
+                             f">= 0, got {self.step} and {self.rank}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "Fault | None":
+        """The fault the environment asks for, or None."""
+        if "MESHPLAN_FAULT_AT_STEP" not in env:
+            return None
+        if not env.get("MESHPLAN_FAULT_MARKER"):
+            raise ValueError("MESHPLAN_FAULT_AT_STEP needs MESHPLAN_FAULT_MARKER (a file path: "
+                             "the fault happens only while it does not exist)")
+        return cls(step=int(env["MESHPLAN_FAULT_AT_STEP"]),
+                   rank=int(env.get("MESHPLAN_FAULT_RANK", "0")),
+                   marker=env["MESHPLAN_FAULT_MARKER"])
+
+    def after_step(self, step: int, rank: int) -> None:
+        """End this process if it is the faulty rank, ``step`` is the fault's, and the marker
+        does not exist yet (creating it first)."""
+        if step != self.step or rank != self.rank or os.path.exists(self.marker):
+            return
+        with open(self.marker, "w") as handle:
+            handle.write(f"rank {rank} exited after step {step}\n")
+        logger.warning("fault injection: rank %d exits after step %d", rank, step)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(FAULT_EXIT_CODE)

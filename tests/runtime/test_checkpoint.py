@@ -1,0 +1,301 @@
+"""Checkpoints (runtime/checkpoint.py): resume bit for bit, reshard into another plan, survive a
+killed rank, skip interrupted saves, refuse a missing checkpoint.
+
+The multi-process cases run ``meshplan run`` (``python -m planner.cli run``) on 4 CPU processes
+(gloo, fp32, the ``tiny`` model, global batch 8, sequence 64). Two runs are shared, made on
+first use:
+
+* reference: tp2 x dp2 ZeRO-1, ``--steps 6``, no checkpoints;
+* saved: the same plan, ``--steps 4 --checkpoint-every 2`` (checkpoints step-2 and step-4).
+
+A resumed run must give the reference's losses: the same plan bit for bit (``==`` on the
+floats), another plan within ``RESHARD_REL_TOL`` (layouts sum in other orders). At least two
+steps follow every resume, because the optimizer state only shows from the second one (the
+first step after a resume depends on the weights alone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from costmodel import load_model
+from planner import cli
+from runtime import checkpoint, optim
+from runtime.data import DataSpec
+from runtime.fault import Fault
+from runtime.model import build_decoder
+from runtime.parallelize import apply_checkpointing
+
+TINY = load_model("tiny")
+STEPS = 6
+SAVED_STEPS = 4
+RESHARD_REL_TOL = 1e-4
+SAVE_PLAN = {"tp": 2, "dp": 2, "zero_stage": 1}
+RESHARD_PLANS = {
+    # DDP + ZeroRedundancyOptimizer over HostOffloadAdamW, 1F1B pipeline
+    "pp2_dp2_zero1_offload": {"pp": 2, "dp": 2, "zero_stage": 1, "offload": "optimizer"},
+    # FSDP2 inside an interleaved pipeline: two chunks per rank share one optimizer
+    "pp2_vpp2_dp2_zero3": {"pp": 2, "vpp": 2, "dp": 2, "zero_stage": 3},
+}
+
+
+def _ok(done) -> dict[str, Any]:
+    assert done.returncode == 0, done.stderr[-6000:]
+    return json.loads(done.stdout)
+
+
+class Runs:
+    """The reference run and the saved checkpoints, made on first use."""
+
+    def __init__(self, root: Path, *, meshplan, plan_file, make_config) -> None:
+        self.root, self._meshplan = root, meshplan
+        self._plan_file, self._make_config = plan_file, make_config
+        self._reference: list[float] | None = None
+        self._saved: Path | None = None
+
+    def plan(self, name: str, config: dict[str, Any]) -> Path:
+        return self._plan_file(TINY, self._make_config(**config), self.root / f"{name}.json")
+
+    def launch(self, plan: Path, *argv: str, env: dict[str, str] | None = None,
+               timeout_s: float = 110):
+        """``meshplan run PLAN --json ARGV`` (the completed process)."""
+        return self._meshplan("run", str(plan), "--json", *argv, env=env, timeout_s=timeout_s)
+
+    def run(self, plan: Path, *argv: str) -> dict[str, Any]:
+        """The report of ``launch`` (which must succeed)."""
+        return _ok(self.launch(plan, *argv))
+
+    def reference(self) -> list[float]:
+        if self._reference is None:
+            report = self.run(self.plan("save", SAVE_PLAN), "--steps", str(STEPS))
+            self._reference = report["losses"]
+        return self._reference
+
+    def saved(self, into: Path) -> Path:
+        """A copy of the saved checkpoint folder at ``into``."""
+        if self._saved is None:
+            folder = self.root / "saved"
+            report = self.run(self.plan("save", SAVE_PLAN), "--steps", str(SAVED_STEPS),
+                              "--checkpoint-dir", str(folder), "--checkpoint-every", "2")
+            assert report["losses"] == self.reference()[:SAVED_STEPS]
+            self._saved = folder
+        shutil.copytree(self._saved, into)
+        return into
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, meshplan, plan_file, make_config) -> Runs:
+    return Runs(tmp_path_factory.mktemp("checkpoint-runs"), meshplan=meshplan,
+                plan_file=plan_file, make_config=make_config)
+
+
+def _committed(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_dir())
+
+
+# ----- multi-process ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_resume_under_the_same_plan_is_bit_for_bit(runs, tmp_path):
+    folder = runs.saved(tmp_path / "ckpt")
+    report = runs.run(runs.plan("save", SAVE_PLAN), "--steps", str(STEPS),
+                      "--checkpoint-dir", str(folder), "--resume")
+    assert report["resumed_from_step"] == SAVED_STEPS and report["restarts"] == 0
+    assert report["losses"] == runs.reference()  # steps 1-4 from the checkpoint, 5-6 run again
+    assert len(report["step_s"]) == STEPS
+    assert _committed(folder) == ["step-2", "step-4"]  # no --checkpoint-every: nothing written
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", sorted(RESHARD_PLANS))
+def test_resume_under_another_plan_reshards(runs, tmp_path, name):
+    """Saved under tp2 x dp2 ZeRO-1 (DTensor shards, states on owner ranks), loaded into a
+    pipeline plan of other ZeRO stages and optimizers."""
+    folder = runs.saved(tmp_path / "ckpt")
+    report = runs.run(runs.plan(name, RESHARD_PLANS[name]), "--steps", str(STEPS),
+                      "--checkpoint-dir", str(folder), "--resume")
+    reference = runs.reference()
+    assert report["resumed_from_step"] == SAVED_STEPS
+    assert report["plan"]["pp"] == 2 and report["plan"]["tp"] == 1
+    assert report["losses"][:SAVED_STEPS] == reference[:SAVED_STEPS]
+    assert report["losses"][SAVED_STEPS:] == pytest.approx(reference[SAVED_STEPS:],
+                                                           rel=RESHARD_REL_TOL, abs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_killed_rank_restarts_from_the_last_checkpoint(runs, tmp_path):
+    """Rank 2 dies after step 5 (step-4 saved); torchrun restarts the job, which resumes from
+    step-4, runs steps 5 and 6 again and reports each step's loss once."""
+    folder, marker = tmp_path / "ckpt", tmp_path / "fault-marker"
+    env = {"MESHPLAN_FAULT_AT_STEP": "5", "MESHPLAN_FAULT_RANK": "2",
+           "MESHPLAN_FAULT_MARKER": str(marker)}
+    done = runs.launch(runs.plan("save", SAVE_PLAN), "--steps", str(STEPS),
+                       "--checkpoint-dir", str(folder), "--checkpoint-every", "2",
+                       "--max-restarts", "1", env=env, timeout_s=170)
+    report = _ok(done)
+    assert marker.exists() and "fault injection: rank 2 exits after step 5" in done.stderr
+    assert report["restarts"] == 1 and report["resumed_from_step"] == 4
+    assert len(report["losses"]) == STEPS
+    assert report["losses"] == runs.reference()
+    assert _committed(folder) == ["step-2", "step-4", "step-6"]
+    assert (folder / "latest").read_text() == "step-6\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_interrupted_save_is_ignored(runs, tmp_path):
+    """What a save of step 4 interrupted before its commit leaves: ``step-4.tmp`` without DCP
+    metadata and ``latest`` still on step-2; plus a stray ``step-6.tmp``. The resume starts at
+    step 2, and its own saves replace the leftovers."""
+    folder = runs.saved(tmp_path / "ckpt")
+    (folder / "step-4").rename(folder / "step-4.tmp")
+    (folder / "step-4.tmp" / ".metadata").unlink()
+    (folder / "latest").write_text("step-2\n")
+    (folder / "step-6.tmp").mkdir()
+    (folder / "step-6.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    report = runs.run(runs.plan("save", SAVE_PLAN), "--steps", str(STEPS),
+                      "--checkpoint-dir", str(folder), "--resume", "--checkpoint-every", "2")
+    assert report["resumed_from_step"] == 2
+    assert report["losses"] == runs.reference()
+    assert _committed(folder) == ["step-2", "step-4", "step-6"]
+    assert (folder / "latest").read_text() == "step-6\n"
+    assert checkpoint.read_train_state(str(folder), 6).losses == tuple(runs.reference())
+
+
+# ----- refusals before any work (exit 2, one line) ------------------------------------------
+
+@pytest.fixture
+def tp2_dp2_plan(tmp_path, plan_file, make_config) -> Path:
+    return plan_file(TINY, make_config(**SAVE_PLAN), tmp_path / "plan.json")
+
+
+@pytest.mark.parametrize("make_folder", [True, False], ids=["empty", "missing"])
+def test_resume_without_a_checkpoint_is_refused(capsys, tmp_path, tp2_dp2_plan, make_folder):
+    folder = tmp_path / "ckpt"
+    if make_folder:
+        folder.mkdir()
+    assert cli.main(["run", str(tp2_dp2_plan), "--checkpoint-dir", str(folder),
+                     "--resume"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err == (f"meshplan: error: --resume: no complete checkpoint in {folder} (no "
+                   f"{folder}/latest)\n")
+
+
+def test_resume_needs_a_checkpoint_dir(capsys, tp2_dp2_plan):
+    assert cli.main(["run", str(tp2_dp2_plan), "--resume"]) == 2
+    assert "need --checkpoint-dir" in capsys.readouterr().err
+
+
+def _fake_checkpoint(folder: Path, step: int, *, seed: int = 0) -> None:
+    """A committed-looking checkpoint of ``step`` steps (metadata empty) for the checks."""
+    spec = DataSpec(global_batch_size=8, seq_len=64, vocab_size=TINY.vocab_size, seed=seed)
+    state = checkpoint.TrainState(step=step, losses=(1.0,) * step, step_s=(0.1,) * step,
+                                  data=checkpoint.data_stream(spec),
+                                  model=checkpoint.architecture(TINY), plan={})
+    (folder / f"step-{step}").mkdir(parents=True)
+    (folder / f"step-{step}" / ".metadata").write_bytes(b"")
+    (folder / f"step-{step}" / "train_state.json").write_text(state.to_json())
+    (folder / "latest").write_text(f"step-{step}\n")
+
+
+def test_saving_into_a_used_folder_needs_resume(capsys, tmp_path, tp2_dp2_plan):
+    _fake_checkpoint(tmp_path / "ckpt", 2)
+    assert cli.main(["run", str(tp2_dp2_plan), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--checkpoint-every", "2"]) == 2
+    assert "already holds checkpoints (latest: step-2); pass --resume" in \
+        capsys.readouterr().err
+
+
+def test_resume_with_another_seed_is_refused(capsys, tmp_path, tp2_dp2_plan):
+    _fake_checkpoint(tmp_path / "ckpt", 2, seed=0)
+    assert cli.main(["run", str(tp2_dp2_plan), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--resume", "--seed", "1"]) == 2
+    assert "another data stream (seed 0 -> 1)" in capsys.readouterr().err
+
+
+def test_resume_past_the_steps_is_refused(capsys, tmp_path, tp2_dp2_plan):
+    _fake_checkpoint(tmp_path / "ckpt", 4)
+    assert cli.main(["run", str(tp2_dp2_plan), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--resume", "--steps", "3"]) == 2
+    assert "past --steps 3 (it holds 4 steps)" in capsys.readouterr().err
+
+
+# ----- single-process pieces ---------------------------------------------------------------------
+
+def test_latest_follows_the_pointer_and_skips_tmp_folders(tmp_path):
+    assert checkpoint.latest_step(str(tmp_path)) is None
+    _fake_checkpoint(tmp_path, 2)
+    (tmp_path / "step-4.tmp").mkdir()
+    (tmp_path / "step-4.tmp" / ".metadata").write_bytes(b"")
+    assert checkpoint.latest_step(str(tmp_path)) == 2
+
+
+def test_latest_naming_an_incomplete_folder_is_an_error(tmp_path):
+    _fake_checkpoint(tmp_path, 2)
+    (tmp_path / "step-2" / ".metadata").unlink()
+    with pytest.raises(ValueError, match="has no .metadata: not a complete checkpoint"):
+        checkpoint.latest_step(str(tmp_path))
+
+
+def test_optimizer_fqns_are_whole_model_names():
+    """A wrapped pipeline chunk's parameter names map to the unsplit model's names."""
+    full = {name for name, _ in build_decoder(TINY).named_parameters()}
+    chunk = build_decoder(TINY, layer_ids=[2, 3], first=False)
+    apply_checkpointing(chunk, "full")
+    names = {checkpoint._fqn(name) for name, _ in chunk.named_parameters()}
+    assert any("_checkpoint_wrapped_module" in n for n, _ in chunk.named_parameters())
+    assert names <= full and "layers.3.attention.wq.weight" in names
+    assert checkpoint._fqn("module.layers.0.attention.wq.weight") == \
+        "layers.0.attention.wq.weight"  # DDP's prefix
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["adamw", "host-offload"])
+def test_adamw_states_are_created_without_moving_parameters(offload):
+    model = build_decoder(TINY, layer_ids=[0], last=False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer_class = optim.HostOffloadAdamW if offload else torch.optim.AdamW
+    optimizer = optimizer_class(list(model.parameters()), **optim.ADAMW)
+    states = optim.adamw_states(optimizer)
+    assert [p for p, _ in states] == list(model.parameters())
+    for param, state in states:
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
+        assert state["exp_avg"].shape == param.shape and not state["exp_avg"].any()
+        assert param.grad is None
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
+def test_host_offload_states_are_the_optimizer_own_tensors():
+    """Loading into the presented state (in place) changes the optimizer's next step."""
+    model = build_decoder(TINY, layer_ids=[0], last=False)
+    optimizer = optim.HostOffloadAdamW(list(model.parameters()), **optim.ADAMW)
+    param, state = optim.adamw_states(optimizer)[0]
+    state["exp_avg"].fill_(1.0)
+    assert torch.equal(optimizer.host_optimizer.state[optimizer.pairs[0][1]]["exp_avg"],
+                       torch.ones_like(param))
+
+
+def test_fault_needs_a_marker_and_fires_once(tmp_path):
+    assert Fault.from_env({}) is None
+    with pytest.raises(ValueError, match="MESHPLAN_FAULT_MARKER"):
+        Fault.from_env({"MESHPLAN_FAULT_AT_STEP": "3"})
+    marker = tmp_path / "marker"
+    fault = Fault.from_env({"MESHPLAN_FAULT_AT_STEP": "3", "MESHPLAN_FAULT_RANK": "1",
+                            "MESHPLAN_FAULT_MARKER": str(marker)})
+    assert fault == Fault(step=3, rank=1, marker=str(marker))
+    fault.after_step(3, rank=0)  # another rank: nothing happens
+    fault.after_step(2, rank=1)  # another step
+    marker.write_text("done")
+    fault.after_step(3, rank=1)  # marker present: the restarted job runs through
+    assert os.path.exists(marker)
