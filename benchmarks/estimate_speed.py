@@ -2,7 +2,7 @@
 
 Times warm calls (topology and group caches filled by a first call) for a few representative
 plans and prints the median and 95th percentile per call; writes
-``estimate-speed-<date>.{md,json}`` under ``benchmarks/results/``.
+``estimate-speed-cpu-<date>.{md,json,png}`` under ``benchmarks/results/``.
 
     python benchmarks/estimate_speed.py [--repeats N]
 """
@@ -16,7 +16,12 @@ import statistics
 import time
 from pathlib import Path
 
-from costmodel import ParallelConfig, estimate, load_cluster, load_model
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from costmodel import ParallelConfig, estimate, load_cluster, load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -68,10 +73,20 @@ def main() -> None:
               f"{r['p95_ms']:.3f} |" for r in rows]
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"estimate-speed-{dt.date.today().isoformat()}"
+    stem = f"estimate-speed-cpu-{dt.date.today().isoformat()}"
     (args.out / f"{stem}.md").write_text("# estimate() time per call (warm)\n\n"
                                          + "\n".join(lines) + "\n")
     (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([f"{r['model']}\n{r['gpus']} GPUs" for r in rows], [r["median_ms"] for r in rows])
+    ax.axhline(2.0, color="k", ls="--", lw=1, label="2 ms budget")
+    ax.set(ylabel="time per estimate() call (ms, median)", xlabel="model and GPU count",
+           title="meshplan estimate() speed on this CPU")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / f"{stem}.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ batch, sequence length, framework), plan with the default search space and compa
 plan's predicted throughput with the published configuration's, both under the same cost model
 and calibration. Also reports the published configuration's rank among the planner's ranked
 candidates (``>K`` when more than K plans beat it). Writes
-``plan-quality-<date>.{md,json}`` under ``benchmarks/results/``.
+``plan-quality-a100-h100-<date>.{md,json,png}`` under ``benchmarks/results/``.
 
     python benchmarks/plan_quality.py [--time-limit S] [--top K]
 """
@@ -17,12 +17,16 @@ import datetime as dt
 import json
 from pathlib import Path
 
-import pandas as pd
+import matplotlib
 
-from costmodel import default_calibration
-from costmodel.reference import predict, reference_runs
-from planner.search import search
-from planner.space import SearchSpace
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from costmodel import default_calibration  # noqa: E402
+from costmodel.reference import predict, reference_runs  # noqa: E402
+from planner.search import search  # noqa: E402
+from planner.space import SearchSpace  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -70,10 +74,19 @@ def main() -> None:
     print(f"\nplanner >= published on {int((table.ratio >= 1 - 1e-9).sum())} of {len(table)} "
           f"runs; mean ratio {table.ratio.mean():.3f}, min {table.ratio.min():.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"plan-quality-{dt.date.today().isoformat()}"
+    stem = f"plan-quality-a100-h100-{dt.date.today().isoformat()}"
     (args.out / f"{stem}.md").write_text("# Planner's best plan vs published configurations\n\n"
                                          + table.to_markdown(index=False, floatfmt=".3f") + "\n")
     (args.out / f"{stem}.json").write_text(json.dumps(table.to_dict(orient="records"), indent=2))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.barh(table.run, table.ratio)
+    ax.axvline(1.0, color="k", lw=1)
+    ax.set(xlabel="planner's best / published configuration (predicted tokens/s, ratio)",
+           ylabel="published run", title="meshplan planner vs published configurations")
+    ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out / f"{stem}.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Each case searches the whole default space (every degree, ZeRO stage, offload, micro-batch,
 virtual stages, rank layout, layer split and per-stage recompute) for the fastest plan, with one
-CP-SAT worker. Prints a table and writes ``planner-scaling-<date>.{md,json,png}`` under
+CP-SAT worker. Prints a table and writes ``planner-scaling-a100-h100-<date>.{md,json,png}`` under
 ``benchmarks/results/``.
 
     python benchmarks/planner_scaling.py [--runs 5] [--quick]
@@ -76,7 +76,7 @@ def main() -> None:
                                                    "max_s": "{:.2f}".format,
                                                    "best_step_s": "{:.3f}".format}))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"planner-scaling-{dt.date.today().isoformat()}"
+    stem = f"planner-scaling-a100-h100-{dt.date.today().isoformat()}"
     (args.out / f"{stem}.md").write_text(
         f"# Planner wall time (median of {runs}, 1 CP-SAT worker)\n\n"
         + table.to_markdown(index=False, floatfmt=".3f") + "\n")

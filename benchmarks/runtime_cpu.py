@@ -3,7 +3,7 @@
 Runs a set of small plans of the ``tiny`` model on the ``cpu`` cluster (gloo, fp32) through
 ``meshplan run`` and compares each rank's measured peak (live tensor bytes) with the cost
 model's prediction for its stage (framework ``meshplan``), and the median step time with the
-predicted step. Writes ``runtime-cpu-<date>.{md,json,png}`` under ``benchmarks/results/``.
+predicted step. Writes ``runtime-cpu-tiny-<date>.{md,json,png}`` under ``benchmarks/results/``.
 
     python benchmarks/runtime_cpu.py [--steps 4] [--calibration FILE]
 """
@@ -96,7 +96,7 @@ def main() -> None:
     print(f"\nplans whose every rank is within 10% of the predicted peak: "
           f"{int(within.sum())} of {len(within)} ({', '.join(within[within].index)})")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"runtime-cpu-{dt.date.today().isoformat()}"
+    stem = f"runtime-cpu-tiny-{dt.date.today().isoformat()}"
     (args.out / f"{stem}.md").write_text(
         "# Runtime on CPU (gloo, fp32, tiny): measured vs predicted\n\n"
         + table.to_markdown(index=False, floatfmt=".4g") + "\n")

@@ -14,11 +14,9 @@ small, so sizes are picked against a budget of estimate calls). The GPU memory i
 most scenarios so that memory binds (the best fitting plan is slower than the best plan
 ignoring memory) or nothing fits.
 
-Known issue, asserted separately (``test_split_with_asymmetric_middle_stages``): when middle
-stages see different links (a pipeline hop that crosses a leaf switch or a node boundary that
-other hops do not), the tables give every middle stage stage 1's time terms and
-``costmodel.estimate`` reuses one middle stage's terms for another with the same layer count
-and mode. The random test then only checks search >= brute force and within ``ASYM_REL_TOL``.
+Middle stages that see different links (a pipeline hop that crosses a leaf switch or a node
+boundary that other hops do not) are priced apart by the tables and by ``costmodel.estimate``
+(``test_split_with_asymmetric_middle_stages``), so those scenarios are compared exactly too.
 """
 
 from __future__ import annotations
@@ -50,9 +48,6 @@ ESTIMATES_PER_SCENARIO = 5000
 """Budget of brute-force estimate calls per scenario (about 0.1 ms each)."""
 REL_TOL = 1e-6
 """CP-SAT works in integer ns; search re-evaluates its split with ``estimate``."""
-ASYM_REL_TOL = 0.1
-"""Scenarios whose middle stages see different links (the known issue above; up to 10% per
-candidate seen, see ``test_pipeline_across_two_nodes_of_two``)."""
 
 
 # ----- scenarios ---------------------------------------------------------------------------------
@@ -270,7 +265,7 @@ def fits_capacity(est, space: SearchSpace) -> bool:
 # ----- optimality against brute force ------------------------------------------------------------
 @pytest.mark.slow
 def test_search_matches_brute_force(scenarios):
-    counts = dict(exact=0, asymmetric=0, asymmetric_off=0, binding=0, infeasible=0, feasible=0)
+    counts = dict(exact=0, asymmetric=0, binding=0, infeasible=0, feasible=0)
     for sc in scenarios:
         want = sc.best_s
         try:
@@ -286,13 +281,9 @@ def test_search_matches_brute_force(scenarios):
         assert fits_capacity(best.estimate, sc.space)
         counts["feasible"] += 1
         counts["binding"] += sc.binding
-        if sc.alike:
-            assert best.step_s == pytest.approx(want, rel=REL_TOL), sc.describe()
-            counts["exact"] += 1
-        else:  # the known issue: only bracket the brute-force optimum
-            assert want * (1 - 1e-12) <= best.step_s <= want * (1 + ASYM_REL_TOL), sc.describe()
-            counts["asymmetric"] += 1
-            counts["asymmetric_off"] += best.step_s > want * (1 + REL_TOL)
+        assert best.step_s == pytest.approx(want, rel=REL_TOL), sc.describe()
+        counts["exact"] += 1
+        counts["asymmetric"] += not sc.alike
     print(f"\nsearch vs brute force: {counts}")
     assert counts["exact"] >= 50
     assert counts["binding"] >= 20
@@ -302,13 +293,11 @@ def test_search_matches_brute_force(scenarios):
 
 @pytest.mark.slow
 def test_each_candidate_solve_matches_brute_force(scenarios):
-    """Every candidate of every scenario whose middle stages are alike: CP-SAT on its tables
-    finds the brute-force optimum of its own splits, or proves that none fits."""
+    """Every candidate of every scenario: CP-SAT on its tables finds the brute-force optimum of
+    its own splits, or proves that none fits."""
     solved = infeasible = 0
     for sc in scenarios:
         for opt in sc.optima:
-            if not opt.alike:
-                continue
             tables = build_tables(sc.model, sc.cluster, opt.config, modes=sc.space.recompute_modes,
                                   framework=sc.framework, calibration=CAL,
                                   memory_margin=sc.space.memory_margin)
