@@ -111,12 +111,7 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     p, total_layers = config.pp, model.num_layers
     heavy = max(lo, min(hi, -(-total_layers // p)))
     # one representative per kind of stage: role and links (see costmodel.estimate._stage_key)
-    kinds: dict[tuple, int] = {}
-    counts: dict[int, int] = {}
-    for stage in range(p):
-        kind = (stage == 0, stage == p - 1, stage_link_signature(cluster, config, stage))
-        first = kinds.setdefault(kind, stage)
-        counts[first] = counts.get(first, 0) + 1
+    counts = _stage_kinds(cluster, config, cache)
     classes = list(counts)
     forms: dict[int, dict[int, object]] = {}
     for stage in classes:
@@ -153,6 +148,26 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     for getter in (lambda t: t.optimizer_s, lambda t: t.offload_s):
         once += min(at(s, n, getter) for s in classes for n in (heavy, hi))
     return Bound(per_micro_s=total, once_s=once, stages=p, micro_batches=m, vpp=v)
+
+
+def _stage_kinds(cluster: ClusterSpec, config: ParallelConfig,
+                 cache: dict | None) -> dict[int, int]:
+    """First stage of each kind (role and links) and how many stages are of that kind; cached
+    by layout, which is all the links depend on."""
+    key = ("kinds", config.tp, config.cp, config.dp, config.pp, config.ep,
+           tuple(config.mesh_order))
+    if cache is not None and key in cache:
+        return cache[key]
+    p = config.pp
+    kinds: dict[tuple, int] = {}
+    counts: dict[int, int] = {}
+    for stage in range(p):
+        kind = (stage == 0, stage == p - 1, stage_link_signature(cluster, config, stage))
+        first = kinds.setdefault(kind, stage)
+        counts[first] = counts.get(first, 0) + 1
+    if cache is not None:
+        cache[key] = counts
+    return counts
 
 
 def recompute_deficit(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,

@@ -103,19 +103,16 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, worker
     ``cutoff_s``: only solutions with a step time below it are wanted (branch and bound);
     Infeasible then also means "nothing beats the cutoff".
 
-    When the middle stages run alike (same time terms, links included, and no per-stage pins)
-    they are modelled by how many of them take each (layer count, mode) combination
-    (``_build_counts``); otherwise every stage gets its own variables (``_build_per_stage``).
+    Middle stages that run alike (same time terms, links included, and the same allowed modes)
+    are modelled by how many of them take each (layer count, mode) combination
+    (``_build_counts``, one group per kind); with fewer than three stages or a pinned split every
+    stage gets its own variables (``_build_per_stage``).
     """
     start = time.perf_counter()
-    middle = range(1, len(tables.lo) - 1)
-    alike = (len(middle) > 0 and len({tables.allowed[i] for i in middle}) == 1
-             and len({(tables.lo[i], tables.hi[i]) for i in middle}) == 1
-             and all(tables.time_ns[i] == tables.time_ns[1] for i in middle)
-             and tables.lo[1] < tables.hi[1])
+    groups = middle_groups(tables) if len(tables.lo) > 2 else None
     model = cp_model.CpModel()
-    build = _build_counts if alike else _build_per_stage
-    decode = build(model, tables)
+    decode = (_build_counts(model, tables, groups) if groups
+              else _build_per_stage(model, tables))
     if cutoff_s is not None:
         model.Add(decode.objective < int(cutoff_s * 1e9 * tables.vpp))
     hint = greedy_hint(tables)
@@ -132,8 +129,10 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, worker
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise NoSolutionInTime(f"no feasible split found within {time_limit_s} s")
     layers, modes = decode.read(solver)
+    # The split's own objective: equal to the solver's at the optimum; below it when a time
+    # limit stopped the solver before its maxima were tight.
     return Solution(layers=tuple(layers), modes=tuple(modes),
-                    objective=int(round(solver.ObjectiveValue())), vpp=tables.vpp,
+                    objective=objective_ns(tables, layers, modes), vpp=tables.vpp,
                     status="OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
                     wall_s=wall)
 
@@ -212,36 +211,57 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
     return _Decoder(read, hint, objective)
 
 
-def _build_counts(model: cp_model.CpModel, tables: CandidateTables) -> _Decoder:
-    """First and last stage pick one (count, mode) combination each; middle stages are counted.
+def middle_groups(tables: CandidateTables) -> list[list[int]] | None:
+    """Middle stages grouped by equal time terms, allowed modes and layer bounds (in stage
+    order), or None when some group cannot be counted (a pinned single layer count)."""
+    groups: dict[tuple, list[int]] = {}
+    for i in range(1, len(tables.lo) - 1):
+        key = (repr(tables.time_ns[i]), tables.allowed[i], tables.lo[i], tables.hi[i])
+        groups.setdefault(key, []).append(i)
+    out = list(groups.values())
+    if any(tables.lo[g[0]] == tables.hi[g[0]] for g in out):
+        return None
+    return out
 
-    Variables: z_first[x], z_last[x] (Boolean, one each), c[x] = middle stages taking
-    combination x = (n, r), u[x] = (c[x] > 0). Middle stage j fits x iff j >= g(x), the first
-    middle stage where x fits (memory falls with the micro-batches in flight, which fall with
-    j), so the sets of stages x may use are nested and an assignment exists iff, for every j,
-    the combinations that need a stage >= j number at most the middle stages >= j (Hall's
-    condition). Every time term of a combination is a constant, so maxima and sums are linear.
+
+def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
+                  groups: list[list[int]]) -> _Decoder:
+    """First and last stage pick one (count, mode) combination each; middle stages that run
+    alike (a group: same time terms, i.e. same links) are counted.
+
+    Variables: z_first[x], z_last[x] (Boolean, one each); per group G, c[G, x] = stages of G
+    taking combination x = (n, r) and u[G, x] = (c[G, x] > 0). Stage j of G fits x iff j is at
+    or after g(G, x), the first stage of G where x fits (memory falls with the micro-batches in
+    flight, which fall with the stage index), so the sets of stages x may use are nested and an
+    assignment exists iff, for every stage j of G, the combinations that need a stage at or
+    after j number at most the stages of G at or after j (Hall's condition). Every time term of
+    a combination is a constant, so maxima and sums are linear.
     """
     p = len(tables.lo)
-    middle = list(range(1, p - 1))
-    lo, hi = tables.lo[1], tables.hi[1]
-    combos = [(n, r) for n in range(lo, hi + 1) for r in tables.allowed[1]]
-    terms = {x: stage_time_ns(tables, 1, *x) for x in combos}
-    first_g = {}
-    for x in combos:
-        fitting = [j for j in middle if fits(tables, j, *x)]
-        if fitting:
-            first_g[x] = fitting[0]
-    c = {x: model.NewIntVar(0, len(middle), f"c{x}") for x in first_g}
-    u = {x: model.NewBoolVar(f"u{x}") for x in first_g}
-    for x in first_g:
-        model.Add(c[x] <= len(middle) * u[x])
-        model.Add(c[x] >= u[x])
-    model.Add(sum(c.values()) == len(middle))
-    for j in middle:  # Hall's condition on nested feasible sets
-        needing = [c[x] for x, g in first_g.items() if g >= j]
-        if needing:
-            model.Add(sum(needing) <= p - 1 - j)
+    c: dict[tuple, cp_model.IntVar] = {}
+    u: dict[tuple, cp_model.IntVar] = {}
+    terms: dict[tuple, dict[str, int]] = {}
+    first_g: dict[tuple, int] = {}
+    for gi, group in enumerate(groups):
+        head = group[0]
+        for n in range(tables.lo[head], tables.hi[head] + 1):
+            for r in tables.allowed[head]:
+                fitting = [k for k, j in enumerate(group) if fits(tables, j, n, r)]
+                if not fitting:
+                    continue
+                key = (gi, n, r)
+                first_g[key] = fitting[0]
+                terms[key] = stage_time_ns(tables, head, n, r)
+                c[key] = model.NewIntVar(0, len(group), f"c{key}")
+                u[key] = model.NewBoolVar(f"u{key}")
+                model.Add(c[key] <= len(group) * u[key])
+                model.Add(c[key] >= u[key])
+        keys = [k for k in c if k[0] == gi]
+        model.Add(sum(c[k] for k in keys) == len(group))
+        for position in range(len(group)):  # Hall's condition on nested feasible sets
+            needing = [c[k] for k in keys if first_g[k] >= position]
+            if needing:
+                model.Add(sum(needing) <= len(group) - position)
     ends = {}
     for stage in (0, p - 1):
         options = [(n, r) for n in range(tables.lo[stage], tables.hi[stage] + 1)
@@ -249,22 +269,23 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables) -> _Decoder:
         z = {x: model.NewBoolVar(f"z{stage}{x}") for x in options}
         model.AddExactlyOne(z.values())
         ends[stage] = (z, {x: stage_time_ns(tables, stage, *x) for x in options})
-    layers_used = sum(x[0] * c[x] for x in c) + sum(
+    layers_used = sum(k[1] * c[k] for k in c) + sum(
         x[0] * var for stage in ends for x, var in ends[stage][0].items())
     model.Add(layers_used == tables.num_layers)
-    bound = max([terms[x]["micro_total"] for x in terms] + [
+    bound = max([t["micro_total"] for t in terms.values()] + [
         t["micro_total"] for stage in ends for t in ends[stage][1].values()] + [0])
     tops = {name: model.NewIntVar(0, 10 * bound + 10**12, name)
             for name in ("micro_total", "dp_exposed", "optimizer", "offload_step")}
+    middle_count = sum(len(g) for g in groups)
     for name, top in tops.items():
-        for x in c:
-            model.Add(top >= terms[x][name] * u[x])
+        for k in c:
+            model.Add(top >= terms[k][name] * u[k])
         # the largest is at least the mean over middle stages (tightens the LP relaxation)
-        model.Add(len(middle) * top >= sum(terms[x][name] * c[x] for x in c))
+        model.Add(middle_count * top >= sum(terms[k][name] * c[k] for k in c))
         for stage in ends:
             z, values = ends[stage]
             model.Add(top >= sum(values[x][name] * var for x, var in z.items()))
-    total = sum(terms[x]["micro_total"] * c[x] for x in c) + sum(
+    total = sum(terms[k]["micro_total"] * c[k] for k in c) + sum(
         values[x]["micro_total"] * var for z, values in ends.values() for x, var in z.items())
     m, v = tables.micro_batches, tables.vpp
     objective = ((m * v - 1) * tops["micro_total"] + total
@@ -276,18 +297,24 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables) -> _Decoder:
         for stage in ends:
             for x, var in ends[stage][0].items():
                 model.AddHint(var, x == chosen[stage])
-        counts = {x: chosen[1:-1].count(x) for x in c}
-        for x in c:
-            model.AddHint(c[x], counts[x])
-            model.AddHint(u[x], counts[x] > 0)
+        for gi, group in enumerate(groups):
+            picked = [chosen[j] for j in group]
+            for key in (k for k in c if k[0] == gi):
+                count = picked.count(key[1:])
+                model.AddHint(c[key], count)
+                model.AddHint(u[key], count > 0)
 
     def read(solver: cp_model.CpSolver) -> tuple[list[int], list[str]]:
-        picks = [[x for x, var in ends[stage][0].items() if solver.BooleanValue(var)][0]
-                 for stage in (0, p - 1)]
-        # middle combinations to stages: most demanding (latest g) to the latest stages
-        pool = sorted((x for x in c for _ in range(solver.Value(c[x]))),
-                      key=lambda x: first_g[x])
-        split = [picks[0]] + pool + [picks[1]]
+        split: list[tuple[int, str]] = [None] * p  # type: ignore[list-item]
+        for stage in ends:
+            split[stage] = next(x for x, var in ends[stage][0].items()
+                                if solver.BooleanValue(var))
+        for gi, group in enumerate(groups):
+            # combinations to stages: most demanding (latest first fit) to the latest stages
+            pool = sorted((k for k in c if k[0] == gi for _ in range(solver.Value(c[k]))),
+                          key=lambda k: first_g[k])
+            for stage, key in zip(group, pool):
+                split[stage] = key[1:]
         return [x[0] for x in split], [x[1] for x in split]
 
     return _Decoder(read, hint, objective)

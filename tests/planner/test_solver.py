@@ -81,7 +81,8 @@ def enumerate_optimum(tables: CandidateTables):
 def per_stage_formulation(monkeypatch):
     """Within the block, solve builds the per-stage model even where middle stages are alike."""
     with monkeypatch.context() as patch:
-        patch.setattr(solver, "_build_counts", solver._build_per_stage)
+        patch.setattr(solver, "_build_counts",
+                      lambda model, tables, groups: solver._build_per_stage(model, tables))
         yield
 
 
@@ -91,9 +92,9 @@ def spy_builders(monkeypatch) -> list[str]:
     for name in ("_build_counts", "_build_per_stage"):
         original = getattr(solver, name)
 
-        def spy(model, tables, original=original, name=name):
+        def spy(model, tables, *groups, original=original, name=name):
             used.append(name)
-            return original(model, tables)
+            return original(model, tables, *groups)
         monkeypatch.setattr(solver, name, spy)
     return used
 
@@ -383,18 +384,23 @@ def test_real_tables_formulations_agree(monkeypatch, hbm_gib):
     assert counted.objective == staged.objective == enumerate_optimum(tables)[0]
 
 
-def test_pinned_modes_that_differ_use_the_per_stage_formulation(monkeypatch):
-    """Pinning the counted optimum's modes at 6.5 GiB (middle stages 'none' and 'full') makes
-    solve build the per-stage model, which finds the same split and objective."""
+def test_pinned_modes_that_differ_put_middle_stages_in_separate_groups(monkeypatch):
+    """Pinning the counted optimum's modes at 6.5 GiB (middle stages 'none' and 'full') splits
+    the middle stages into one group each; the counted model with those groups and the
+    per-stage model find the same split and objective as the unpinned solve."""
     tables, _ = real_tables(6.5)
     counted = solver.solve(tables, time_limit_s=10)
     assert counted.modes == ("full", "none", "full", "none")
     pinned, _ = real_tables(6.5, pinned_modes=counted.modes)
+    assert solver.middle_groups(pinned) == [[1], [2]]
     used = spy_builders(monkeypatch)
-    staged = solver.solve(pinned, time_limit_s=10)
-    assert used == ["_build_per_stage"]
-    assert (staged.layers, staged.modes, staged.objective) == (
-        counted.layers, counted.modes, counted.objective)
+    grouped = solver.solve(pinned, time_limit_s=10)
+    with per_stage_formulation(monkeypatch):
+        staged = solver.solve(pinned, time_limit_s=10)
+    assert used == ["_build_counts", "_build_per_stage"]
+    for result in (grouped, staged):
+        assert (result.layers, result.modes, result.objective) == (
+            counted.layers, counted.modes, counted.objective)
 
 
 def test_solve_is_deterministic():
