@@ -14,6 +14,10 @@ from typing import Any
 from costmodel.jsonio import read_json_object, read_package_json
 
 
+LINK_KINDS = frozenset({"intra", "inter"})
+"""Keys of ``Calibration.link_latency_s``: in-node and cross-node links."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceCalibration:
     """Compute efficiencies of one accelerator kind."""
@@ -69,6 +73,12 @@ class Calibration:
     """Reserved / allocated - 1 of the caching allocator."""
     communicator_bytes: float
     """Per-rank memory of communicator buffers (NCCL channels), added to reserved."""
+    link_latency_s: dict[str, float] = field(default_factory=dict, hash=False)
+    """Measured one-hop latency of collectives, seconds, by link kind: ``intra`` (inside a
+    node) and/or ``inter`` (across nodes). When a kind is present it replaces the cluster's
+    ``nvlink_latency_s`` / ``nic_latency_s`` path latency of every group of that kind
+    (``collectives.with_latency``); absent (the default) the cluster's values are used.
+    Written by ``meshplan profile`` (alpha of an alpha-beta fit over gloo/NCCL collectives)."""
     source: dict[str, str] = field(default_factory=dict, hash=False)
     """What each value was fitted on."""
 
@@ -84,6 +94,11 @@ class Calibration:
         for name in ("nvlink_efficiency", "network_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        bad_links = {k: v for k, v in self.link_latency_s.items()
+                     if k not in LINK_KINDS or not isinstance(v, (int, float)) or v < 0}
+        if bad_links:
+            raise ValueError(f"link_latency_s must map {sorted(LINK_KINDS)} to seconds >= 0, "
+                             f"got {bad_links!r}")
         for name in ("tp_overlap", "dp_overlap", "pp_overlap", "offload_overlap"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")

@@ -14,8 +14,10 @@ that, a double binary tree has ``2 log2 n`` latency steps. The cheaper of ring a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import networkx as nx
@@ -86,6 +88,19 @@ def _group_link_cached(cluster: ClusterSpec, ranks: tuple[int, ...]) -> GroupLin
         latency = max(latency, hop_latency)
     return GroupLink(size=n, nodes=len(nodes), intra_bytes_per_s=intra,
                      inter_bytes_per_s=inter, per_node=per_node, latency_s=latency)
+
+
+def with_latency(link: GroupLink, latency_s: Mapping[str, float]) -> GroupLink:
+    """``link`` with its latency replaced by a measured one-hop latency, if one is given.
+
+    ``latency_s`` maps ``intra`` / ``inter`` to seconds (``Calibration.link_latency_s``); a
+    group inside one node takes ``intra``, a group spanning nodes ``inter``. Without the key
+    (or for a group of one) the link is returned unchanged, with the cluster's latency.
+    """
+    kind = "intra" if link.nodes == 1 else "inter"
+    if link.size <= 1 or kind not in latency_s:
+        return link
+    return dataclasses.replace(link, latency_s=float(latency_s[kind]))
 
 
 def _effective(link: GroupLink, intra_eff: float, inter_eff: float) -> float:

@@ -12,8 +12,8 @@ from costmodel.hardware import ClusterSpec
 from costmodel.memory import (StageMemory, host_bytes_per_node, stage_layer_range, stage_memory,
                               stage_params)
 from costmodel.model import ModelSpec
-from costmodel.timing import (BACKWARD_FACTOR, StageTime, dp_step_s, exposed_s,
-                              optimizer_step_s, stage_link_signature, stage_links,
+from costmodel.timing import (BACKWARD_FACTOR, StageTime, calibrated_link, dp_step_s,
+                              exposed_s, optimizer_step_s, stage_link_signature, stage_links,
                               stage_microbatch_time)
 
 SCHEMA_VERSION = 1
@@ -159,7 +159,8 @@ def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, 
     micro = stage_microbatch_time(model, cluster, config, calibration, stage, params=params,
                                   links=links, framework=framework)
     last_bwd = micro.compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
-    comm, hidden = dp_step_s(config, calibration, params=params, link=links.dp,
+    comm, hidden = dp_step_s(config, calibration, params=params,
+                             link=calibrated_link(links.dp, calibration),
                              last_backward_s=last_bwd, framework=framework)
     opt, off = optimizer_step_s(config, cluster, calibration, params=params)
     return StageTerms(micro=micro, dp_comm_s=comm, dp_hidden_s=hidden, optimizer_s=opt,

@@ -230,11 +230,32 @@ def _pp_comm_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | 
     return 2 * config.vpp * one * (1 - calibration.pp_overlap)
 
 
+def calibrated_link(link: coll.GroupLink | None,
+                    calibration: Calibration) -> coll.GroupLink | None:
+    """``link`` with the calibration's measured latency (``link_latency_s``), if any."""
+    if link is None or not calibration.link_latency_s:
+        return link
+    return coll.with_latency(link, calibration.link_latency_s)
+
+
+def calibrated_links(links: Links, calibration: Calibration) -> Links:
+    """Every group of ``links`` through ``calibrated_link``; unchanged without overrides."""
+    if not calibration.link_latency_s:
+        return links
+    return Links(tp=calibrated_link(links.tp, calibration),
+                 cp=calibrated_link(links.cp, calibration),
+                 dp=calibrated_link(links.dp, calibration),
+                 ep=calibrated_link(links.ep, calibration),
+                 pp_next=calibrated_link(links.pp_next, calibration))
+
+
 def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                           calibration: Calibration, stage: int, *, params: StageParams,
                           links: Links, framework: str) -> StageTime:
     """Seconds one micro-batch spends on ``stage`` (forward, backward, recompute, comm)."""
     mode = config.stage_recompute(stage)
+    pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration)
+    links = calibrated_links(links, calibration)
     layer_range = stage_layer_range(model, config, stage)
     moe_layers = sum(1 for i in layer_range if model.is_moe_layer(i))
     compute = tp = cp = ep = 0.0
@@ -256,7 +277,7 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         compute += _lm_head_s(model, cluster, config, calibration)
     compute *= calibration.compute_factor(framework)
     tp *= 1 - calibration.tp_overlap
-    pp = _pp_comm_s(model, config, _pp_link(cluster, config, stage, links), calibration)
+    pp = _pp_comm_s(model, config, pp_link, calibration)
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework)
     offload = _param_offload_per_microbatch_s(config, cluster, params=params)

@@ -544,6 +544,158 @@ def _run_summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----- profile / validate ------------------------------------------------------------------------
+PROFILE_TIMEOUT_S = 150.0
+"""Limit on the collective measurement of ``profile`` (the whole command stays under 3 min)."""
+
+
+def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", metavar="FILE", default="calibration.json",
+                        help="calibration JSON to write (default calibration.json)")
+    parser.add_argument("--nproc-per-node", type=_positive_int, default=2, metavar="K",
+                        help="processes for the gloo collectives (default 2)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer and smaller sizes (seconds; for tests)")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="GEMM dtype (default fp32 on the CPU, bf16 on a GPU)")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="calibration the measured values are written over (default: "
+                             "built-in)")
+
+
+def _write_calibration(calibration: Calibration, path: str, *, about: str) -> None:
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"--out {path!r}: its folder does not exist")
+    with open(path, "w") as out:
+        json.dump({"about": about, **calibration.to_dict()}, out, indent=2)
+        out.write("\n")
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    """Measure this machine (runtime/profile_hw.py) and fit a calibration (costmodel/fitting)."""
+    import time
+
+    from costmodel import fitting, gpu_catalog
+    from runtime import profile_hw
+
+    base = _load("--calibration", args.calibration, lambda: load_calibration(args.calibration))
+    key = profile_hw.device_key()
+    gpu = gpu_catalog()["a100-80gb" if key == "default" else key]
+    dtype = args.dtype or ("fp32" if key == CPU_GPU_KEY else "bf16")
+    sizes = profile_hw.QUICK if args.quick else profile_hw.FULL
+    start = time.perf_counter()
+    progress = profile_hw.Progress(profile_hw.steps_of(sizes))
+    try:
+        measured = profile_hw.measure(dtype=dtype, sizes=sizes, nproc=args.nproc_per_node,
+                                      timeout_s=PROFILE_TIMEOUT_S, progress=progress)
+    finally:
+        progress.close()
+    fit = fitting.fit_profile(gemm=measured.gemm, copy=measured.copy,
+                              collectives=measured.collectives)
+    wall_s = time.perf_counter() - start
+    note = (f"{'quick, ' if args.quick else ''}{key}, {dtype}, {args.nproc_per_node} gloo "
+            f"processes on 127.0.0.1, {wall_s:.0f} s")
+    calibration = fitting.profiled_calibration(
+        base, fit, gpu_key=key, peak_flop_per_s=gpu.peak(dtype),
+        hbm_bytes_per_s=gpu.hbm_bytes_per_s, link_bytes_per_s=gpu.nvlink_bytes_per_s,
+        note=note)
+    _write_calibration(calibration, args.out, about=f"meshplan profile of this machine "
+                       f"({note}); use with --calibration {args.out}")
+    print(f"matmul     {fit.matmul_flop_per_s / 1e12:.4f} TFLOP/s + "
+          f"{fit.matmul_overhead_s * 1e6:.1f} us/call  ({dtype}; catalog peak "
+          f"{gpu.peak(dtype) / 1e12:.4f})")
+    print(f"memory     {fit.memory_bytes_per_s / 1e9:.1f} GB/s  (catalog "
+          f"{gpu.hbm_bytes_per_s / 1e9:.1f})")
+    print(f"collective alpha {fit.link_latency_s * 1e6:.1f} us, beta "
+          f"{fit.link_bytes_per_s / 1e9:.2f} GB/s  (catalog link "
+          f"{gpu.nvlink_bytes_per_s / 1e9:.2f} GB/s)")
+    print(f"wrote {args.out} (device {key!r}) in {wall_s:.1f} s")
+    return EXIT_OK
+
+
+def _add_validate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan_file", metavar="plan.json", help="a plan file (meshplan plan -o)")
+    parser.add_argument("--steps", type=_positive_int, default=5, metavar="N",
+                        help="optimizer steps (default 5; the first is a warm-up)")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="calibration of the prediction (default: the built-in one)")
+    parser.add_argument("--refit", action="store_true",
+                        help="write a calibration scaled so the prediction matches this run")
+    parser.add_argument("--out", metavar="FILE", default="calibration-refit.json",
+                        help="where --refit writes (default calibration-refit.json)")
+    parser.add_argument("--timeout", type=_positive_float, default=60.0, metavar="S",
+                        help="process-group timeout in seconds (default 60)")
+    parser.add_argument("--nproc-per-node", type=_positive_int, metavar="K",
+                        help="processes (default: the plan's world size)")
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    """Run the plan, compare with the prediction under ``--calibration``, optionally refit.
+
+    Refit: one factor ``f`` slows every compute and communication cost (``fitting.
+    scaled_calibration``); ``fitting.refit_step_scale`` finds ``f`` by iterating the estimator
+    until the predicted step equals the measured median step.
+    """
+    from costmodel import fitting
+    from runtime import launch
+    from runtime.train import RunOptions
+
+    plan = read_plan(args.plan_file)
+    calibration = _load("--calibration", args.calibration,
+                        lambda: load_calibration(args.calibration))
+    result = launch.run(args.plan_file, options=RunOptions(steps=args.steps,
+                                                           timeout_s=args.timeout),
+                        launch=launch.Launch(nproc_per_node=args.nproc_per_node))
+    if result.exit_code != 0 or result.report is None:
+        return result.exit_code or 1
+
+    def predict(cal: Calibration):
+        return estimate(plan.model, plan.cluster, plan.config, framework=plan.framework,
+                        calibration=cal)
+
+    est = predict(calibration)
+    measured_s = result.report["step_s_median"]
+    print(_validate_summary(result.report, est))
+    if args.refit:
+        key, cluster = plan.cluster.gpu.key, plan.cluster
+        latency = dict(intra_latency_s=calibration.link_latency_s.get(
+                           "intra", cluster.nvlink_latency_s),
+                       inter_latency_s=calibration.link_latency_s.get(
+                           "inter", cluster.nic_latency_s))
+
+        def scaled(factor: float) -> Calibration:
+            return fitting.scaled_calibration(calibration, gpu_key=key, factor=factor,
+                                              **latency)
+
+        factor = fitting.refit_step_scale(lambda f: predict(scaled(f)).time.step_s,
+                                          measured_step_s=measured_s)
+        refit = scaled(factor)
+        note = (f"meshplan validate --refit on {args.plan_file}: measured median step "
+                f"{measured_s:.4f} s over {args.steps} steps; every compute and comm cost "
+                f"scaled by {factor:.3f}")
+        refit = dataclasses.replace(refit, source={**refit.source, "refit": note})
+        _write_calibration(refit, args.out, about=note)
+        print(f"refit      factor {factor:.3f}; predicted step now "
+              f"{predict(refit).time.step_s:.4f} s; wrote {args.out}")
+    return EXIT_OK
+
+
+def _validate_summary(report: dict[str, Any], est: Any) -> str:
+    """Measured against predicted step time and per-rank peak memory, with ratios."""
+    measured_s, predicted_s = report["step_s_median"], est.time.step_s
+    lines = [f"step time  measured {measured_s:.4f} s   predicted {predicted_s:.4f} s   "
+             f"ratio {measured_s / predicted_s:.2f}x"]
+    stage_peak = {s.stage: s.peak_bytes for s in est.memory.per_stage}
+    for rank in report["per_rank"]:
+        predicted = stage_peak.get(rank["stage"])
+        if rank["peak_bytes"] is None or not predicted:
+            continue
+        lines.append(f"rank {rank['rank']} (stage {rank['stage']})  peak measured "
+                     f"{rank['peak_bytes'] / 1e6:.2f} MB   predicted {predicted / 1e6:.2f} MB"
+                     f"   ratio {rank['peak_bytes'] / predicted:.2f}x")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Command:
     """One subcommand: its one-line help, its flags and its handler (returns the exit code)."""
@@ -566,12 +718,13 @@ COMMANDS: dict[str, Command] = {
                       _add_export_arguments, _run_export),
     "run": Command("run a plan with torchrun and report measurements", _add_run_arguments,
                    _run_run),
+    "profile": Command("measure this machine's compute and links into a calibration",
+                       _add_profile_arguments, _run_profile),
+    "validate": Command("run a plan, compare measured vs predicted, refit",
+                        _add_validate_arguments, _run_validate),
 }
 
-NOT_IMPLEMENTED: dict[str, str] = {
-    "profile": "measure this machine's compute and links",
-    "validate": "run a plan, compare measured vs predicted, refit",
-}
+NOT_IMPLEMENTED: dict[str, str] = {}
 """Subcommands of the contract not built yet: move each into COMMANDS when it is."""
 
 
