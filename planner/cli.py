@@ -724,10 +724,6 @@ COMMANDS: dict[str, Command] = {
                         _add_validate_arguments, _run_validate),
 }
 
-NOT_IMPLEMENTED: dict[str, str] = {}
-"""Subcommands of the contract not built yet: move each into COMMANDS when it is."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, allow_abbrev=False,
                      description="Plan and estimate parallel training of large models.")
@@ -736,8 +732,6 @@ def build_parser() -> argparse.ArgumentParser:
         child = sub.add_parser(name, help=command.help, description=command.help,
                                allow_abbrev=False)
         command.add_arguments(child)
-    for name, summary in NOT_IMPLEMENTED.items():
-        sub.add_parser(name, help=f"{summary} (not implemented yet)", add_help=False)
     return parser
 
 
@@ -750,9 +744,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if args.command in NOT_IMPLEMENTED:
-            print(f"{PROG} {args.command}: not implemented yet", file=sys.stderr)
-            return EXIT_USAGE
         if extra:
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
         return COMMANDS[args.command].run(args)
