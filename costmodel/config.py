@@ -165,6 +165,9 @@ def check_fits_model(config: ParallelConfig, model: ModelSpec, *, num_gpus: int)
     if config.vpp > 1 and min(layers) < config.vpp:
         raise ValueError(f"with vpp {config.vpp} every stage needs at least vpp layers (one per "
                          f"virtual chunk); got {list(layers)}")
+    if model.is_traced:
+        from costmodel.traced import check_config  # costmodel.traced imports this module
+        check_config(config, model)
     if config.ep > 1:
         if not model.is_moe:
             raise ValueError(f"ep {config.ep} > 1 needs an MoE model; {model.name} is dense")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from costmodel import flops
+from costmodel import flops, traced
 from costmodel.calibration import Calibration, default_calibration
 from costmodel.config import FRAMEWORKS, ParallelConfig, check_fits_model
 from costmodel.hardware import ClusterSpec
@@ -93,8 +93,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     cal = calibration or default_calibration()
     memory = _memory(model, cluster, config, framework, cal)
     time = _time(model, cluster, config, framework, cal)
-    model_flop = flops.model_flop_per_step(model, global_batch_size=config.global_batch_size,
-                                           seq_len=config.seq_len)
+    model_flop = (traced.step_flop(model, global_batch_size=config.global_batch_size)
+                  if model.is_traced else
+                  flops.model_flop_per_step(model, global_batch_size=config.global_batch_size,
+                                            seq_len=config.seq_len))
     per_gpu = model_flop / time.step_s / cluster.num_gpus
     throughput = Throughput(
         tokens_per_s=config.global_batch_size * config.seq_len / time.step_s,
@@ -111,6 +113,8 @@ def _stage_key(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     (the pipeline neighbour of a stage may sit on another node than its predecessor's)."""
     layers = stage_layer_range(model, config, stage)
     moe = tuple(model.is_moe_layer(i) for i in layers) if model.is_moe else ()
+    if model.is_traced:  # layers differ: which ones the stage holds matters
+        moe = (layers.start, layers.stop)
     return (len(layers), moe, stage == 0, stage == config.pp - 1,
             config.stage_recompute(stage), stage_link_signature(cluster, config, stage))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel import activations as act
+from costmodel import traced
 from costmodel.calibration import Calibration
 from costmodel.config import ParallelConfig
 from costmodel.frameworks import (StateBytes, deepspeed_host_bytes_per_node,
@@ -64,6 +65,10 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
     With tied embeddings and pp > 1 the last stage keeps its own copy of the word embedding for
     the LM head, as Megatron-LM does. Everything is split over tp; expert weights over tp * ep.
     """
+    if model.is_traced:  # every layer is in the graph; the largest is taken model-wide
+        dense = float(sum(model.layer_params(i) for i in stage_layer_range(model, config, stage)))
+        return StageParams(dense=dense, expert=0.0,
+                           largest_layer=float(traced.largest_layer_params(model)))
     t = config.tp
     expert_one = model.mlp_params(model.expert_ffn_size) if model.is_moe else 0
     dense = expert = 0.0
@@ -108,6 +113,12 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     """Peak activation bytes of ``stage``: in-flight micro-batches of its layers and extras."""
     mode = config.stage_recompute(stage)
     layer_range = stage_layer_range(model, config, stage)
+    if model.is_traced:
+        total = (act.in_flight_microbatches(config, stage)
+                 * traced.stage_saved_bytes(model, config, layer_range, mode))
+        if stage == config.pp - 1:
+            total += traced.extra_saved_bytes(model, config)
+        return total
     moe_layers = sum(1 for i in layer_range if model.is_moe_layer(i))
     dense_layers = len(layer_range) - moe_layers
     eager = eager_autograd(framework)
@@ -136,6 +147,8 @@ def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: i
     as stored activations (Megatron-LM's and Korthikanti's counts leave it out).
     """
     mode = config.stage_recompute(stage)
+    if model.is_traced:
+        return traced.recompute_workspace_bytes(model, config, mode)
     if mode == "none":
         return 0.0
     if mode == "selective":

@@ -11,6 +11,12 @@ GPT/Llama decoder as Megatron-LM and the runtime build it:
 Narayanan et al. 2021 (arXiv:2104.04473) Eq. 2, ``P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12lh))``,
 is this count for a GPT model with biases, LayerNorm and learned positions, less the final
 LayerNorm (2h parameters) which Eq. 2 leaves out.
+
+A *traced* model (``ModelSpec.traced`` non-empty, built by ``costmodel.profiled`` from any
+``nn.Module``) is described layer by layer instead: every top-level layer of the module
+(embedding, blocks, head, or a vision encoder in front) is one pipeline unit with its own
+parameters, FLOPs and saved bytes, so layers need not be alike. Its architecture numbers are
+placeholders (one head, so tensor parallelism is 1); the cost model reads the layers.
 """
 
 from __future__ import annotations
@@ -26,6 +32,33 @@ PositionEmbedding = Literal["learned", "rope", "alibi"]
 _ACTIVATIONS = ("gelu", "swiglu")
 _NORMS = ("layernorm", "rmsnorm")
 _POSITIONS = ("learned", "rope", "alibi")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TracedLayer:
+    """One top-level layer of a traced module, per sequence of the traced length."""
+
+    name: str
+    """Module path of the layer (``model.layers.3``)."""
+    kind: int
+    """Layers of one kind have equal costs (a repeated block); kinds number from 0."""
+    params: int
+    """Parameters the layer owns (a shared parameter counts once, in its first user)."""
+    fwd_flop: float
+    """Forward FLOPs per sequence (``torch.utils.flop_counter``: matmuls and attention)."""
+    bwd_flop: float
+    """Backward FLOPs per sequence."""
+    saved_bytes: float
+    """Bytes saved for backward per sequence without recomputation, at the traced dtype."""
+    output_bytes: float
+    """Bytes of the layer's output per sequence, at the traced dtype."""
+
+    def __post_init__(self) -> None:
+        for field in ("kind", "params", "fwd_flop", "bwd_flop", "saved_bytes", "output_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"traced layer {self.name!r}: {field} must be a number >= 0, "
+                                 f"got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +113,16 @@ class ModelSpec:
     """Parameter count the model's authors report, for reference only."""
     source: str = ""
     """Where the numbers come from."""
+    traced: tuple[TracedLayer, ...] = ()
+    """Per-layer costs of a traced module (see the module docstring); empty for an analytic
+    transformer. When given, ``num_layers`` equals its length and ``seq_len`` is the traced
+    sequence length."""
+    traced_dtype_bytes: int = 2
+    """Bytes per element of the dtype the module was traced in (scales ``saved_bytes``)."""
+    traced_extra_saved_bytes: float = 0.0
+    """Bytes per sequence saved for backward outside any layer (e.g. the loss)."""
+    factory: str = ""
+    """``package.module:callable`` that builds the traced module, for the runtime."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size",
@@ -114,6 +157,20 @@ class ModelSpec:
         if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
             raise ValueError(f"moe_top_k must be in 1..num_experts={self.num_experts}, "
                              f"got {self.moe_top_k}")
+        if self.traced:
+            if len(self.traced) != self.num_layers:
+                raise ValueError(f"num_layers {self.num_layers} must equal the "
+                                 f"{len(self.traced)} traced layers")
+            if self.num_heads != 1 or self.num_experts:
+                raise ValueError("a traced model has num_heads 1 and no experts (its layers "
+                                 "carry the costs)")
+            if self.traced_dtype_bytes not in (1, 2, 4, 8):
+                raise ValueError(f"traced_dtype_bytes must be 1, 2, 4 or 8, got "
+                                 f"{self.traced_dtype_bytes!r}")
+
+    @property
+    def is_traced(self) -> bool:
+        return bool(self.traced)
 
     # ----- derived sizes -------------------------------------------------------------------
     @property
@@ -188,17 +245,24 @@ class ModelSpec:
                 + self.num_experts * self.mlp_params(self.expert_ffn_size))
 
     def layer_params(self, index: int) -> int:
+        if self.traced:
+            return self.traced[index].params
         return self.moe_layer_params if self.is_moe_layer(index) else self.dense_layer_params
 
     @property
     def layers_params(self) -> int:
-        """All transformer blocks together."""
+        """All transformer blocks together (every layer of a traced model)."""
+        if self.traced:
+            return sum(layer.params for layer in self.traced)
         moe = self.num_moe_layers
         return moe * self.moe_layer_params + (self.num_layers - moe) * self.dense_layer_params
 
     @property
     def embedding_params(self) -> int:
-        """Input side: word embedding, learned positions, embedding norm."""
+        """Input side: word embedding, learned positions, embedding norm (a traced model's
+        embedding is one of its layers)."""
+        if self.traced:
+            return 0
         params = self.vocab_rows * self.hidden_size
         if self.position_embedding == "learned":
             params += self.seq_len * self.hidden_size
@@ -208,7 +272,10 @@ class ModelSpec:
 
     @property
     def head_params(self) -> int:
-        """Output side: final norm and, if untied, the LM head matrix."""
+        """Output side: final norm and, if untied, the LM head matrix (a traced model's head is
+        one of its layers)."""
+        if self.traced:
+            return 0
         lm_head = 0 if self.tied_embeddings else self.vocab_rows * self.hidden_size
         return self.norm_params + lm_head
 
@@ -237,7 +304,9 @@ class ModelSpec:
         return (3 if self.activation == "swiglu" else 2) * self.hidden_size * f
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["traced"] = [dataclasses.asdict(layer) for layer in self.traced]
+        return data
 
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec))

@@ -19,13 +19,14 @@ import functools
 import json
 import logging
 import os
+import re
 import types
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
-from costmodel.model import MODEL_FIELDS, ModelSpec
+from costmodel.model import MODEL_FIELDS, ModelSpec, TracedLayer
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ _HF_MARKER_KEYS = ("model_type", "architectures", "num_hidden_layers", "n_layer"
                    "n_embed", "n_head", "num_attention_heads")
 """Keys that only a HuggingFace config has (a ModelSpec file says num_layers, num_heads)."""
 _MISSING = object()
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+"""``package.module:callable`` (same as ``costmodel.profiled.FACTORY_PATTERN``)."""
 
 
 # ----- catalog ---------------------------------------------------------------------------------
@@ -78,11 +81,17 @@ def load_model(ref: str | os.PathLike[str], *, seq_len: int | None = None) -> Mo
 
     Catalog names win over files of the same name and match case-insensitively. A path may be a
     ModelSpec JSON (keys are ModelSpec fields), a HuggingFace ``config.json``, or a folder that
-    holds a ``config.json`` (a downloaded HF snapshot). ``seq_len`` replaces the model's default
+    holds a ``config.json`` (a downloaded HF snapshot). ``package.module:callable`` names a
+    user's ``nn.Module`` factory, traced without weights into per-layer costs
+    (``costmodel.profiled``; needs torch). ``seq_len`` replaces the model's default
     sequence length; for learned positions that also resizes the counted position table, as
     ``ModelSpec.embedding_params`` counts ``seq_len`` rows.
     """
-    spec = _resolve(os.fspath(ref))
+    ref = os.fspath(ref)
+    if _FACTORY.match(ref) and not Path(ref).exists():
+        from costmodel.profiled import model_from_factory  # imports torch
+        return model_from_factory(ref, seq_len=seq_len)
+    spec = _resolve(ref)
     if seq_len is not None:
         spec = dataclasses.replace(spec, seq_len=seq_len)
     return spec
@@ -155,10 +164,34 @@ def spec_from_dict(data: Mapping[str, Any], *, origin: str,
                 if key in fields and not isinstance(fields[key], bool)}
     if not_bool:
         raise ValueError(f"{origin}: {not_bool} must be true or false")
+    if "traced" in fields:
+        fields["traced"] = _traced_layers(fields["traced"], origin=origin)
     try:
         return ModelSpec(**fields)
     except (ValueError, TypeError) as err:
         raise ValueError(f"{origin}: {err}") from err
+
+
+_TRACED_FIELDS = tuple(f.name for f in dataclasses.fields(TracedLayer))
+
+
+def _traced_layers(entries: Any, *, origin: str) -> tuple[TracedLayer, ...]:
+    """``traced`` of a ModelSpec JSON: a list of objects keyed by TracedLayer fields."""
+    if not isinstance(entries, (list, tuple)):
+        raise ValueError(f"{origin}: 'traced' must be a list of layer objects")
+    layers = []
+    for index, entry in enumerate(entries):
+        if isinstance(entry, TracedLayer):
+            layers.append(entry)
+            continue
+        if not isinstance(entry, Mapping) or set(entry) != set(_TRACED_FIELDS):
+            raise ValueError(f"{origin}: traced layer {index} must be an object with exactly "
+                             f"the keys {', '.join(_TRACED_FIELDS)}")
+        try:
+            layers.append(TracedLayer(**entry))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{origin}: {err}") from err
+    return tuple(layers)
 
 
 # ----- HuggingFace configs ---------------------------------------------------------------------

@@ -16,10 +16,12 @@ bubble ``(p - 1) / v * t``, i.e. the fraction ``(p - 1) / (v m)``.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from costmodel import activations as act
 from costmodel import collectives as coll
+from costmodel import traced
 from costmodel.calibration import Calibration
 from costmodel.config import ParallelConfig, axis_group, ep_group, rank_of
 from costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
@@ -257,6 +259,10 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration)
     links = calibrated_links(links, calibration)
     layer_range = stage_layer_range(model, config, stage)
+    if model.is_traced:
+        return _traced_microbatch_time(model, cluster, config, calibration, stage,
+                                       layer_range=layer_range, params=params, links=links,
+                                       pp_link=pp_link, framework=framework)
     moe_layers = sum(1 for i in layer_range if model.is_moe_layer(i))
     compute = tp = cp = ep = 0.0
     tp_layer = _tp_comm_per_layer_s(model, config, links.tp, calibration, recompute=mode)
@@ -281,7 +287,59 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework)
     offload = _param_offload_per_microbatch_s(config, cluster, params=params)
+    calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
+                                            recompute=mode)
+    tp += calibration.collective_call_s * calls.tp
+    pp += calibration.collective_call_s * calls.pp
+    zero += calibration.collective_call_s * calls.zero
     return StageTime(compute_s=compute, tp_comm_s=tp, cp_comm_s=cp, ep_comm_s=ep,
+                     pp_comm_s=pp, zero_comm_s=zero,
+                     zero_hidden_s=calibration.dp_overlap * compute if zero else 0.0,
+                     offload_raw_s=offload,
+                     offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0)
+
+
+def traced_layer_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                   calibration: Calibration, index: int) -> tuple[float, float]:
+    """(forward, backward) seconds of traced layer ``index`` for one micro-batch.
+
+    Matmul and attention FLOPs (as traced) at the calibrated matmul efficiency; element-wise
+    kernels move the layer's saved bytes through HBM (``elementwise_traffic_factor``, as for an
+    analytic layer), twice as much in the backward."""
+    device = calibration.device(cluster.gpu.key)
+    peak = cluster.gpu.peak(config.dtype)
+    fwd_flop, bwd_flop = traced.layer_flop(model, config, index)
+    bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    elementwise = (calibration.elementwise_traffic_factor
+                   * traced.layer_saved_bytes(model, config, index, "none") / bandwidth)
+    fwd = _gemm_s(fwd_flop, 0, peak=peak, efficiency=device.matmul_efficiency,
+                  overhead_s=0.0) + elementwise
+    bwd = _gemm_s(bwd_flop, 0, peak=peak, efficiency=device.matmul_efficiency,
+                  overhead_s=0.0) + BACKWARD_FACTOR * elementwise
+    return fwd, bwd
+
+
+def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                            calibration: Calibration, stage: int, *, layer_range: range,
+                            params: StageParams, links: Links, pp_link: coll.GroupLink | None,
+                            framework: str) -> StageTime:
+    """A traced model's stage: its layers' own compute; no TP, CP or EP traffic."""
+    mode = config.stage_recompute(stage)
+    compute = 0.0
+    for i in layer_range:
+        fwd, bwd = traced_layer_s(model, cluster, config, calibration, i)
+        compute += fwd + bwd + (fwd if mode == "full" else 0.0)
+    compute *= calibration.compute_factor(framework)
+    pp = 0.0
+    if pp_link is not None:
+        one = coll.send_recv_s(pp_link, traced.boundary_bytes(model, config),
+                               intra_eff=calibration.nvlink_efficiency,
+                               inter_eff=calibration.network_efficiency)
+        pp = 2 * one * (1 - calibration.pp_overlap)
+    zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
+                                  framework=framework)
+    offload = _param_offload_per_microbatch_s(config, cluster, params=params)
+    return StageTime(compute_s=compute, tp_comm_s=0.0, cp_comm_s=0.0, ep_comm_s=0.0,
                      pp_comm_s=pp, zero_comm_s=zero,
                      zero_hidden_s=calibration.dp_overlap * compute if zero else 0.0,
                      offload_raw_s=offload,
@@ -360,6 +418,8 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
         comm = coll.all_gather_s(link, total_params * config.bytes_per_activation, **effs)
     else:
         return 0.0, 0.0
+    if config.zero_stage <= 1:
+        comm += calibration.collective_call_s * ddp_buckets(total_params * grad_bytes)
     hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0
     return comm, hideable
 
@@ -376,12 +436,89 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     shard = config.dp * config.cp if config.zero_stage >= 1 else 1
     local = (params.dense + params.expert) / shard
     device = calibration.device(cluster.gpu.key)
+    loss_s = calibration.collective_call_s * LOSS_REDUCTION_CALLS if config.world_size > 1 \
+        else 0.0  # the logged loss's all-reduce, once per step (runtime/train.py)
     if config.offload == "none":
         bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
-        return local * OPTIMIZER_BYTES_PER_PARAM / bandwidth, 0.0
+        return local * OPTIMIZER_BYTES_PER_PARAM / bandwidth + loss_s, 0.0
     per_node = local * min(cluster.gpus_per_node, cluster.num_gpus)
     pcie = local * (4 + config.bytes_per_activation) / cluster.pcie_bytes_per_s
     host = per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s
     nvme = 2 * per_node * 12 / cluster.nvme_bytes_per_s if config.offload_device == "nvme" \
         else 0.0
-    return 0.0, pcie + host + nvme
+    return loss_s, pcie + host + nvme
+
+
+# ----- collective calls the runtime issues (their fixed host cost: collective_call_s) ----------
+DDP_BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket of ``DistributedDataParallel`` (``bucket_cap_mb=25``): one all-reduce per
+bucket and step."""
+LOSS_REDUCTION_CALLS = 1
+"""All-reduces of the logged loss over all ranks, once per step (runtime/train.py)."""
+
+
+@dataclass(frozen=True)
+class CollectiveCalls:
+    """Collective calls one micro-batch issues on one rank of a stage, by group."""
+
+    tp: int
+    pp: int
+    zero: int
+    """ZeRO-2/3 (FSDP2) parameter all-gathers and gradient reduce-scatters."""
+
+
+def tp_calls_per_layer(model: ModelSpec, config: ParallelConfig, framework: str, *,
+                       recompute: str) -> int:
+    """TP/SP collective calls of one layer for one micro-batch (forward, backward, recompute).
+
+    Megatron-LM fuses Q, K, V (and the MLP input projections) into one column-parallel GEMM: 2
+    forward and 2 backward all-reduces, or with SP an all-gather and a reduce-scatter in place
+    of each (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2). The meshplan runtime
+    (``parallelize_module``, runtime/parallelize.py) keeps them apart: without SP each
+    column-parallel linear (wq, wk, wv, w1 and SwiGLU's w3) all-reduces its own input gradient;
+    with SP the gathered input gradient is reduce-scattered once per sub-block (as Megatron),
+    plus one all-reduce per norm for its replicated weight's gradient. Full recompute repeats
+    the forward calls; selective recompute keeps collective outputs (no extra call).
+    """
+    if config.tp == 1:
+        return 0
+    forward = backward = 4 if config.sp else 2
+    if framework == "meshplan":
+        mats = 3 if model.activation == "swiglu" else 2
+        backward = backward + 2 if config.sp else 3 + mats - 1
+    return forward + backward + (forward if recompute == "full" else 0)
+
+
+def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, stage: int, *,
+                                    framework: str, recompute: str) -> CollectiveCalls:
+    """Collective calls of one micro-batch on a rank of ``stage``, counted as the meshplan
+    runtime issues them (torch 2.13, gloo; checked with ``torch.profiler`` on the CPU).
+
+    TP: ``tp_calls_per_layer`` per layer, plus the vocabulary-parallel embedding (forward
+    all-reduce; with SP a reduce-scatter and its backward all-gather) and LM head (backward
+    all-reduce of its input gradient; with SP an all-gather and its backward reduce-scatter).
+    PP: one send or receive per direction and virtual chunk. ZeRO-2/3 (FSDP2, one group per
+    block plus a root group holding the embedding / head): every group all-gathers its
+    parameters once per micro-batch, twice under ZeRO-3 when they are resharded after forward
+    (pp = 1, runtime/parallelize.py), and reduce-scatters its gradients once. Not counted:
+    ZeRO-1's per-parameter broadcasts (``ZeroRedundancyOptimizer``, once per step) and
+    ``replicate``'s gradient all-reduces under TP; they need the parameter tensor count.
+    """
+    layers = len(stage_layer_range(model, config, stage))
+    edges = int(stage == 0) + int(stage == config.pp - 1)
+    tp = 0
+    if config.tp > 1:
+        tp = layers * tp_calls_per_layer(model, config, framework, recompute=recompute) \
+            + edges * (2 if config.sp else 1)
+    pp = 2 * config.vpp if config.pp > 1 else 0
+    zero = 0
+    if config.zero_stage >= 2 and config.dp * config.cp > 1:
+        gathers = 2 if config.zero_stage == 3 and config.pp == 1 else 1
+        groups = layers + (1 if edges else 0)
+        zero = groups * (gathers + 1)
+    return CollectiveCalls(tp=tp, pp=pp, zero=zero)
+
+
+def ddp_buckets(grad_bytes: float) -> int:
+    """All-reduce calls of DDP's gradient reduction: one per ``DDP_BUCKET_BYTES`` bucket."""
+    return max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))

@@ -21,9 +21,11 @@ from costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estim
 from costmodel.estimate import Estimate, stage_terms
 from costmodel.memory import stage_memory
 from costmodel.timing import stage_link_signature
+from costmodel.traced import TRACED_RECOMPUTE
 from planner import solver as cpsat
 from planner.space import SearchSpace, candidates
-from planner.tables import build_tables, layer_bounds, stage_config
+from planner.tables import (TracedTables, build_tables, build_traced_tables, layer_bounds,
+                            stage_config)
 
 SOLVE_TIME_CAP_S = 10.0
 """No single candidate's CP-SAT solve gets more than this."""
@@ -250,11 +252,23 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
     cache: dict = {}
     bounds, pieces = [], []
+    traced_modes = tuple(m for m in space.recompute_modes if m in TRACED_RECOMPUTE)
+    if model.is_traced and not traced_modes:
+        raise ValueError(f"{model.name} is a traced module: recompute must include none or "
+                         f"full")
     for index, config in enumerate(configs):
         if index % 256 == 0 and time.perf_counter() - start > time_limit_s:
             raise SearchTimeout(f"the time limit of {time_limit_s:g} s passed while bounding "
                                 f"{len(configs)} candidates, before any plan was found; "
                                 f"raise --time-limit or pin more choices")
+        if model.is_traced:  # tables now, the bound from them; the solve reuses them
+            tables = _traced_tables(model, cluster, config, space, traced_modes,
+                                    framework=framework, calibration=calibration)
+            cache[("traced", index)] = tables
+            piece = traced_bound(tables)
+            pieces.append(piece)
+            bounds.append(piece.value())
+            continue
         if space.layers_per_stage is None:
             lows, highs = layer_bounds(model, config, None)
             lo, hi = lows[0], highs[0]
@@ -280,7 +294,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
         config = configs[i]
         modes = space.recompute_modes
         lo = max(1, config.vpp)
-        if space.layers_per_stage is None and space.recompute_pinned is None:
+        if (space.layers_per_stage is None and space.recompute_pinned is None
+                and not model.is_traced):
             if surely_infeasible(model, cluster, config, framework=framework,
                                  calibration=calibration, lo=lo, capacity=capacity, modes=modes):
                 infeasible += 1
@@ -298,7 +313,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
         solved = _solve_one(model, cluster, config, space, framework=framework,
                             calibration=calibration, seed=seed, workers=workers,
                             time_limit_s=min(remaining, SOLVE_TIME_CAP_S), bound=bounds[i],
-                            cutoff_s=cutoff)
+                            cutoff_s=cutoff, tables=cache.get(("traced", i)))
         solves += 1
         if solved == "timeout":
             status = "FEASIBLE"  # this candidate's optimum is unknown: the search is incomplete
@@ -331,17 +346,21 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
 def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                space: SearchSpace, *, framework: str, calibration: Calibration, seed: int,
                workers: int, time_limit_s: float, bound: float,
-               cutoff_s: float | None = None) -> Solved | str | None:
+               cutoff_s: float | None = None,
+               tables: TracedTables | None = None) -> Solved | str | None:
     """The candidate's best split; None if nothing fits or (with ``cutoff_s``) nothing beats
-    the current k-th best plan; ``"timeout"`` if its solve ran out of time without a split."""
-    tables = build_tables(model, cluster, config, modes=space.recompute_modes,
-                          framework=framework, calibration=calibration,
-                          memory_margin=space.memory_margin,
-                          pinned_layers=space.layers_per_stage,
-                          pinned_modes=space.recompute_pinned)
+    the current k-th best plan; ``"timeout"`` if its solve ran out of time without a split.
+    ``tables``: a traced model's tables, already built for its bound."""
+    if tables is None:
+        tables = build_tables(model, cluster, config, modes=space.recompute_modes,
+                              framework=framework, calibration=calibration,
+                              memory_margin=space.memory_margin,
+                              pinned_layers=space.layers_per_stage,
+                              pinned_modes=space.recompute_pinned)
+    solve = cpsat.solve_traced if isinstance(tables, TracedTables) else cpsat.solve
     try:
-        solution = cpsat.solve(tables, time_limit_s=time_limit_s, seed=seed, workers=workers,
-                               cutoff_s=cutoff_s)
+        solution = solve(tables, time_limit_s=time_limit_s, seed=seed, workers=workers,
+                         cutoff_s=cutoff_s)
     except cpsat.Infeasible:
         return None
     except cpsat.NoSolutionInTime:
@@ -354,6 +373,29 @@ def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     return Solved(estimate=est, status=solution.status, lower_bound_s=bound)
 
 
+def _traced_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                   space: SearchSpace, modes: tuple[str, ...], *, framework: str,
+                   calibration: Calibration) -> TracedTables:
+    return build_traced_tables(model, cluster, config, modes=modes, framework=framework,
+                               calibration=calibration, memory_margin=space.memory_margin,
+                               pinned_layers=space.layers_per_stage,
+                               pinned_modes=space.recompute_pinned)
+
+
+def traced_bound(tables: TracedTables) -> Bound:
+    """A traced candidate's lower bound: each stage's per-micro-batch linear term is at least
+    its smallest base over modes plus, per layer, the smallest slope of its kind over stages
+    and modes; summed over stages this holds for every split (exposed traffic and the
+    once-per-step terms are at least 0)."""
+    p = len(tables.allowed)
+    forms = [[tables.time_ns[i][r]["linear"] for r in tables.allowed[i]] for i in range(p)]
+    total = sum(min(f.base for f in stage) for stage in forms)
+    for kind, row in enumerate(tables.prefix):
+        total += row[-1] * min(f.slopes[kind] for stage in forms for f in stage)
+    return Bound(per_micro_s=total / 1e9, once_s=0.0, stages=p,
+                 micro_batches=tables.micro_batches, vpp=1)
+
+
 def _compact(modes: tuple[str, ...]) -> str | tuple[str, ...]:
     return modes[0] if len(set(modes)) == 1 else modes
 
@@ -363,7 +405,8 @@ def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[Parall
                     calibration: Calibration) -> tuple[str, Estimate | None]:
     """Name the least-memory configuration, its peak per stage against capacity, and what
     would make it fit; also return that configuration's estimate."""
-    saving = [m for m in ("full", "selective", "none") if m in space.recompute_modes][0]
+    saving = [m for m in ("full", "selective", "none") if m in space.recompute_modes
+              and (m in TRACED_RECOMPUTE or not model.is_traced)][0]
     least, least_peak = None, float("inf")
     for config in configs:
         trial = config.replace(recompute=saving)

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from planner.tables import CandidateTables, fits, objective_ns, stage_time_ns
+from planner.tables import (CandidateTables, TracedTables, fits, objective_ns, stage_time_ns,
+                            traced_objective_ns)
 
 
 class Infeasible(Exception):
@@ -318,3 +319,103 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
         return [x[0] for x in split], [x[1] for x in split]
 
     return _Decoder(read, hint, objective)
+
+
+# ----- traced models: stage boundaries over layers of several kinds ---------------------------------
+
+def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, workers: int = 1,
+                 cutoff_s: float | None = None) -> Solution:
+    """Optimal split and modes of a traced model (layers of several kinds, in a fixed order).
+
+    Variables: boundaries 0 = b_0 < b_1 < ... < b_p = L; per kind k the prefix count
+    P_k[b_i] through an element constraint, so stage i holds c[i][k] = P_k[b_{i+1}] - P_k[b_i]
+    layers of kind k; y[i][r] its mode and x[i][r][k] = c[i][k] if y[i][r] else 0. Every term of
+    stage i is ``sum_r (base_r y[i][r] + sum_k slope_rk x[i][r][k])``; memory, exposure, maxima
+    and the objective are as in ``_build_per_stage`` (v = 1).
+    """
+    start = time.perf_counter()
+    p, total = len(tables.allowed), tables.num_layers
+    kinds = len(tables.prefix)
+    model = cp_model.CpModel()
+    b = [model.NewConstant(0)] + [model.NewIntVar(i + 1, total - (p - i - 1), f"b{i + 1}")
+                                  for i in range(p - 1)] + [model.NewConstant(total)]
+    for i in range(p):
+        model.Add(b[i + 1] >= b[i] + 1)
+    if tables.pinned_layers is not None:
+        edge = 0
+        for i, n in enumerate(tables.pinned_layers[:-1]):
+            edge += n
+            model.Add(b[i + 1] == edge)
+    at = [[model.NewIntVar(0, total, f"P{k}_{i}") for k in range(kinds)] for i in range(p + 1)]
+    for i in range(p + 1):
+        for k in range(kinds):
+            model.AddElement(b[i], list(tables.prefix[k]), at[i][k])
+    y_all, x_all, t_vars, d_vars, o_exprs, f_exprs = [], [], [], [], [], []
+    big = 1
+    for i in range(p):
+        counts = [at[i + 1][k] - at[i][k] for k in range(kinds)]
+        modes = tables.allowed[i]
+        y = {r: model.NewBoolVar(f"y{i}_{r}") for r in modes}
+        model.AddExactlyOne(y.values())
+        x = {}
+        for r in modes:
+            x[r] = [model.NewIntVar(0, total, f"x{i}_{r}_{k}") for k in range(kinds)]
+            for k in range(kinds):
+                model.Add(x[r][k] == counts[k]).OnlyEnforceIf(y[r])
+                model.Add(x[r][k] == 0).OnlyEnforceIf(y[r].Not())
+
+        def form(f, r):
+            return f.base * y[r] + sum(s * x[r][k] for k, s in enumerate(f.slopes) if s)
+
+        model.Add(sum(form(tables.memory_bytes[i][r], r) for r in modes)
+                  <= tables.capacity_bytes)
+
+        def term(name: str, modes=modes, i=i, form=form):
+            return sum(form(tables.time_ns[i][r][name], r) for r in modes)
+
+        bound = max(abs(f.base) + sum(abs(s) for s in f.slopes) * total
+                    for forms in tables.time_ns[i].values() for f in forms.values())
+        big = max(big, bound)
+        exposed = []
+        for raw, hidden in (("zero_comm", "zero_hidden"), ("offload_raw", "offload_hidden"),
+                            ("dp_comm", "dp_hidden")):
+            var = model.NewIntVar(0, bound, f"{raw}_exposed{i}")
+            model.Add(var >= term(raw) - term(hidden))
+            exposed.append(var)
+        t = model.NewIntVar(0, 3 * bound, f"t{i}")
+        model.Add(t == term("linear") + exposed[0] + exposed[1])
+        t_vars.append(t)
+        d_vars.append(exposed[2])
+        o_exprs.append(term("optimizer"))
+        f_exprs.append(term("offload_step"))
+        y_all.append(y)
+        x_all.append(x)
+    top_t = model.NewIntVar(0, 3 * big, "T")
+    top_d, top_o, top_f = (model.NewIntVar(0, big, name) for name in ("D", "O", "F"))
+    for i in range(p):
+        model.Add(top_t >= t_vars[i])
+        model.Add(top_d >= d_vars[i])
+        model.Add(top_o >= o_exprs[i])
+        model.Add(top_f >= f_exprs[i])
+    m = tables.micro_batches
+    objective = (m - 1) * top_t + sum(t_vars) + top_d + top_o + top_f
+    if cutoff_s is not None:
+        model.Add(objective < int(cutoff_s * 1e9))
+    model.Minimize(objective)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.random_seed = seed
+    solver.parameters.num_workers = workers
+    status = solver.Solve(model)
+    wall = time.perf_counter() - start
+    if status == cp_model.INFEASIBLE:
+        raise Infeasible("no layer split and recompute choice fits in memory")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise NoSolutionInTime(f"no feasible split found within {time_limit_s} s")
+    edges = [int(solver.Value(v)) for v in b]
+    layers = [edges[i + 1] - edges[i] for i in range(p)]
+    modes = [next(r for r in tables.allowed[i] if solver.BooleanValue(y_all[i][r]))
+             for i in range(p)]
+    return Solution(layers=tuple(layers), modes=tuple(modes),
+                    objective=traced_objective_ns(tables, layers, modes), vpp=1,
+                    status="OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE", wall_s=wall)

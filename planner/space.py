@@ -131,6 +131,8 @@ def degree_tuples(model: ModelSpec, cluster: ClusterSpec,
                            and space.seq_len >= space.min_cp_seq_len))]
         if space.cp is not None:
             cps = [c for c in divisors(n // tp) if c in space.cp and space.seq_len % c == 0]
+        if model.is_traced:  # no tensor-parallel layout known (costmodel/traced.py)
+            cps = [c for c in cps if c == 1]
         for cp in cps:
             for pp in _pick(space.pp, [p for p in divisors(n // (tp * cp))
                                        if p <= model.num_layers]):
@@ -168,7 +170,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec,
         for b in mbs:
             m = per_replica // b
             vpps = [1] + [v for v in range(2, space.max_vpp + 1)
-                          if pp > 1 and m % pp == 0 and model.num_layers // pp >= v]
+                          if pp > 1 and m % pp == 0 and model.num_layers // pp >= v
+                          and not model.is_traced]
             for v in _pick(space.vpp, vpps):
                 for sp in sps:
                     for zero in zeros:

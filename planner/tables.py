@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
 from costmodel.estimate import stage_terms
 from costmodel.memory import stage_memory
@@ -180,3 +182,172 @@ def objective_ns(tables: CandidateTables, layers: list[int] | tuple[int, ...],
 
 def fits(tables: CandidateTables, stage: int, layers: int, mode: str) -> bool:
     return tables.memory_bytes[stage][mode].at(layers - tables.lo[stage]) <= tables.capacity_bytes
+
+
+# ----- traced models: layers of several kinds -----------------------------------------------------
+
+@dataclass(frozen=True)
+class KindForm:
+    """``base + sum_k slopes[k] * count_k`` over the kinds of layer a stage holds (integers)."""
+
+    base: int
+    slopes: tuple[int, ...]
+
+    def at(self, counts: tuple[int, ...] | list[int]) -> int:
+        return self.base + sum(s * c for s, c in zip(self.slopes, counts))
+
+
+@dataclass(frozen=True)
+class TracedTables:
+    """Per stage and mode, every time term and reserved memory as a ``KindForm``.
+
+    A traced model's layers differ, so a stage's terms depend on which layers it holds, not on
+    how many: each term is linear in the count of each kind of layer in the stage (the cost
+    model's traced terms are sums over the stage's layers; costmodel/traced.py). The split is a
+    set of stage boundaries; ``prefix[k][j]`` counts kind-k layers among the first j.
+    """
+
+    config: ParallelConfig
+    allowed: tuple[tuple[str, ...], ...]
+    kinds: tuple[int, ...]
+    """Kind of every layer, in order."""
+    prefix: tuple[tuple[int, ...], ...]
+    time_ns: tuple[dict[str, dict[str, KindForm]], ...]
+    memory_bytes: tuple[dict[str, KindForm], ...]
+    capacity_bytes: int
+    num_layers: int
+    micro_batches: int
+    pinned_layers: tuple[int, ...] | None
+    vpp: int = 1
+
+    def counts(self, start: int, stop: int) -> tuple[int, ...]:
+        return tuple(row[stop] - row[start] for row in self.prefix)
+
+
+def range_config(config: ParallelConfig, model: ModelSpec, stage: int, start: int, stop: int,
+                 mode: str) -> ParallelConfig:
+    """``config`` with ``stage`` holding layers ``[start, stop)`` under ``mode``; the stages
+    before share ``start`` layers and those after the rest (one or more each)."""
+    p, total = config.pp, model.num_layers
+    counts = [0] * p
+    for group, (lo, n) in ((range(stage), (0, start)),
+                           (range(stage + 1, p), (stop, total - stop))):
+        members = list(group)
+        for k, i in enumerate(members):
+            counts[i] = n // len(members) + (1 if k < n % len(members) else 0)
+    counts[stage] = stop - start
+    modes = ["none"] * p
+    modes[stage] = mode
+    return config.replace(layers_per_stage=tuple(counts), recompute=tuple(modes))
+
+
+def _probe_ranges(prefix: tuple[tuple[int, ...], ...], stage: int,
+                  p: int) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """Layer ranges stage ``stage`` can hold whose kind counts (with a leading 1 for the base)
+    are linearly independent and span every range it can hold, and those count rows.
+
+    The first stage always starts at layer 0, so its ranges are prefixes; a kind it always
+    holds (the embedding) cannot be told from the base there, and need not be.
+    """
+    total = len(prefix[0]) - 1
+    first, last = stage, total - (p - 1 - stage)  # reachable layers [first, last)
+    if stage == 0:
+        options = [(0, stop) for stop in range(1, last + 1)]
+    else:
+        options = ([(j, j + 1) for j in range(first, last)]
+                   + [(j, j + 2) for j in range(first, last - 1)][:1])
+    chosen: list[tuple[int, int]] = []
+    rows: list[list[int]] = []
+    for start, stop in options:
+        row = [1] + [kind[stop] - kind[start] for kind in prefix]
+        if np.linalg.matrix_rank(np.array(rows + [row], dtype=float)) > len(rows):
+            chosen.append((start, stop))
+            rows.append(row)
+    return chosen, np.array(rows, dtype=float)
+
+
+def _solve_forms(rows: np.ndarray, values: list[float], scale: float) -> KindForm:
+    """Base and per-kind slopes that reproduce ``values`` on the probe rows (least norm where
+    the probes cannot tell a kind from the base; exact on every range the stage can hold)."""
+    solution, *_ = np.linalg.lstsq(rows, np.array(values, dtype=float) * scale, rcond=None)
+    return KindForm(base=int(round(solution[0])),
+                    slopes=tuple(int(round(x)) for x in solution[1:]))
+
+
+def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+                        modes: tuple[str, ...], framework: str, calibration: Calibration,
+                        memory_margin: float = 0.0,
+                        pinned_layers: tuple[int, ...] | None = None,
+                        pinned_modes: tuple[str, ...] | None = None) -> TracedTables:
+    """Tables for a traced model's candidate (see ``TracedTables``)."""
+    p = config.pp
+    kinds = tuple(layer.kind for layer in model.traced)
+    num_kinds = max(kinds) + 1
+    prefix = tuple(tuple(sum(1 for k in kinds[:j] if k == kind) for j in range(len(kinds) + 1))
+                   for kind in range(num_kinds))
+    allowed = tuple((pinned_modes[i],) for i in range(p)) if pinned_modes else (modes,) * p
+    times, memories = [], []
+    for stage in range(p):
+        ranges, rows = _probe_ranges(prefix, stage, p)
+        stage_times, stage_memory_forms = {}, {}
+        for mode in allowed[stage]:
+            terms, reserved = [], []
+            for start, stop in ranges:
+                staged = range_config(config, model, stage, start, stop, mode)
+                terms.append(_terms_of(stage_terms(model, cluster, staged, stage,
+                                                   framework=framework,
+                                                   calibration=calibration)))
+                reserved.append(stage_memory(model, cluster, staged, stage,
+                                             framework=framework,
+                                             calibration=calibration).reserved_bytes)
+            stage_times[mode] = {name: _solve_forms(rows, [t[name] for t in terms], NS_PER_S)
+                                 for name in TIME_TERMS}
+            stage_memory_forms[mode] = _solve_forms(rows, reserved, 1.0)
+        times.append(stage_times)
+        memories.append(stage_memory_forms)
+    return TracedTables(config=config, allowed=allowed, kinds=kinds, prefix=prefix,
+                        time_ns=tuple(times), memory_bytes=tuple(memories),
+                        capacity_bytes=math.floor(cluster.gpu.hbm_bytes * (1 - memory_margin)),
+                        num_layers=model.num_layers, micro_batches=config.grad_accum_steps,
+                        pinned_layers=pinned_layers)
+
+
+def _terms_of(terms) -> dict[str, float]:
+    micro = terms.micro
+    return {"linear": micro.linear_s, "zero_comm": micro.zero_comm_s,
+            "zero_hidden": micro.zero_hidden_s, "offload_raw": micro.offload_raw_s,
+            "offload_hidden": micro.offload_hidden_s, "dp_comm": terms.dp_comm_s,
+            "dp_hidden": terms.dp_hidden_s, "optimizer": terms.optimizer_s,
+            "offload_step": terms.offload_s}
+
+
+def traced_stage_ns(tables: TracedTables, stage: int, start: int, stop: int,
+                    mode: str) -> dict[str, int]:
+    """Every time term of ``stage`` holding ``[start, stop)`` under ``mode`` (ns)."""
+    counts = tables.counts(start, stop)
+    terms = {name: form.at(counts) for name, form in tables.time_ns[stage][mode].items()}
+    terms["micro_total"] = (terms["linear"]
+                            + max(0, terms["zero_comm"] - terms["zero_hidden"])
+                            + max(0, terms["offload_raw"] - terms["offload_hidden"]))
+    terms["dp_exposed"] = max(0, terms["dp_comm"] - terms["dp_hidden"])
+    return terms
+
+
+def traced_objective_ns(tables: TracedTables, layers: list[int] | tuple[int, ...],
+                        modes: list[str] | tuple[str, ...]) -> int:
+    """Step time (ns) of a split of a traced model, composed as ``compose_step`` does."""
+    bounds = [0]
+    for n in layers:
+        bounds.append(bounds[-1] + n)
+    terms = [traced_stage_ns(tables, i, bounds[i], bounds[i + 1], r)
+             for i, r in enumerate(modes)]
+    t = [x["micro_total"] for x in terms]
+    m = tables.micro_batches
+    extra = (max(x["dp_exposed"] for x in terms) + max(x["optimizer"] for x in terms)
+             + max(x["offload_step"] for x in terms))
+    return (m - 1) * max(t) + sum(t) + extra
+
+
+def traced_fits(tables: TracedTables, stage: int, start: int, stop: int, mode: str) -> bool:
+    return tables.memory_bytes[stage][mode].at(tables.counts(start, stop)) \
+        <= tables.capacity_bytes

@@ -1,0 +1,164 @@
+"""A ``ModelSpec`` from any ``torch.nn.Module``: trace it (``costmodel.profiling``) and keep
+its per-layer costs (``ModelSpec.traced``), so the cost model, the planner and the runtime can
+work with layers that are not alike (a different first block, a vision encoder in front, MoE
+every other block).
+
+Users name their module as ``package.module:callable`` (``meshplan plan --model
+mypkg.models:build``). The callable takes no arguments and returns the module; it is called
+under ``torch.device("meta")``, so no weights are allocated. Example inputs come from, in order:
+
+* a ``meshplan_inputs(batch_size, seq_len)`` method of the module returning a tuple of tensors
+  (called inside the fake mode, so ``torch.zeros`` is free), and optionally
+  ``meshplan_loss(output)`` returning the scalar to backpropagate;
+* for a module with a ``config.vocab_size`` (a HuggingFace causal LM): token ids of shape
+  ``(batch_size, seq_len)``.
+
+``seq_len`` is the sequence length the costs hold for: given by the caller, else the module's
+``meshplan_seq_len`` attribute. One sequence is traced (micro-batch 1); every sequence of a
+micro-batch costs the same, so the cost model scales by the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from costmodel.model import ModelSpec, TracedLayer
+from costmodel.profiling import LayerGraph, profile_module
+
+FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+"""``package.module:callable`` (the callable may be an attribute path, ``mod:Class.build``)."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def is_factory_ref(ref: str) -> bool:
+    return bool(FACTORY_PATTERN.match(ref))
+
+
+def load_factory(ref: str) -> Callable[[], nn.Module]:
+    """Import ``package.module:callable``; ValueError naming what is missing."""
+    if not is_factory_ref(ref):
+        raise ValueError(f"--model {ref!r}: expected package.module:callable")
+    module_name, attr = ref.split(":")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # modules in the working directory, as `python -m` finds them
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--model {ref!r}: cannot import {module_name!r}: {err}") from None
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"--model {ref!r}: {module_name} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"--model {ref!r}: {attr} is not callable")
+    return target
+
+
+def build_meta(factory: Callable[[], nn.Module], *, ref: str) -> nn.Module:
+    with torch.device("meta"):
+        module = factory()
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"--model {ref!r}: the factory returned {type(module).__name__}, "
+                         f"not an nn.Module")
+    return module
+
+
+def example_inputs(module: nn.Module, *, batch_size: int, seq_len: int,
+                   ref: str) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """The input factory for ``module`` (see the module docstring)."""
+    if hasattr(module, "meshplan_inputs"):
+        def make() -> tuple[torch.Tensor, ...]:
+            inputs = module.meshplan_inputs(batch_size, seq_len)
+            return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        return make
+    config = getattr(module, "config", None)
+    if getattr(config, "vocab_size", None):
+        return lambda: (torch.zeros((batch_size, seq_len), dtype=torch.long),)
+    raise ValueError(f"--model {ref!r}: {type(module).__name__} has no "
+                     f"meshplan_inputs(batch_size, seq_len) method to build example inputs")
+
+
+def _loss_fn(module: nn.Module) -> Callable[[Any], torch.Tensor] | None:
+    if hasattr(module, "meshplan_loss"):
+        return module.meshplan_loss
+    if getattr(getattr(module, "config", None), "vocab_size", None):
+        return lambda out: getattr(out, "logits", out).float().sum()
+    return None
+
+
+def spec_from_graph(graph: LayerGraph, *, name: str, seq_len: int, micro_batch: int,
+                    dtype_bytes: int, factory: str = "", source: str = "") -> ModelSpec:
+    """A traced ``ModelSpec`` from a layer graph of ``micro_batch`` sequences of ``seq_len``.
+
+    Layers with equal costs share a kind. The architecture fields are placeholders: one head
+    (so tp stays 1), ``hidden_size`` the widest inner output per token.
+    """
+    layers, kinds = [], {}
+    for node in graph.layers:
+        attrs = graph.graph.nodes[node]
+        costs = (attrs["params"], attrs["fwd_flop"] / micro_batch,
+                 attrs["bwd_flop"] / micro_batch, attrs["saved_bytes"] / micro_batch,
+                 attrs["output_bytes"] / micro_batch)
+        kind = kinds.setdefault(costs, len(kinds))
+        layers.append(TracedLayer(name=node, kind=kind, params=int(costs[0]),
+                                  fwd_flop=float(costs[1]), bwd_flop=float(costs[2]),
+                                  saved_bytes=float(costs[3]), output_bytes=float(costs[4])))
+    if not layers:
+        raise ValueError(f"{name}: the trace found no layers (no submodule ran)")
+    inner = [layer.output_bytes for layer in layers[:-1]] or [layers[-1].output_bytes]
+    hidden = max(1, round(max(inner) / (seq_len * dtype_bytes)))
+    extra = max(0.0, (graph.total_saved_bytes
+                      - sum(graph.graph.nodes[n]["saved_bytes"] for n in graph.layers))
+                / micro_batch)
+    return ModelSpec(name=name, num_layers=len(layers), hidden_size=hidden, num_heads=1,
+                     ffn_hidden_size=hidden, vocab_size=1, seq_len=seq_len,
+                     position_embedding="rope", linear_bias=False, tied_embeddings=False,
+                     traced=tuple(layers), traced_dtype_bytes=dtype_bytes,
+                     traced_extra_saved_bytes=extra, factory=factory,
+                     reported_params=float(graph.total_params), source=source)
+
+
+def model_from_factory(ref: str, *, seq_len: int | None = None,
+                       dtype: str = "bf16") -> ModelSpec:
+    """Trace the module ``ref`` (``package.module:callable``) into a traced ``ModelSpec``."""
+    factory = load_factory(ref)
+    module = build_meta(factory, ref=ref)
+    length = seq_len or getattr(module, "meshplan_seq_len", None)
+    if not isinstance(length, int) or length <= 0:
+        raise ValueError(f"--model {ref!r}: give --seq-len (the module has no "
+                         f"meshplan_seq_len)")
+    torch_dtype = DTYPES[dtype]
+    try:
+        graph = profile_module(module, example_inputs=example_inputs(
+                                   module, batch_size=1, seq_len=length, ref=ref),
+                               dtype=torch_dtype, loss_fn=_loss_fn(module))
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"--model {ref!r}: tracing one forward and backward failed: "
+                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                         ) from None
+    name = ref.split(":")[1].split(".")[-1] if ":" in ref else ref
+    return spec_from_graph(graph, name=name, seq_len=length, micro_batch=1,
+                           dtype_bytes=torch.finfo(torch_dtype).bits // 8, factory=ref,
+                           source=f"traced from {ref} (meta device, FakeTensorMode, "
+                                  f"{dtype}, 1 x {length})")
+
+
+def with_seq_len(spec: ModelSpec, seq_len: int) -> ModelSpec:
+    """``spec`` retraced at ``seq_len`` (traced costs hold for one sequence length only)."""
+    if spec.seq_len == seq_len:
+        return spec
+    if not spec.factory:
+        raise ValueError(f"{spec.name} was traced at seq_len {spec.seq_len} and has no factory "
+                         f"to retrace it at {seq_len}")
+    dtype = {4: "fp32", 2: "bf16"}.get(spec.traced_dtype_bytes, "bf16")
+    return dataclasses.replace(model_from_factory(spec.factory, seq_len=seq_len, dtype=dtype),
+                               name=spec.name)
