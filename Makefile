@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,bench,export,notebooks]"
+	$(PY) -m pip install --quiet -e ".[test,bench,export,notebooks,hf]"
 	touch $(STAMP)
 
 # The main job on a built-in example: plan MT-NLG 530B on 2,240 A100s, explain the best plan,

@@ -9,7 +9,9 @@ fp32 log-sum-exp instead of the s x s score matrix the math path keeps on meta
 (shared/notes/torch-distributed-on-cpu.md, "Memory on meta tensors").
 
 Per top-level layer (a direct child of the root, with ``nn.ModuleList``/``nn.ModuleDict``
-containers expanded into their children) the graph records:
+containers expanded into their children; wrappers such as a HuggingFace ``LlamaForCausalLM``,
+whose blocks sit one level down at ``model.layers.N``, are descended into as
+``top_level_layers`` explains) the graph records:
 
 * ``params``: parameters owned by the layer, each shared parameter counted once, by the first
   layer that runs (a tied LM head counts zero);
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,15 +96,35 @@ _EXTRA_FLOP_FORMULAS = {
 CUDA flash/efficient kernels upstream)."""
 
 
-def top_level_layers(module: nn.Module) -> dict[str, nn.Module]:
-    """Direct children of ``module``, with ModuleList/ModuleDict/Sequential children expanded."""
-    layers: dict[str, nn.Module] = {}
-    for name, child in module.named_children():
-        if isinstance(child, _CONTAINERS):
-            layers.update({f"{name}.{sub}": m for sub, m in child.named_children()})
+def _expand(layers: dict[str, nn.Module], names: Sequence[str]) -> dict[str, nn.Module]:
+    """``layers`` with each layer in ``names`` replaced, in place, by its named children."""
+    expanded: dict[str, nn.Module] = {}
+    for name, layer in layers.items():
+        if name in names:
+            expanded.update({f"{name}.{sub}": child for sub, child in layer.named_children()})
         else:
-            layers[name] = child
-    return layers
+            expanded[name] = layer
+    return expanded
+
+
+def top_level_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """Direct children of ``module``, with ModuleList/ModuleDict/Sequential children expanded.
+
+    Automatic descent first: while no layer is a container and exactly one layer holds a
+    container somewhere below it, that layer is replaced by its own children (names keep the
+    path). A HuggingFace ``LlamaForCausalLM`` (children ``model``, ``lm_head``) thus gives
+    ``model.embed_tokens``, ``model.layers.0`` ... ``model.norm``, ``model.rotary_emb`` and
+    ``lm_head``. A root with a container child, or with two children that hold one (an
+    encoder-decoder), is not descended into.
+    """
+    layers = dict(module.named_children())
+    while not any(isinstance(m, _CONTAINERS) for m in layers.values()):
+        holders = [name for name, m in layers.items()
+                   if any(isinstance(sub, _CONTAINERS) for sub in m.modules())]
+        if len(holders) != 1:
+            break
+        layers = _expand(layers, holders)
+    return _expand(layers, [name for name, m in layers.items() if isinstance(m, _CONTAINERS)])
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -212,7 +234,8 @@ def _module_flop(counts: dict[str, dict[Any, int]], key: str) -> int:
 
 def profile_module(module_or_factory: nn.Module | Callable[[], nn.Module], *,
                    example_input_shape: Sequence[int] | None = None,
-                   example_inputs: Callable[[], tuple[torch.Tensor, ...]] | None = None,
+                   example_inputs: Callable[[], tuple[Any, ...] | Mapping[str, Any]]
+                   | None = None,
                    dtype: torch.dtype = torch.float32,
                    input_dtype: torch.dtype | None = None,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None) -> LayerGraph:
@@ -221,9 +244,11 @@ def profile_module(module_or_factory: nn.Module | Callable[[], nn.Module], *,
     ``module_or_factory``: a module (best on the meta device; it is copied, not changed) or a
     zero-argument factory, called under ``torch.device("meta")``. Inputs: either
     ``example_input_shape`` (one tensor of ``input_dtype``, default ``dtype``; integer dtypes
-    suit token ids) or ``example_inputs``, a factory of the input tuple called inside the fake
-    mode. ``dtype``: floating-point parameters and buffers are cast to it. ``loss_fn`` maps the
-    output to a scalar (default: the sum of every floating output, in fp32).
+    suit token ids) or ``example_inputs``, a factory called inside the fake mode of the
+    positional inputs (a tuple) or of keyword inputs (a mapping, e.g. ``input_ids`` and
+    ``labels`` for a HuggingFace model). ``dtype``: floating-point parameters and buffers are
+    cast to it. ``loss_fn`` maps the output to a scalar (default: the sum of every floating
+    output, in fp32).
     """
     if (example_input_shape is None) == (example_inputs is None):
         raise ValueError("give exactly one of example_input_shape and example_inputs, got "
@@ -241,8 +266,9 @@ def profile_module(module_or_factory: nn.Module | Callable[[], nn.Module], *,
     fake_mode = FakeTensorMode()
     model = _fake_copy(source, fake_mode, dtype)
     layers = top_level_layers(model)
-    containers = {name: name.split(".")[0] for name in layers
-                  if isinstance(model.get_submodule(name.split(".")[0]), _CONTAINERS)}
+    containers = {name: parent for name in layers
+                  if (parent := name.rpartition(".")[0])
+                  and isinstance(model.get_submodule(parent), _CONTAINERS)}
     param_storages = {_storage_key(p) for p in model.parameters()}
     recorder = _Recorder(layers, param_storages)
     counter = flop_counter.FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
@@ -254,9 +280,12 @@ def profile_module(module_or_factory: nn.Module | Callable[[], nn.Module], *,
                                         dtype=input_dtype or dtype),))
             with counter:
                 with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
-                    output = model(*inputs)
+                    output = (model(**inputs) if isinstance(inputs, Mapping)
+                              else model(*inputs))
                 fwd_counts = copy.deepcopy(counter.get_flop_counts())
-                loss = (loss_fn or _default_loss)(output)
+                # the loss runs outside every layer: what it saves is root-level
+                with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+                    loss = (loss_fn or _default_loss)(output)
                 loss.backward()
             all_counts = counter.get_flop_counts()
     finally:

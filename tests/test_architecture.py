@@ -53,7 +53,7 @@ def test_costmodel_imports_neither_planner_nor_runtime(path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "costmodel").rglob("*.py")), ids=str)
 def test_costmodel_uses_torch_only_for_profiling(path):
-    if path.name.startswith("profil"):
+    if path.name.startswith("profil") or path.name == "hf.py":
         return
     assert not _hits(_imports(path), "torch"), path
 
@@ -70,6 +70,13 @@ def test_ortools_only_in_the_solver_module():
     users = [p for pkg in ("costmodel", "planner", "runtime")
              for p, names in _module_imports(pkg).items() if _hits(names, "ortools")]
     assert all(p.name == "solver.py" and p.parent.name == "planner" for p in users), users
+
+
+def test_transformers_only_in_costmodel_hf_and_only_lazily():
+    users = [p for pkg in ("costmodel", "planner", "runtime")
+             for p, names in _module_imports(pkg).items() if _hits(names, "transformers")]
+    assert users == [ROOT / "costmodel" / "hf.py"], users
+    assert not _hits(_top_level_imports(users[0]), "transformers")
 
 
 def test_torch_distributed_only_under_runtime():

@@ -1,0 +1,136 @@
+"""Profile a HuggingFace ``transformers`` causal LM built from a local config, without weights.
+
+The only module that imports ``transformers`` (the optional ``hf`` extra: ``pip install
+-e .[hf]``), and only inside its functions, so ``import costmodel.hf`` works without it.
+Nothing here touches the network: configs are read from a dict or a local ``config.json``
+through ``AutoConfig.for_model`` (never ``from_pretrained`` on a hub name), models are built
+with ``AutoModelForCausalLM.from_config`` on the meta device, and ``HF_HUB_OFFLINE=1`` is set
+(unless the caller set it) before this module imports ``transformers`` (it cannot take effect
+if the caller imported ``transformers`` first; nothing here needs the hub anyway).
+
+``profile_hf`` runs one training step's forward and backward through
+``costmodel.profiling.profile_module``. Its layers are the model's own modules, found by the
+automatic descent of ``costmodel.profiling.top_level_layers``: for Llama ``model.embed_tokens``,
+``model.rotary_emb``, ``model.layers.0`` ... ``model.norm``, ``lm_head``; for GPT-2
+``transformer.wte``, ``transformer.wpe``, ``transformer.drop``, ``transformer.h.0`` ...
+``transformer.ln_f``, ``lm_head``.
+
+Where the fake-mode trace differs from a real run (forward FLOPs are the same):
+
+* HF cannot tell fake position ids from packed sequences, so it passes SDPA an explicit
+  [b, 1, s, s] causal mask instead of ``is_causal=True``; the CPU flash kernel still runs and
+  does not save the mask;
+* the CPU flash kernel has no dropout: with attention dropout > 0 (GPT-2's default
+  ``attn_pdrop`` 0.1) SDPA takes the math path, which saves s x s probabilities and masks,
+  where a CUDA flash kernel saves only its log-sum-exp. ``saved_bytes`` then overstates GPU
+  memory, and attention backward counts 2x its forward (two batched matmuls per forward one)
+  instead of the flash formula's 2.5x.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from costmodel.profiling import LayerGraph, profile_module
+
+if TYPE_CHECKING:
+    import transformers
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "sdpa"
+"""HF attention backend used for profiling: the same ``scaled_dot_product_attention`` kernels
+the runtime calls (flash on CPU when there is no dropout, the math path with dropout)."""
+
+
+def _transformers() -> Any:
+    """The ``transformers`` module, imported with the hub switched offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("costmodel.hf needs the optional 'transformers' package: "
+                          "pip install -e '.[hf]'") from err
+    return transformers
+
+
+def hf_config(data: Mapping[str, Any] | str | os.PathLike[str]) -> transformers.PretrainedConfig:
+    """A ``transformers`` config from a ``config.json`` dict, file, or folder holding one.
+
+    ``model_type`` picks the config class (``AutoConfig.for_model``); every other key is passed
+    to it. A string must be an existing local path: hub names are refused, never downloaded.
+    """
+    if isinstance(data, Mapping):
+        fields = dict(data)
+    else:
+        path = Path(data).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"HF config {os.fspath(data)!r} is not a local config.json or a "
+                             f"folder holding one (hub names are not fetched)")
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(fields, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(fields).__name__}")
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"HF config needs a 'model_type' (e.g. 'llama', 'gpt2'); got keys "
+                         f"{sorted(fields)}")
+    return _transformers().AutoConfig.for_model(model_type, **fields)
+
+
+def hf_factory(config: transformers.PretrainedConfig) -> Callable[[], nn.Module]:
+    """A zero-argument factory of ``AutoModelForCausalLM.from_config(config)`` in train mode.
+
+    Attention is ``ATTN_IMPLEMENTATION``. ``profile_module`` calls the factory under
+    ``torch.device("meta")``, so no weight is allocated.
+    """
+    transformers = _transformers()
+
+    def build() -> nn.Module:
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=ATTN_IMPLEMENTATION)
+        return model.train()
+
+    return build
+
+
+def _causal_lm_loss(output: Any) -> torch.Tensor:
+    return output.loss
+
+
+def profile_hf(config: transformers.PretrainedConfig | Mapping[str, Any] | str
+               | os.PathLike[str], *, micro_batch: int, seq_len: int,
+               dtype: torch.dtype = torch.bfloat16) -> LayerGraph:
+    """Layer graph of one training step of a HF causal LM on ``micro_batch`` x ``seq_len`` tokens.
+
+    ``config``: a ``PretrainedConfig`` or anything ``hf_config`` reads. Inputs are integer token
+    ids passed as both ``input_ids`` and ``labels`` (``use_cache=False``), so the model computes
+    its own shifted cross-entropy as in training and that loss is backpropagated. The loss adds
+    no FLOPs (no matmul); the fp32 log-softmax of the logits it saves for backward counts in
+    ``total_saved_bytes`` outside any layer. ``dtype``: parameters and buffers are cast to it.
+    Learned position tables (GPT-2) are not checked against ``seq_len``.
+    """
+    if micro_batch <= 0 or seq_len <= 0:
+        raise ValueError(f"micro_batch and seq_len must be positive, got {micro_batch}, "
+                         f"{seq_len}")
+    transformers = _transformers()
+    if not isinstance(config, transformers.PretrainedConfig):
+        config = hf_config(config)
+
+    def inputs() -> dict[str, Any]:
+        ids = torch.zeros((micro_batch, seq_len), dtype=torch.long)
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+    logger.debug("profiling %s with %d x %d tokens in %s", type(config).__name__, micro_batch,
+                 seq_len, dtype)
+    return profile_module(hf_factory(config), example_inputs=inputs, dtype=dtype,
+                          loss_fn=_causal_lm_loss)
