@@ -47,7 +47,12 @@ _HF_MARKER_KEYS = ("model_type", "architectures", "num_hidden_layers", "n_layer"
 """Keys that only a HuggingFace config has (a ModelSpec file says num_layers, num_heads)."""
 _MISSING = object()
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-"""``package.module:callable`` (same as ``costmodel.profiled.FACTORY_PATTERN``)."""
+"""``package.module:callable`` (the callable may be an attribute path, ``mod:Class.build``)."""
+
+
+def is_factory_ref(ref: str | None) -> bool:
+    """``ref`` names a user's module factory, not a catalog model or a file."""
+    return bool(ref) and bool(_FACTORY.match(str(ref))) and not Path(str(ref)).exists()
 
 
 # ----- catalog ---------------------------------------------------------------------------------
@@ -76,21 +81,23 @@ def _catalog() -> Mapping[str, ModelSpec]:
 
 
 # ----- loading ---------------------------------------------------------------------------------
-def load_model(ref: str | os.PathLike[str], *, seq_len: int | None = None) -> ModelSpec:
+def load_model(ref: str | os.PathLike[str], *, seq_len: int | None = None,
+               dtype: str | None = None) -> ModelSpec:
     """Resolve ``ref``, a catalog name or a path to a JSON file, into a ``ModelSpec``.
 
     Catalog names win over files of the same name and match case-insensitively. A path may be a
     ModelSpec JSON (keys are ModelSpec fields), a HuggingFace ``config.json``, or a folder that
     holds a ``config.json`` (a downloaded HF snapshot). ``package.module:callable`` names a
     user's ``nn.Module`` factory, traced without weights into per-layer costs
-    (``costmodel.profiled``; needs torch). ``seq_len`` replaces the model's default
+    (``costmodel.profiled``; needs torch) in ``dtype`` (default bf16; trace in the dtype the
+    plans will use: other dtypes scale the traced bytes, which misjudges tensors kept in fp32). ``seq_len`` replaces the model's default
     sequence length; for learned positions that also resizes the counted position table, as
     ``ModelSpec.embedding_params`` counts ``seq_len`` rows.
     """
     ref = os.fspath(ref)
-    if _FACTORY.match(ref) and not Path(ref).exists():
+    if is_factory_ref(ref):
         from costmodel.profiled import model_from_factory  # imports torch
-        return model_from_factory(ref, seq_len=seq_len)
+        return model_from_factory(ref, seq_len=seq_len, dtype=dtype or "bf16")
     spec = _resolve(ref)
     if seq_len is not None:
         spec = dataclasses.replace(spec, seq_len=seq_len)

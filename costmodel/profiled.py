@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -31,15 +30,10 @@ import torch
 from torch import nn
 
 from costmodel.model import ModelSpec, TracedLayer
+from costmodel.models import is_factory_ref
 from costmodel.profiling import LayerGraph, profile_module
 
-FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-"""``package.module:callable`` (the callable may be an attribute path, ``mod:Class.build``)."""
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def is_factory_ref(ref: str) -> bool:
-    return bool(FACTORY_PATTERN.match(ref))
 
 
 def load_factory(ref: str) -> Callable[[], nn.Module]:
@@ -131,25 +125,36 @@ def model_from_factory(ref: str, *, seq_len: int | None = None,
                        dtype: str = "bf16") -> ModelSpec:
     """Trace the module ``ref`` (``package.module:callable``) into a traced ``ModelSpec``."""
     factory = load_factory(ref)
-    module = build_meta(factory, ref=ref)
+    try:
+        module = build_meta(factory, ref=ref)
+    except ValueError:
+        raise
+    except Exception as err:  # the user's factory failed
+        raise ValueError(f"--model {ref!r}: the factory raised {type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}") from None
     length = seq_len or getattr(module, "meshplan_seq_len", None)
     if not isinstance(length, int) or length <= 0:
         raise ValueError(f"--model {ref!r}: give --seq-len (the module has no "
                          f"meshplan_seq_len)")
     torch_dtype = DTYPES[dtype]
+    inputs = example_inputs(module, batch_size=1, seq_len=length, ref=ref)
     try:
-        graph = profile_module(module, example_inputs=example_inputs(
-                                   module, batch_size=1, seq_len=length, ref=ref),
-                               dtype=torch_dtype, loss_fn=_loss_fn(module))
-    except (RuntimeError, TypeError) as err:
+        graph = profile_module(module, example_inputs=inputs, dtype=torch_dtype,
+                               loss_fn=_loss_fn(module))
+    except Exception as err:  # the user's code failed under the fake mode: say so in a line
         raise ValueError(f"--model {ref!r}: tracing one forward and backward failed: "
                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
                          ) from None
     name = ref.split(":")[1].split(".")[-1] if ":" in ref else ref
-    return spec_from_graph(graph, name=name, seq_len=length, micro_batch=1,
+    spec = spec_from_graph(graph, name=name, seq_len=length, micro_batch=1,
                            dtype_bytes=torch.finfo(torch_dtype).bits // 8, factory=ref,
                            source=f"traced from {ref} (meta device, FakeTensorMode, "
                                   f"{dtype}, 1 x {length})")
+    vocab = (getattr(module, "vocab_size", None)
+             or getattr(getattr(module, "config", None), "vocab_size", None))
+    if isinstance(vocab, int) and vocab > 1:  # a language model: the runtime can feed it
+        spec = dataclasses.replace(spec, vocab_size=vocab)
+    return spec
 
 
 def with_seq_len(spec: ModelSpec, seq_len: int) -> ModelSpec:

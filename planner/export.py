@@ -98,6 +98,15 @@ def _check_framework(plan: Plan, target: str) -> None:
               f"`meshplan estimate --framework {target}` and the plan's degrees")
 
 
+def _check_not_traced(plan: Plan, target: str) -> None:
+    """Megatron-LM and torchtitan build their own transformer from its shape; a traced module
+    has no such shape (export it to DeepSpeed, which wraps the user's own module)."""
+    if plan.model.is_traced:
+        raise ValueError(f"{plan.model.name} is a traced module ({plan.model.factory}); "
+                         f"{target} builds its own transformer and cannot run it: export to "
+                         f"deepspeed instead")
+
+
 def _check_mesh_order(plan: Plan, target: str, supported: tuple[tuple[str, ...], ...]) -> None:
     if plan.config.mesh_order not in supported:
         _warn(f"{target} cannot lay ranks out as {','.join(plan.config.mesh_order)} "
@@ -208,6 +217,7 @@ def to_megatron(plan: Plan) -> list[str]:
     and learning-rate arguments are left to the user.
     """
     model, config = plan.model, plan.config
+    _check_not_traced(plan, "Megatron-LM")
     _check_framework(plan, "megatron")
     _check_mesh_order(plan, "megatron", (DEFAULT_MESH_ORDER, MEGATRON_TP_PP_DP_ORDER))
     args = _megatron_model(model, seq_len=config.seq_len)
@@ -352,6 +362,7 @@ def to_torchtitan(plan: Plan) -> str:
     pieces (one schedule per step, as the plan times it); with pp = 1 it is the micro-batch and
     torchtitan accumulates ``global / (local x dp)`` steps.
     """
+    _check_not_traced(plan, "torchtitan")
     sections = torchtitan_sections(plan)
     lines = [f"# meshplan export: {plan.model.name} on {plan.cluster.name}, "
              f"{plan.config.world_size} GPUs (torchtitan JobConfig, --job.config_file)"]

@@ -38,6 +38,12 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
     """Raise ValueError for a plan that does not fit its model (``check_fits_model``), or
     ``UnsupportedPlan`` naming the first plan feature the runtime does not implement."""
     check_fits_model(config, model, num_gpus=config.world_size)
+    if model.is_traced:
+        from runtime.chain import check_runnable  # imports torch's fake-mode tracer
+        try:
+            check_runnable(model)
+        except ValueError as err:
+            raise UnsupportedPlan(str(err)) from None
     for name, size in (("ffn_hidden_size", model.ffn_hidden_size),
                        ("the (padded) vocabulary", model.vocab_rows)):
         if size % config.tp:

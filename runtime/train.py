@@ -43,6 +43,7 @@ from runtime import optim as optim_mod
 from runtime import parallelize, pipeline
 from runtime.fault import Fault
 from runtime.memory import PeakMemory, peak_rss_bytes
+from runtime.chain import build_chain
 from runtime.model import build_decoder
 
 logger = logging.getLogger(__name__)
@@ -133,8 +134,11 @@ def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
     indices = pipeline.rank_stage_indices(config, pp_rank)
     modules = []
     for index in indices:
-        module = build_decoder(spec, layer_ids=layers[index], first=index == 0,
-                               last=index == len(layers) - 1, seed=seed, device=device)
+        if spec.is_traced:
+            module = build_chain(spec, layer_ids=layers[index], seed=seed, device=device)
+        else:
+            module = build_decoder(spec, layer_ids=layers[index], first=index == 0,
+                                   last=index == len(layers) - 1, seed=seed, device=device)
         if config.tp > 1:
             parallelize.apply_tensor_parallel(module, mesh["tp"], sp=config.sp)
         parallelize.apply_checkpointing(module, config.stage_recompute(pp_rank))
