@@ -152,6 +152,9 @@ def check_fits_model(config: ParallelConfig, model: ModelSpec, *, num_gpus: int)
     if config.world_size != num_gpus:
         raise ValueError(f"tp*cp*dp*pp = {config.tp}*{config.cp}*{config.dp}*{config.pp} = "
                          f"{config.world_size} but the cluster has {num_gpus} GPUs")
+    if model.is_traced:
+        from costmodel.traced import check_config  # costmodel.traced imports this module
+        check_config(config, model)
     if model.num_heads % config.tp or model.kv_heads % config.tp:
         raise ValueError(f"tp {config.tp} must divide the attention heads ({model.num_heads}) "
                          f"and kv heads ({model.kv_heads})")
@@ -165,9 +168,6 @@ def check_fits_model(config: ParallelConfig, model: ModelSpec, *, num_gpus: int)
     if config.vpp > 1 and min(layers) < config.vpp:
         raise ValueError(f"with vpp {config.vpp} every stage needs at least vpp layers (one per "
                          f"virtual chunk); got {list(layers)}")
-    if model.is_traced:
-        from costmodel.traced import check_config  # costmodel.traced imports this module
-        check_config(config, model)
     if config.ep > 1:
         if not model.is_moe:
             raise ValueError(f"ep {config.ep} > 1 needs an MoE model; {model.name} is dense")

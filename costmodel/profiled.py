@@ -58,8 +58,12 @@ def load_factory(ref: str) -> Callable[[], nn.Module]:
 
 
 def build_meta(factory: Callable[[], nn.Module], *, ref: str) -> nn.Module:
-    with torch.device("meta"):
-        module = factory()
+    try:
+        with torch.device("meta"):
+            module = factory()
+    except Exception as err:  # the user's factory failed, with a ValueError too: say so in a line
+        raise ValueError(f"--model {ref!r}: the factory raised {type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}") from None
     if not isinstance(module, nn.Module):
         raise ValueError(f"--model {ref!r}: the factory returned {type(module).__name__}, "
                          f"not an nn.Module")
@@ -125,13 +129,7 @@ def model_from_factory(ref: str, *, seq_len: int | None = None,
                        dtype: str = "bf16") -> ModelSpec:
     """Trace the module ``ref`` (``package.module:callable``) into a traced ``ModelSpec``."""
     factory = load_factory(ref)
-    try:
-        module = build_meta(factory, ref=ref)
-    except ValueError:
-        raise
-    except Exception as err:  # the user's factory failed
-        raise ValueError(f"--model {ref!r}: the factory raised {type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}") from None
+    module = build_meta(factory, ref=ref)
     length = seq_len or getattr(module, "meshplan_seq_len", None)
     if not isinstance(length, int) or length <= 0:
         raise ValueError(f"--model {ref!r}: give --seq-len (the module has no "

@@ -266,12 +266,17 @@ def _probe_ranges(prefix: tuple[tuple[int, ...], ...], stage: int,
     return chosen, np.array(rows, dtype=float)
 
 
-def _solve_forms(rows: np.ndarray, values: list[float], scale: float) -> KindForm:
+def _solve_forms(rows: np.ndarray, values: list[float], scale: float, *,
+                 round_up: bool = False) -> KindForm:
     """Base and per-kind slopes that reproduce ``values`` on the probe rows (least norm where
-    the probes cannot tell a kind from the base; exact on every range the stage can hold)."""
+    the probes cannot tell a kind from the base; exact on every range the stage can hold).
+    ``round_up``: integers never below the real values (memory: a split the tables accept
+    must also fit when ``estimate`` checks it byte for byte)."""
     solution, *_ = np.linalg.lstsq(rows, np.array(values, dtype=float) * scale, rcond=None)
-    return KindForm(base=int(round(solution[0])),
-                    slopes=tuple(int(round(x)) for x in solution[1:]))
+    whole = math.ceil if round_up else round
+    return KindForm(base=int(whole(solution[0] + (1e-6 if round_up else 0.0))),
+                    slopes=tuple(int(whole(x + (1e-6 if round_up else 0.0)))
+                                 for x in solution[1:]))
 
 
 def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
@@ -302,7 +307,7 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
                                              calibration=calibration).reserved_bytes)
             stage_times[mode] = {name: _solve_forms(rows, [t[name] for t in terms], NS_PER_S)
                                  for name in TIME_TERMS}
-            stage_memory_forms[mode] = _solve_forms(rows, reserved, 1.0)
+            stage_memory_forms[mode] = _solve_forms(rows, reserved, 1.0, round_up=True)
         times.append(stage_times)
         memories.append(stage_memory_forms)
     return TracedTables(config=config, allowed=allowed, kinds=kinds, prefix=prefix,

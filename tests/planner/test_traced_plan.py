@@ -1,0 +1,257 @@
+"""Planning a traced model (``runtime.examples:hybrid``, layers not alike): the CP-SAT split over
+stage boundaries against brute force, and the command line end to end.
+
+Brute force: every candidate of the space (``planner.space.candidates``) x every split of the
+10 layers into pp stages x every per-stage recompute tuple, each through ``costmodel.estimate``
+on the same cluster; the fastest that ``fits`` is the optimum the search must reach (1e-6
+relative). Device memory is cut down with ``dataclasses.replace`` on ``hbm_bytes`` so that it
+binds: a few MiB above the communicator buffers every multi-rank plan reserves. Whether any
+plan fits is decided by brute force alone, and ``NoPlanFits`` must follow it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from costmodel import default_calibration, estimate, load_cluster, load_model
+from costmodel.config import even_split
+from planner import cli
+from planner.search import NoPlanFits, search
+from planner.space import SearchSpace, candidates
+
+HYBRID = "runtime.examples:hybrid"
+NUM_LAYERS = 10
+SEQ_LEN = 64
+GLOBAL_BATCH = 8
+REL = 1e-6
+MIB = 2**20
+SEARCH_TIME_LIMIT_S = 60.0
+CALIBRATION = default_calibration()
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return load_model(HYBRID)
+
+
+def compositions(total: int, parts: int):
+    """Every split of ``total`` layers into ``parts`` stages of at least one layer."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *cuts, total)
+        yield tuple(edges[i + 1] - edges[i] for i in range(parts))
+
+
+def cpu_cluster(gpus: int, extra_mib: float | None):
+    """``gpus`` CPU ranks on one node; ``extra_mib`` MiB above the communicator buffers (None:
+    the catalog's memory, where everything fits)."""
+    cluster = load_cluster("cpu", nodes=1, gpus_per_node=gpus)
+    if extra_mib is None:
+        return cluster
+    communicator = CALIBRATION.communicator_bytes if gpus > 1 else 0
+    gpu = dataclasses.replace(cluster.gpu, hbm_bytes=int(communicator + extra_mib * MIB))
+    return dataclasses.replace(cluster, gpu=gpu)
+
+
+def brute_force(model, cluster, space, framework, *, splits=None):
+    """The fastest fitting estimate over the whole space, or None."""
+    best = None
+    for config in candidates(model, cluster, space):
+        for split in splits or compositions(model.num_layers, config.pp):
+            for modes in itertools.product(space.recompute_modes, repeat=config.pp):
+                est = estimate(model, cluster,
+                               config.replace(layers_per_stage=split, recompute=modes),
+                               framework=framework, calibration=CALIBRATION)
+                if est.fits and (best is None or est.time.step_s < best.time.step_s):
+                    best = est
+    return best
+
+
+def planned(model, cluster, space, framework):
+    """The search's best estimate, or None when it raises NoPlanFits."""
+    try:
+        result = search(model, cluster, space, framework=framework, calibration=CALIBRATION,
+                        top_k=1, time_limit_s=SEARCH_TIME_LIMIT_S)
+    except NoPlanFits:
+        return None
+    assert result.status == "OPTIMAL"
+    return result.ranked[0].estimate
+
+
+@dataclass(frozen=True)
+class Scenario:
+    gpus: int
+    pp: int
+    framework: str
+    tight_mib: tuple[float, ...]
+    """Capacities (MiB above the communicator) where memory binds: the best plan is slower
+    than with the catalog's memory."""
+    none_fit_mib: float | None = None
+    """A capacity where nothing fits."""
+    modes: tuple[str, ...] = ("none", "full")
+    pins: dict = field(default_factory=dict)
+
+    def space(self) -> SearchSpace:
+        return SearchSpace(global_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN, pp=(self.pp,),
+                           recompute_modes=self.modes, **self.pins)
+
+
+SCENARIOS = {
+    "1gpu-meshplan": Scenario(1, 1, "meshplan", tight_mib=(3.5,), none_fit_mib=3.0),
+    "2gpu-pp2-meshplan": Scenario(2, 2, "meshplan", tight_mib=(1.95, 2.3), none_fit_mib=1.5),
+    "2gpu-pp2-deepspeed": Scenario(2, 2, "deepspeed", tight_mib=(1.3, 1.6), none_fit_mib=1.0),
+    "4gpu-pp2-no-recompute": Scenario(4, 2, "meshplan", tight_mib=(1.95, 2.1),
+                                      none_fit_mib=1.85, modes=("none",)),
+    "2gpu-pp2-full-only": Scenario(2, 2, "deepspeed", tight_mib=(), none_fit_mib=1.0,
+                                   modes=("full",)),
+    "4gpu-pp2-meshplan": Scenario(4, 2, "meshplan", tight_mib=(1.45, 1.8)),
+    "4gpu-pp4-meshplan": Scenario(4, 4, "meshplan", tight_mib=(1.6, 2.4)),
+    "8gpu-pp2-deepspeed": Scenario(8, 2, "deepspeed", tight_mib=(51.0,), none_fit_mib=0.5),
+    "8gpu-pp4-meshplan": Scenario(8, 4, "meshplan", tight_mib=(2.05,),
+                                  pins={"zero_stage": (1,), "micro_batch_size": (1,)}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_search_finds_the_brute_force_optimum(hybrid, name):
+    scenario = SCENARIOS[name]
+    space = scenario.space()
+    roomy = None
+    capacities = [(None, "roomy")] + [(mib, "tight") for mib in scenario.tight_mib]
+    if scenario.none_fit_mib is not None:
+        capacities.append((scenario.none_fit_mib, "none fits"))
+    for extra_mib, kind in capacities:
+        cluster = cpu_cluster(scenario.gpus, extra_mib)
+        expected = brute_force(hybrid, cluster, space, scenario.framework)
+        found = planned(hybrid, cluster, space, scenario.framework)
+        where = f"{name} at {extra_mib} MiB ({kind})"
+        if kind == "none fits":
+            assert expected is None, where
+        if expected is None:
+            assert kind == "none fits", f"{where}: the scenario expects a plan to fit"
+            assert found is None, f"{where}: brute force finds nothing, the search does"
+            continue
+        assert found is not None, f"{where}: brute force finds {expected.config}"
+        assert found.fits, where
+        assert found.time.step_s == pytest.approx(expected.time.step_s, rel=REL), where
+        if kind == "roomy":
+            roomy = expected
+        else:  # memory binds: the catalog's best plan does not fit here
+            assert expected.time.step_s > roomy.time.step_s * (1 + REL), where
+
+
+def test_the_optimal_split_is_uneven_and_beats_the_even_split(hybrid):
+    """The wide block sits early, so the first of two stages takes fewer layers: the even split
+    (5, 5) is not optimal, and the search's split is the brute-force one."""
+    space = SCENARIOS["2gpu-pp2-meshplan"].space()
+    cluster = cpu_cluster(2, None)
+    best = brute_force(hybrid, cluster, space, "meshplan")
+    even = brute_force(hybrid, cluster, space, "meshplan", splits=[even_split(NUM_LAYERS, 2)])
+    found = planned(hybrid, cluster, space, "meshplan")
+    assert even_split(NUM_LAYERS, 2) == (5, 5)
+    layers = found.config.layers_per_stage
+    assert layers != (5, 5) and layers[0] < layers[1]
+    assert found.time.step_s == pytest.approx(best.time.step_s, rel=REL)
+    assert even.time.step_s > best.time.step_s * (1 + REL)
+
+
+@pytest.mark.slow
+def test_memory_moves_the_four_stage_split_off_the_even_one(hybrid):
+    """Four stages with memory binding: the optimum is neither the even split (2, 3, 3, 2)
+    nor reachable with it."""
+    space = SCENARIOS["4gpu-pp4-meshplan"].space()
+    cluster = cpu_cluster(4, 2.4)
+    split = even_split(NUM_LAYERS, 4)
+    best = brute_force(hybrid, cluster, space, "meshplan")
+    even = brute_force(hybrid, cluster, space, "meshplan", splits=[split])
+    found = planned(hybrid, cluster, space, "meshplan")
+    assert found.config.layers_per_stage != split
+    assert len(set(found.config.layers_per_stage)) > 1
+    assert found.time.step_s == pytest.approx(best.time.step_s, rel=REL)
+    assert even is None or even.time.step_s > best.time.step_s * (1 + REL)
+
+
+# ----- the command line --------------------------------------------------------------------------
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("meshplan: error: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("traced-plan") / "plan.json"
+    code = cli.main(["plan", "--model", HYBRID, "--cluster", "cpu", "--global-batch", "8",
+                     "-o", str(path)])
+    assert code == 0
+    return path
+
+
+def test_plan_writes_a_traced_model(plan_path, capsys):
+    data = json.loads(plan_path.read_text())
+    traced = data["model"]["traced"]
+    assert len(traced) == NUM_LAYERS
+    assert data["model"]["num_layers"] == NUM_LAYERS
+    assert data["model"]["factory"] == HYBRID
+    assert data["tp"] == data["cp"] == data["vpp"] == 1
+    assert sum(data["layers_per_stage"]) == NUM_LAYERS
+
+
+def test_explain_a_traced_plan(plan_path, capsys):
+    code, out, err = run(capsys, "explain", str(plan_path))
+    assert code == 0, err
+    assert out
+
+
+def test_export_a_traced_plan_to_deepspeed(plan_path, capsys):
+    code, out, err = run(capsys, "export", str(plan_path), "--to", "deepspeed")
+    assert code == 0, err
+    config = json.loads(out)
+    assert config["train_batch_size"] == 8
+
+
+@pytest.mark.parametrize("target, name", [("megatron", "Megatron-LM"),
+                                          ("torchtitan", "torchtitan")])
+def test_export_a_traced_plan_elsewhere_is_refused(plan_path, capsys, target, name):
+    code, out, err = run(capsys, "export", str(plan_path), "--to", target)
+    assert code == 2
+    assert out == ""
+    line = one_error_line(err)
+    assert "traced" in line and name in line and "deepspeed" in line
+
+
+def test_estimate_a_traced_split(capsys):
+    base = ["estimate", "--model", HYBRID, "--cluster", "cpu", "--global-batch", "8"]
+    code, out, err = run(capsys, *base, "--pp", "2", "--layers-per-stage", "3,7", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["plan"]["layers_per_stage"] == [3, 7]
+    assert len(data["memory"]["per_stage"]) == 2
+    code, out, err = run(capsys, *base, "--pp", "2", "--layers-per-stage", "6,4", "--json")
+    assert code == 0, err
+    assert json.loads(out)["time"]["step_s"] != data["time"]["step_s"]
+    code, out, err = run(capsys, *base, "--tp", "2")
+    assert code == 2
+    one_error_line(err)
+
+
+def test_an_unknown_module_is_one_error_line(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "nosuch_pkg.mod:fn", "--cluster", "cpu",
+                         "--global-batch", "8")
+    assert code == 2
+    assert out == ""
+    line = one_error_line(err)
+    assert "nosuch_pkg" in line
