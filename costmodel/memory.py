@@ -148,7 +148,8 @@ def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: i
     """
     mode = config.stage_recompute(stage)
     if model.is_traced:
-        return traced.recompute_workspace_bytes(model, config, mode)
+        return traced.recompute_workspace_bytes(model, config, mode,
+                                                stage_layer_range(model, config, stage))
     if mode == "none":
         return 0.0
     if mode == "selective":

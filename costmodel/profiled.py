@@ -97,16 +97,19 @@ def spec_from_graph(graph: LayerGraph, *, name: str, seq_len: int, micro_batch: 
                     dtype_bytes: int, factory: str = "", source: str = "") -> ModelSpec:
     """A traced ``ModelSpec`` from a layer graph of ``micro_batch`` sequences of ``seq_len``.
 
-    Layers with equal costs share a kind. The architecture fields are placeholders: one head
+    Layers with equal costs and equal inputs (the previous layer's output, which full
+    recomputation stores) share a kind. The architecture fields are placeholders: one head
     (so tp stays 1), ``hidden_size`` the widest inner output per token.
     """
     layers, kinds = [], {}
+    previous_output = 0.0
     for node in graph.layers:
         attrs = graph.graph.nodes[node]
         costs = (attrs["params"], attrs["fwd_flop"] / micro_batch,
                  attrs["bwd_flop"] / micro_batch, attrs["saved_bytes"] / micro_batch,
                  attrs["output_bytes"] / micro_batch)
-        kind = kinds.setdefault(costs, len(kinds))
+        kind = kinds.setdefault((*costs, previous_output), len(kinds))
+        previous_output = costs[4]
         layers.append(TracedLayer(name=node, kind=kind, params=int(costs[0]),
                                   fwd_flop=float(costs[1]), bwd_flop=float(costs[2]),
                                   saved_bytes=float(costs[3]), output_bytes=float(costs[4])))

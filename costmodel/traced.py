@@ -43,15 +43,26 @@ def stage_saved_bytes(model: ModelSpec, config: ParallelConfig, layers: Iterable
 
 
 def extra_saved_bytes(model: ModelSpec, config: ParallelConfig) -> float:
-    """Saved outside any layer (the loss), held by the last stage for one micro-batch."""
-    return _scale(model, config) * model.traced_extra_saved_bytes
+    """Held by the last stage for one micro-batch besides its layers' saved tensors: what the
+    loss saves (outside any layer) and, when its backward starts, the gradient of the model's
+    output (the logits' size) beside it."""
+    return _scale(model, config) * (model.traced_extra_saved_bytes
+                                    + model.traced[-1].output_bytes)
 
 
-def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, mode: str) -> float:
-    """Full recomputation rebuilds one layer at a time: the largest layer's saved bytes."""
+def layer_workspace_bytes(model: ModelSpec, config: ParallelConfig, index: int) -> float:
+    """What rebuilding layer ``index`` during its backward adds to what full recomputation
+    keeps: its saved bytes less its stored input."""
+    return max(0.0, layer_saved_bytes(model, config, index, "none")
+               - layer_saved_bytes(model, config, index, "full"))
+
+
+def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, mode: str,
+                              layers: Iterable[int]) -> float:
+    """Full recomputation rebuilds one layer at a time: the stage's largest rebuild."""
     if mode != "full":
         return 0.0
-    return _scale(model, config) * max(layer.saved_bytes for layer in model.traced)
+    return max((layer_workspace_bytes(model, config, i) for i in layers), default=0.0)
 
 
 def boundary_bytes(model: ModelSpec, config: ParallelConfig) -> float:

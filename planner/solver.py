@@ -367,7 +367,16 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
         def form(f, r):
             return f.base * y[r] + sum(s * x[r][k] for k, s in enumerate(f.slopes) if s)
 
-        model.Add(sum(form(tables.memory_bytes[i][r], r) for r in modes)
+        workspace = 0
+        if "full" in modes and any(tables.workspace_bytes):
+            # the largest rebuild over the kinds the stage holds, if it recomputes fully
+            workspace = model.NewIntVar(0, max(tables.workspace_bytes), f"w{i}")
+            for k, bytes_k in enumerate(tables.workspace_bytes):
+                if bytes_k:
+                    held = model.NewBoolVar(f"h{i}_{k}")
+                    model.Add(counts[k] <= total * held)
+                    model.Add(workspace >= bytes_k * (held + y["full"] - 1))
+        model.Add(sum(form(tables.memory_bytes[i][r], r) for r in modes) + workspace
                   <= tables.capacity_bytes)
 
         def term(name: str, modes=modes, i=i, form=form):

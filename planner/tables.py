@@ -27,7 +27,8 @@ import numpy as np
 
 from costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
 from costmodel.estimate import stage_terms
-from costmodel.memory import stage_memory
+from costmodel import traced
+from costmodel.memory import recompute_workspace_bytes, stage_memory
 from costmodel.timing import stage_link_signature
 
 NS_PER_S = 1e9
@@ -214,10 +215,14 @@ class TracedTables:
     prefix: tuple[tuple[int, ...], ...]
     time_ns: tuple[dict[str, dict[str, KindForm]], ...]
     memory_bytes: tuple[dict[str, KindForm], ...]
+    """Reserved bytes without the full-recompute workspace (see ``workspace_bytes``)."""
     capacity_bytes: int
     num_layers: int
     micro_batches: int
     pinned_layers: tuple[int, ...] | None
+    workspace_bytes: tuple[int, ...] = ()
+    """Per kind: reserved bytes rebuilding one such layer needs under full recomputation; a
+    full-recompute stage adds the largest over the kinds it holds (not a sum over layers)."""
     vpp: int = 1
 
     def counts(self, start: int, stop: int) -> tuple[int, ...]:
@@ -302,19 +307,27 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
                 terms.append(_terms_of(stage_terms(model, cluster, staged, stage,
                                                    framework=framework,
                                                    calibration=calibration)))
+                workspace = (recompute_workspace_bytes(model, staged, stage)
+                             if framework != "ideal" else 0.0)
                 reserved.append(stage_memory(model, cluster, staged, stage,
                                              framework=framework,
-                                             calibration=calibration).reserved_bytes)
+                                             calibration=calibration).reserved_bytes
+                                - workspace * (1 + calibration.allocator_fragmentation))
             stage_times[mode] = {name: _solve_forms(rows, [t[name] for t in terms], NS_PER_S)
                                  for name in TIME_TERMS}
             stage_memory_forms[mode] = _solve_forms(rows, reserved, 1.0, round_up=True)
         times.append(stage_times)
         memories.append(stage_memory_forms)
+    workspace = [0] * num_kinds
+    if framework != "ideal":
+        for index, kind in enumerate(kinds):
+            workspace[kind] = math.ceil(traced.layer_workspace_bytes(model, config, index)
+                                        * (1 + calibration.allocator_fragmentation))
     return TracedTables(config=config, allowed=allowed, kinds=kinds, prefix=prefix,
                         time_ns=tuple(times), memory_bytes=tuple(memories),
                         capacity_bytes=math.floor(cluster.gpu.hbm_bytes * (1 - memory_margin)),
                         num_layers=model.num_layers, micro_batches=config.grad_accum_steps,
-                        pinned_layers=pinned_layers)
+                        pinned_layers=pinned_layers, workspace_bytes=tuple(workspace))
 
 
 def _terms_of(terms) -> dict[str, float]:
@@ -354,5 +367,7 @@ def traced_objective_ns(tables: TracedTables, layers: list[int] | tuple[int, ...
 
 
 def traced_fits(tables: TracedTables, stage: int, start: int, stop: int, mode: str) -> bool:
-    return tables.memory_bytes[stage][mode].at(tables.counts(start, stop)) \
-        <= tables.capacity_bytes
+    counts = tables.counts(start, stop)
+    workspace = max((w for w, c in zip(tables.workspace_bytes, counts) if c), default=0) \
+        if mode == "full" else 0
+    return tables.memory_bytes[stage][mode].at(counts) + workspace <= tables.capacity_bytes

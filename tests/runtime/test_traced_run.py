@@ -5,9 +5,10 @@ measured peak memory is within 10% of the cost model's prediction from the trace
 (the module was traced in bf16 on meta and runs in fp32 here, so the byte scaling is checked
 too). One launch per world size (``runtime.worker`` runs several plans per launch).
 
-Full recomputation is predicted conservatively: the workspace for rebuilding a layer is the
-model's largest layer (costmodel/traced.py keeps stage terms sums over layers, which the
-planner needs), so a stage without that layer may measure up to 15% below its prediction.
+Full recomputation is predicted conservatively: the stage's largest rebuild is counted on top
+of every stored layer input, though the largest layer may be rebuilt when fewer inputs are
+still stored (costmodel/traced.py), so such a stage may measure up to 15% below its
+prediction.
 """
 
 from __future__ import annotations
