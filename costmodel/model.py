@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 Activation = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -123,6 +126,9 @@ class ModelSpec:
     """Bytes per sequence saved for backward outside any layer (e.g. the loss)."""
     factory: str = ""
     """``package.module:callable`` that builds the traced module, for the runtime."""
+    traced_chain: bool = False
+    """Each traced layer takes the previous one's output: the module is a chain of its layers
+    (what the runtime needs to cut it into stages)."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size",
@@ -302,6 +308,18 @@ class ModelSpec:
     def mlp_matmul_params(self, ffn: int | None = None) -> int:
         f = ffn if ffn is not None else self.ffn_hidden_size
         return (3 if self.activation == "swiglu" else 2) * self.hidden_size * f
+
+    def layer_graph(self) -> "nx.DiGraph":
+        """A traced model's layers as a networkx DiGraph: nodes in execution order with their
+        ``TracedLayer`` fields (and ``order``), an edge from each layer to the next."""
+        import networkx as nx
+
+        graph = nx.DiGraph()
+        for index, layer in enumerate(self.traced):
+            graph.add_node(layer.name, order=index, **dataclasses.asdict(layer))
+            if index:
+                graph.add_edge(self.traced[index - 1].name, layer.name)
+        return graph
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

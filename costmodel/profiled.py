@@ -125,6 +125,8 @@ def spec_from_graph(graph: LayerGraph, *, name: str, seq_len: int, micro_batch: 
                      position_embedding="rope", linear_bias=False, tied_embeddings=False,
                      traced=tuple(layers), traced_dtype_bytes=dtype_bytes,
                      traced_extra_saved_bytes=extra, factory=factory,
+                     traced_chain=all(graph.graph.nodes[n].get("chained", False)
+                                      for n in graph.layers),
                      reported_params=float(graph.total_params), source=source)
 
 

@@ -25,6 +25,8 @@ whose blocks sit one level down at ``model.layers.N``, are descended into as
   (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once over the whole model
   and parameters (and views of them) excluded;
 * ``output_bytes``: bytes of the layer's tensor outputs;
+* ``chained``: the layer's first input is the previous layer's output (the first layer: True),
+  so a run of chained layers can be cut into pipeline stages anywhere;
 * ``repeated``: an integer group id shared by layers of identical structure and parameter shapes
   (children of one container, or recurring elsewhere), ``None`` for a one-off layer.
 
@@ -186,8 +188,10 @@ class _Recorder:
         self.order: list[str] = []
         self.saved_bytes: dict[str | None, int] = {}
         self.output_bytes: dict[str, int] = {}
+        self.chained: dict[str, bool] = {}
         self._seen: set[int] = set()
         self._stack: list[str] = []
+        self._last_output: Any = None
 
     def attach(self) -> list[Any]:
         handles = []
@@ -197,8 +201,11 @@ class _Recorder:
         return handles
 
     def _pre(self, name: str) -> Callable:
-        def hook(_module, _args):
+        def hook(_module, args):
             if name not in self.order:
+                # chained: its first input is the previous layer's output (or it runs first)
+                self.chained[name] = not self.order or (
+                    bool(args) and args[0] is self._last_output)
                 self.order.append(name)
             self._stack.append(name)
         return hook
@@ -207,6 +214,8 @@ class _Recorder:
         def hook(_module, _args, output):
             self._stack.pop()
             self.output_bytes[name] = self.output_bytes.get(name, 0) + _tensor_bytes(output)
+            if not self._stack:
+                self._last_output = output
         return hook
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -316,7 +325,8 @@ def _build_graph(model: nn.Module, layers: dict[str, nn.Module], containers: dic
                        bwd_flop=float(_module_flop(all_counts, key) - fwd),
                        saved_bytes=recorder.saved_bytes.get(name, 0),
                        output_bytes=recorder.output_bytes.get(name, 0),
-                       repeated=groups.get(name), module_type=type(layers[name]).__name__)
+                       repeated=groups.get(name), module_type=type(layers[name]).__name__,
+                       chained=recorder.chained.get(name, False))
         if index:
             graph.add_edge(recorder.order[index - 1], name, order=index - 1)
     total_fwd = _module_flop(fwd_counts, "Global")

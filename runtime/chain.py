@@ -43,6 +43,11 @@ def check_runnable(spec: ModelSpec) -> None:
     if not spec.factory:
         raise ValueError(f"{spec.name} is traced but names no factory (package.module:"
                          f"callable) for the runtime to build it")
+    if not spec.traced_chain:
+        raise ValueError(f"{spec.name}: the runtime runs a traced module as a chain of its "
+                         f"top-level layers, but some layer does not take the previous one's "
+                         f"output (e.g. a position embedding fed separately); plan and export "
+                         f"it, or restructure it as a chain")
     if spec.vocab_size <= 1:
         raise ValueError(f"{spec.name}: the runtime runs traced modules that map token ids to "
                          f"logits; give the module a vocab_size attribute")

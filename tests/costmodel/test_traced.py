@@ -334,8 +334,29 @@ class NoInputs(nn.Module):
         return self.layers(x)
 
 
+class Branches(nn.Module):
+    """Two top-level layers that both read the input: not a chain."""
+
+    meshplan_seq_len = 8
+
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Linear(16, 16)
+        self.right = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.left(x) + self.right(x)
+
+    def meshplan_inputs(self, batch_size, seq_len):
+        return (torch.zeros(batch_size, seq_len, 16),)
+
+
 def good():
     return Chain()
+
+
+def branches():
+    return Branches()
 
 
 def raises_in_init():
@@ -407,3 +428,22 @@ def test_an_unknown_module_gives_one_line():
     message = str(info.value)
     assert "\n" not in message
     assert ref in message and "cannot import" in message
+
+
+def test_a_chain_is_told_from_a_module_whose_layers_read_other_inputs(factories, hybrid):
+    assert hybrid.traced_chain
+    assert load_model(f"{factories}:good").traced_chain
+    split = load_model(f"{factories}:branches")
+    assert split.num_layers == 2 and not split.traced_chain
+    from runtime.chain import check_runnable
+
+    with pytest.raises(ValueError, match="chain"):
+        check_runnable(split)
+
+
+def test_layer_graph_is_the_traced_layers_in_order(hybrid, real):
+    graph = hybrid.layer_graph()
+    names = [f"layers.{i}" for i in range(NUM_LAYERS)]
+    assert sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"]) == names
+    assert list(graph.edges) == list(zip(names, names[1:]))
+    assert [graph.nodes[n]["params"] for n in names] == real_layer_params(real)
