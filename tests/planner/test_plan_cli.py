@@ -8,20 +8,17 @@ the search.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from costmodel import estimate, estimate_to_dict, load_model
-from planner import cli
+from planner.testing import run_cli
 from planner.plan import plan_from_dict
 
 # ----- the contract, copied from DESIGN.md ("plan --json output", "Plan file") ----------------
@@ -48,24 +45,7 @@ SMALL = ["--model", "megatron-1.7b", *A100, "--global-batch", "64", "--time-limi
 SMALL_LAYERS = 24
 
 
-@dataclass(frozen=True)
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> dict:
-        assert self.code == 0, self.err
-        assert self.err == ""
-        return json.loads(self.out)
-
-
-def meshplan(*argv: str) -> Result:
-    """Run ``meshplan`` in this process; stdout and stderr are captured separately."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main([str(a) for a in argv])
-    return Result(code, out.getvalue(), err.getvalue())
+meshplan = run_cli
 
 
 def plan_json(*argv: str) -> dict:

@@ -5,19 +5,16 @@ binds with numbers recomputed here from the plan's own prediction and the cost m
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import shlex
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from costmodel import estimate
-from planner import cli
+from planner.testing import run_cli
 from planner.plan import read_plan
 
 # ----- the contract, copied from DESIGN.md --------------------------------------------------------
@@ -42,24 +39,7 @@ BASE = ["--model", "megatron-1.7b", "--cluster", "dgx-a100-80gb", "--global-batc
 """megatron-1.7b: 24 layers, seq 2048; searches of it take well under a second."""
 
 
-@dataclass(frozen=True)
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> dict:
-        assert self.code == 0, self.err
-        assert self.err == ""
-        return json.loads(self.out)
-
-
-def meshplan(*argv) -> Result:
-    """Run ``meshplan`` in this process; stdout and stderr are captured separately."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main([str(a) for a in argv])
-    return Result(code, out.getvalue(), err.getvalue())
+meshplan = run_cli
 
 
 def usage_error(*argv) -> str:

@@ -1,0 +1,34 @@
+"""Run ``meshplan`` in this process and capture what it prints (tests, notebooks, scripts)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from planner import cli
+
+
+@dataclass(frozen=True)
+class CliResult:
+    """Exit code and captured stdout and stderr of one ``meshplan`` call."""
+
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        """stdout as JSON; the call must have succeeded with nothing on stderr."""
+        assert self.code == 0, self.err
+        assert self.err == "", self.err
+        return json.loads(self.out)
+
+
+def run_cli(*argv: Any) -> CliResult:
+    """``meshplan ARGV`` through ``planner.cli.main``; stdout and stderr captured apart."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in argv])
+    return CliResult(code, out.getvalue(), err.getvalue())
