@@ -57,6 +57,19 @@ def models_table(models: Iterable[ModelSpec]) -> str:
     return _table(rows, {"params (B)": "{:.4g}"})
 
 
+def layers_table(model: ModelSpec) -> str:
+    """A traced model's layers: kind, parameters, FLOPs and bytes per sequence."""
+    rows = [{"layer": layer.name, "kind": layer.kind, "params (M)": layer.params / MILLION,
+             "fwd GFLOP": layer.fwd_flop / 1e9, "bwd GFLOP": layer.bwd_flop / 1e9,
+             "saved MB": layer.saved_bytes / 1e6, "output MB": layer.output_bytes / 1e6}
+            for layer in model.traced]
+    head = (f"{model.name}: {len(model.traced)} traced layers, "
+            f"{_params_text(model.num_params)} params, per sequence of {model.seq_len} "
+            f"tokens at {model.traced_dtype_bytes} bytes per element; "
+            f"{'a chain of its layers' if model.traced_chain else 'not a chain'}")
+    return head + "\n" + _table(rows, default_format="{:.4g}")
+
+
 def clusters_table(clusters: Iterable[ClusterSpec]) -> str:
     """One row per cluster template (one node)."""
     rows = [{"name": c.name, "gpu": c.gpu.key, "gpus/node": c.gpus_per_node,

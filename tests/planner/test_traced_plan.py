@@ -255,3 +255,18 @@ def test_an_unknown_module_is_one_error_line(capsys):
     assert out == ""
     line = one_error_line(err)
     assert "nosuch_pkg" in line
+
+
+def test_models_lists_a_traced_module_layer_by_layer():
+    from planner.testing import run_cli
+
+    text = run_cli("models", "--model", HYBRID)
+    assert text.code == 0, text.err
+    lines = text.out.splitlines()
+    assert "10 traced layers" in lines[0] and "a chain" in lines[0]
+    assert sum(1 for line in lines if line.strip().startswith("layers.")) == 10
+    data = run_cli("models", "--model", HYBRID, "--json").json()
+    assert len(data["traced"]) == 10 and data["traced_chain"] is True
+    assert data["num_params"] == sum(layer["params"] for layer in data["traced"])
+    bad = run_cli("models", "--model", "nosuch_pkg.mod:fn")
+    assert bad.code == 2 and len(bad.err.splitlines()) == 1
