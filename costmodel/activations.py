@@ -28,6 +28,8 @@ MASK_BYTES = 1
 """Bytes per element of a dropout mask (torch.bool)."""
 LOGIT_BYTES = 4
 """Logits and their softmax are kept in fp32 for the loss (Megatron's vocab-parallel CE)."""
+FP32_BYTES = 4
+"""Norm statistics are kept in fp32 whatever the activation dtype."""
 TOKEN_ID_BYTES = 8
 """int64 token ids kept by the embedding for its backward."""
 
@@ -40,10 +42,14 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
                            moe: bool = False, eager: bool = False) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank.
 
-    ``eager``: unfused PyTorch modules (meshplan's runtime) also keep, per layer, the
-    attention output twice (SDPA saves it; the head-merging reshape copies it for the output
-    projection), SiLU's output beside its input (SwiGLU), and each RMSNorm's normalised input
-    beside the input itself (RMSNorm decomposes into pow, mean, rsqrt and two multiplies).
+    ``eager``: unfused PyTorch modules (meshplan's runtime) also keep, per layer, SiLU's output
+    beside its input (SwiGLU), each RMSNorm's normalised input beside the input itself (RMSNorm
+    decomposes into pow, mean, rsqrt and two multiplies), each norm's fp32 statistics per token
+    (RMSNorm its reciprocal RMS, LayerNorm its mean and reciprocal deviation), RoPE's cos and
+    sin tables, and with eager (unfused) attention a second copy of the attention output (the
+    head-merging reshape copies it for the output projection; a fused kernel returns it laid
+    out so that the reshape is a view). Reconciled term by term with a trace of the runtime's
+    layers in tests/costmodel/test_profiling.py.
     """
     t, act = config.tp, config.bytes_per_activation
     tokens = _tokens(config)
@@ -56,7 +62,12 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     attention = act * tokens * (2 * model.q_size + 2 * model.kv_size)
     mlp = _mlp_activation_bytes(model, config, tokens=tokens, moe=moe)
     if eager:
-        attention += act * tokens * model.q_size
+        if not config.flash_attention:
+            attention += act * tokens * model.q_size
+        stats = 1 if model.norm == "rmsnorm" else 2
+        seq_split += 2 * stats * FP32_BYTES * tokens
+        if model.position_embedding == "rope":
+            seq_split += 2 * act * config.seq_len * model.head_size * seq_div
         if model.activation == "swiglu":
             f = model.expert_ffn_size * model.moe_top_k if moe else model.ffn_hidden_size
             mlp += act * tokens * f
