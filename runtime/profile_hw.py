@@ -1,35 +1,87 @@
-"""``meshplan profile``: time GEMMs, a memory copy and gloo collectives on this machine.
+"""``meshplan profile``: time GEMMs, memory and host-device copies, and collectives here.
 
-Only measures; ``costmodel/fitting.py`` turns the numbers into a calibration. Every timing is
-taken after a warm-up (the first call of any configuration is several times slower,
-shared/notes/torch-distributed-on-cpu.md) with one thread per process on the CPU, as the
-runtime's ranks run (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``).
+Only measures; ``costmodel/fitting.py`` turns the numbers into a calibration.
 
-Collectives run in ``nproc`` processes started with ``torch.multiprocessing`` (spawn), meeting
-over TCP on 127.0.0.1 with a process-group timeout; rank 0 times ``reps`` back-to-back calls
-after a barrier. Point-to-point is a ping-pong between ranks 0 and 1 (half a round trip).
+Timing. Each case (one GEMM side, the copy, one collective on one group and size) gets one
+untimed call, then a few timed calls, in ``rounds`` passes that interleave all cases, so a
+slow drift of a shared machine hits every size alike. A case's time is the median over the
+rounds of each round's fastest call (``median_of_minima``): interference (another process
+holding the core, a peer rank descheduled in the middle of a collective) only ever adds time,
+so the fastest of a few back-to-back calls is what the hardware does when a rank has its core
+(the reasoning of Python's ``timeit`` docs, which recommend the minimum), and the median over
+rounds seconds apart keeps one lucky round from setting the value. On the raw samples of three
+runs on this shared 2-core machine it spread the fitted alpha and beta by 1.01-1.09x, where the
+5 % quantile of all calls spread them by 1.1-1.3x; the loopback bandwidth itself still moves
+with other jobs' load (benchmarks/results/profile-repeat-*). Small collectives, cheap and the
+noisiest relative to their time, get more calls (``calls_for``).
 
-torch APIs: ``torch.matmul``, ``Tensor.copy_``, ``torch.distributed`` (gloo) ``all_reduce``,
-``all_gather``, ``reduce_scatter``, ``send`` / ``recv``; ``torch.multiprocessing``.
+On the CPU every process runs one thread, as the runtime's ranks do, and a GEMM or copy is
+timed by the thread's CPU time (``time.thread_time``, POSIX ``CLOCK_THREAD_CPUTIME_ID``, less
+the clock's own cost): on a shared machine wall time also counts the time the thread waited
+for a core, which on this 2-core machine halved the measured copy rate when other jobs ran;
+on a dedicated core the two agree. Collectives are timed by wall time (waiting for the peer is
+part of them); on CUDA every call by CUDA events.
+
+Collectives. Outside torchrun, ``nproc`` processes started with ``torch.multiprocessing``
+(spawn) meet over TCP on 127.0.0.1. Under torchrun (``RANK`` and ``WORLD_SIZE`` set, e.g.
+``torchrun --nnodes 2 --nproc-per-node 8 ... -m planner.cli profile``) every process takes
+part and rank 0 returns the measurements. ``measured_groups`` picks the groups: the first g
+ranks of rank 0's node (link ``intra``) and the first rank of each of the first m nodes (link
+``inter``), g, m = 2, 4, 8, ... Every group times all-reduce, all-gather, reduce-scatter and
+all-to-all (gloo has ``all_to_all_single`` on the CPU); each link's two-rank group also a
+send/recv ping-pong (half a round trip per transfer). Backend gloo on the CPU, NCCL on CUDA.
+Local gloo ranks are pinned to a core each (``_pin_to_own_core``); under torchrun placement is
+left to the launcher.
+
+Topology: ``nvidia-smi topo -m`` where the binary exists (``parse_topo_matrix``), else pynvml's
+NVLink count, else loopback on the CPU.
+
+torch APIs: ``torch.matmul``, ``Tensor.copy_``, ``torch.cuda.Event``, ``torch.distributed``
+(``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all_single``, ``send`` /
+``recv``, ``new_group``, ``all_gather_object``), ``torch.multiprocessing``.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime as dt
+import functools
 import os
 import queue
+import re
+import shutil
 import socket
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+MIB = 2 ** 20
+T = TypeVar("T")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+SMALL_MESSAGE_BYTES = 4 * MIB
+"""Collectives below this size get proportionally more calls, up to ``MAX_CALL_FACTOR`` x."""
+MAX_CALL_FACTOR = 8
+MIN_SAMPLE_S = 1e-3
+"""A GEMM or copy sample lasts at least this long (a batch of calls), up to ``MAX_BATCH``."""
+MAX_BATCH = 1000
+JOIN_TIMEOUT_S = 1.0
+"""Wait this long for a collective process that sent its results to exit, then kill it
+(tearing down an interpreter with torch loaded takes 1-3 s on this 2-core machine)."""
+CLOCK_OVERHEAD_SAMPLES = 200
+"""Back-to-back clock reads whose minimum difference is subtracted from every CPU sample."""
+MAX_LOCAL_GPUS = 8
+"""Default local processes on a CUDA machine: one per GPU, at most this many."""
+TOPOLOGY_TIMEOUT_S = 20.0
+"""Limit on ``nvidia-smi topo -m``."""
 CUDA_NAME_TO_KEY = (("H200", "h200"), ("H100", "h100-sxm"), ("B200", "b200"),
                     ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"),
                     ("A100", "a100-40gb"))
@@ -38,23 +90,52 @@ CUDA_NAME_TO_KEY = (("H200", "h200"), ("H100", "h100-sxm"), ("B200", "b200"),
 
 @dataclass(frozen=True, kw_only=True)
 class ProfileSizes:
-    """What to time: GEMM sides, copy bytes, collective bytes and repetitions."""
+    """What to time and how often."""
 
     gemm_sides: tuple[int, ...]
+    """n of the n x n by n x n GEMMs; small ones pin the per-call overhead, large the rate."""
     copy_bytes: int
+    """Bytes of the device-memory copy (source; the same again is written)."""
+    host_copy_bytes: int
+    """Bytes of each pinned host-device copy (CUDA only)."""
     collective_bytes: tuple[int, ...]
-    reps: int
+    """Buffer sizes of the collectives (see ``Measurements.collectives``)."""
+    rounds: int
+    """Interleaved passes over all cases."""
+    calls: int
+    """Timed calls of each case per pass (after one untimed call); ``calls_for`` gives small
+    collectives more."""
+
+    def __post_init__(self) -> None:
+        values = (*self.gemm_sides, self.copy_bytes, self.host_copy_bytes,
+                  *self.collective_bytes, self.rounds, self.calls)
+        if not self.gemm_sides or min(values) <= 0:
+            raise ValueError(f"profile sizes must be positive and name GEMM sides, got {self}")
 
 
-FULL = ProfileSizes(gemm_sides=(128, 256, 512, 768, 1024), copy_bytes=128 * 2**20,
-                    collective_bytes=(4096, 65536, 2**20, 8 * 2**20), reps=10)
-QUICK = ProfileSizes(gemm_sides=(64, 128, 256), copy_bytes=16 * 2**20,
-                     collective_bytes=(4096, 2**20), reps=5)
+FULL = ProfileSizes(gemm_sides=(16, 32, 64, 128, 256, 512, 1024), copy_bytes=128 * MIB,
+                    host_copy_bytes=64 * MIB,
+                    collective_bytes=(4096, 65536, MIB, 4 * MIB, 16 * MIB), rounds=20,
+                    calls=6)
+QUICK = ProfileSizes(gemm_sides=(16, 64, 256), copy_bytes=64 * MIB, host_copy_bytes=16 * MIB,
+                     collective_bytes=(4096, MIB, 4 * MIB), rounds=10, calls=3)
+FULL_CUDA = ProfileSizes(gemm_sides=(512, 1024, 2048, 4096, 8192), copy_bytes=1024 * MIB,
+                         host_copy_bytes=256 * MIB,
+                         collective_bytes=(65536, MIB, 16 * MIB, 128 * MIB), rounds=6, calls=5)
+QUICK_CUDA = ProfileSizes(gemm_sides=(1024, 4096), copy_bytes=256 * MIB,
+                          host_copy_bytes=64 * MIB, collective_bytes=(65536, 16 * MIB),
+                          rounds=2, calls=3)
+
+
+def sizes_for(*, quick: bool, cuda: bool) -> ProfileSizes:
+    """The size set of ``meshplan profile`` (``--quick`` or not) for a CPU or CUDA device."""
+    return {(False, False): FULL, (True, False): QUICK, (False, True): FULL_CUDA,
+            (True, True): QUICK_CUDA}[(quick, cuda)]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Measurements:
-    """Raw timings (seconds per call) of one machine."""
+    """Timings (seconds per call, ``median_of_minima`` of the samples) of one machine."""
 
     device_key: str
     """GPU catalog key: ``cpu``, a CUDA device's key, or ``default`` if unknown."""
@@ -63,10 +144,24 @@ class Measurements:
     """(flop, seconds) per GEMM call."""
     copy: tuple[float, float]
     """(bytes moved: read + write, seconds) of one large tensor copy."""
-    collectives: tuple[tuple[str, int, float, float], ...] = field(default=())
-    """(op, ranks, size_bytes, seconds) per call; all_gather / reduce_scatter size is the
-    full (gathered / input) buffer, all_reduce and send_recv the buffer each rank holds."""
-    threads: int = 1
+    collectives: tuple[tuple[str, str, int, float, float], ...] = ()
+    """(link, op, ranks, size_bytes, seconds) per call; link ``intra`` or ``inter``;
+    all_gather / reduce_scatter size is the full (gathered / input) buffer, all_reduce and
+    send_recv the buffer each rank holds, all_to_all what each rank sends in total."""
+    host_copy: tuple[tuple[str, float, float], ...] = ()
+    """(``h2d`` or ``d2h``, bytes, seconds) of pinned host-device copies; empty without CUDA."""
+    backend: str = ""
+    """Process-group backend of the collectives (``gloo``, ``nccl``); empty if none ran."""
+    nodes: int = 1
+    procs_per_node: int = 1
+    topology: str = ""
+    """One line on how the devices are linked (``detect_topology``)."""
+    samples_per_case: int = 0
+    """Timed calls behind each GEMM, copy and large-collective time (``calls_for`` gives
+    small collectives up to ``MAX_CALL_FACTOR`` times more)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def device_key() -> str:
@@ -77,41 +172,194 @@ def device_key() -> str:
     return next((key for part, key in CUDA_NAME_TO_KEY if part in name), "default")
 
 
-def _sync(device: torch.device) -> None:
+def under_torchrun() -> bool:
+    """True inside a torchrun worker (RANK and WORLD_SIZE are set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+# ----- timing ------------------------------------------------------------------------------------
+def _call_timer(device: torch.device, *, cpu_time: bool = False
+                ) -> Callable[[Callable[[], object]], float]:
+    """Seconds of one call of ``fn``: CUDA events on a GPU; on the CPU ``perf_counter`` or,
+    with ``cpu_time``, this thread's CPU time less the clock's own cost."""
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        def time_cuda(fn: Callable[[], object]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return time_cuda
+    if cpu_time and torch.get_num_threads() != 1:
+        raise ValueError(f"CPU-time sampling counts this thread only; it needs "
+                         f"torch.set_num_threads(1), not {torch.get_num_threads()}")
+    clock = time.thread_time if cpu_time else time.perf_counter
+    clock_s = min(-clock() + clock() for _ in range(CLOCK_OVERHEAD_SAMPLES))
 
-
-def _seconds_per_call(fn: Callable[[], object], *, reps: int, device: torch.device) -> float:
-    """Median of ``reps`` timings of ``fn`` after two warm-up calls."""
-    fn(), fn()
-    _sync(device)
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
+    def time_cpu(fn: Callable[[], object]) -> float:
+        start = clock()
         fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[len(samples) // 2]
+        return max(0.0, clock() - start - clock_s)
+    return time_cpu
 
 
-def time_gemms(sides: Sequence[int], *, dtype: torch.dtype, device: torch.device,
-               reps: int) -> list[tuple[float, float]]:
-    """(2 n^3 flop, seconds) of an n x n by n x n ``torch.matmul`` for each side n."""
-    out = []
-    for n in sides:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        out.append((2.0 * n ** 3, _seconds_per_call(lambda: torch.matmul(a, b), reps=reps,
-                                                     device=device)))
-    return out
+def median_of_minima(rounds: Sequence[Sequence[float]]) -> float:
+    """Median over ``rounds`` of the fastest sample of each round (upper median if even)."""
+    minima = sorted(min(samples) for samples in rounds if samples)
+    if not minima:
+        raise ValueError("no timing samples")
+    return minima[len(minima) // 2]
 
 
-def time_copy(nbytes: int, *, device: torch.device, reps: int) -> tuple[float, float]:
-    """(2 * nbytes moved, seconds) of copying a ``nbytes`` float32 tensor into another."""
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2.0 * nbytes, _seconds_per_call(lambda: dst.copy_(src), reps=reps, device=device)
+def time_interleaved(cases: Mapping[Hashable, Callable[[], object]], *, rounds: int, calls: int,
+                     device: torch.device, on_round: Callable[[int], None] = lambda k: None
+                     ) -> dict[Hashable, float]:
+    """Seconds per call of each case: ``rounds`` passes over all cases, each one untimed
+    call and ``calls`` timed samples per case; ``median_of_minima`` of them. A sample
+    times a batch of back-to-back calls lasting about ``MIN_SAMPLE_S`` (sized by the first
+    untimed call), so the clock's cost and resolution vanish for microsecond GEMMs. On the
+    CPU the thread's CPU time (see the module docstring)."""
+    timer = _call_timer(device, cpu_time=True)
+    samples: dict[Hashable, list[list[float]]] = {key: [] for key in cases}
+    batch: dict[Hashable, int] = {}
+    for fn in cases.values():  # a warm-up pass: first calls are several times slower
+        fn()
+    for done in range(1, rounds + 1):
+        for key, fn in cases.items():
+            first_s = timer(fn)
+            size = batch.setdefault(key, max(1, min(MAX_BATCH, int(MIN_SAMPLE_S / max(
+                first_s, 1e-9)))))
+
+            def repeated(fn=fn, size=size) -> None:
+                for _ in range(size):
+                    fn()
+            samples[key].append([timer(repeated) / size for _ in range(calls)])
+        on_round(done)
+    return {key: median_of_minima(values) for key, values in samples.items()}
+
+
+def time_compute(*, dtype: torch.dtype, sizes: ProfileSizes, device: torch.device,
+                 on_round: Callable[[int], None] = lambda k: None
+                 ) -> tuple[tuple[tuple[float, float], ...], tuple[float, float]]:
+    """((2 n^3 flop, s) per GEMM side n, (2 * copy_bytes, s) of the copy), interleaved."""
+    cases: dict[Hashable, Callable[[], object]] = {}
+    for n in sizes.gemm_sides:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        cases[n] = functools.partial(torch.matmul, a, b, out=torch.empty_like(a))
+    src = torch.ones(sizes.copy_bytes // 4, device=device)
+    cases["copy"] = functools.partial(torch.empty_like(src).copy_, src)
+    seconds = time_interleaved(cases, rounds=sizes.rounds, calls=sizes.calls, device=device,
+                               on_round=on_round)
+    gemm = tuple((2.0 * n ** 3, seconds[n]) for n in sizes.gemm_sides)
+    return gemm, (2.0 * sizes.copy_bytes, seconds["copy"])
+
+
+def time_host_copies(nbytes: int, *, rounds: int, calls: int
+                     ) -> tuple[tuple[str, float, float], ...]:
+    """(``h2d`` / ``d2h``, bytes, s) of ``nbytes`` between pinned host memory and the GPU;
+    () without CUDA."""
+    if not torch.cuda.is_available():
+        return ()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    cases = {"h2d": lambda: gpu.copy_(host, non_blocking=True),
+             "d2h": lambda: host.copy_(gpu, non_blocking=True)}
+    seconds = time_interleaved(cases, rounds=rounds, calls=calls, device=gpu.device)
+    return tuple((way, float(nbytes), seconds[way]) for way in cases)
+
+
+# ----- collectives -------------------------------------------------------------------------------
+def _group_sizes(count: int) -> list[int]:
+    powers = [2 ** k for k in range(1, count.bit_length()) if 2 ** k <= count]
+    return powers + ([count] if count >= 2 and count not in powers else [])
+
+
+def measured_groups(node_of: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+    """(link, ranks) of every group ``profile`` times, given each rank's node index.
+
+    ``intra``: the first g ranks of rank 0's node; ``inter``: the first rank of each of the
+    first m nodes (rank 0's node first); g, m = 2, 4, 8, ... and the full count. Every group
+    holds rank 0, which times them. Example: two nodes of two ranks, ``node_of = (0, 0, 1, 1)``
+    gives ``[("intra", (0, 1)), ("inter", (0, 2))]``.
+    """
+    nodes = list(dict.fromkeys([node_of[0], *sorted(set(node_of))]))
+    members = {node: [r for r, n in enumerate(node_of) if n == node] for node in nodes}
+    leaders = [members[node][0] for node in nodes]
+    return ([("intra", tuple(members[nodes[0]][:g])) for g in _group_sizes(len(members[nodes[0]]))]
+            + [("inter", tuple(leaders[:m])) for m in _group_sizes(len(leaders))])
+
+
+def calls_for(size_bytes: int, calls: int) -> int:
+    """Timed calls per round of a collective on ``size_bytes``: ``calls``, times
+    ``SMALL_MESSAGE_BYTES / size_bytes`` below that size, at most ``MAX_CALL_FACTOR`` x.
+    A function of the size only, so every rank of a group makes the same calls."""
+    return calls * min(MAX_CALL_FACTOR, max(1, SMALL_MESSAGE_BYTES // size_bytes))
+
+
+def collective_cases(groups: Sequence[tuple[str, tuple[int, ...]]], sizes: Sequence[int]
+                     ) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """(link, op, ranks, size_bytes) of every timed collective; send_recv on 2-rank groups."""
+    return [(link, op, ranks, size) for link, ranks in groups for op in COLLECTIVES
+            if op != "send_recv" or len(ranks) == 2 for size in sizes]
+
+
+def _collective_call(op: str, size_bytes: int, *, ranks: tuple[int, ...], group: object,
+                     device: torch.device) -> Callable[[], None]:
+    """One call of ``op`` on ``size_bytes`` (see ``Measurements.collectives``) in ``group``."""
+    world = len(ranks)
+    elems = max(world, size_bytes // 4) // world * world
+    buf = torch.ones(elems, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(buf, group=group)
+    if op == "all_gather":
+        outs = list(torch.empty_like(buf).chunk(world))
+        return lambda: dist.all_gather(outs, buf[: elems // world], group=group)
+    if op == "reduce_scatter":
+        out = torch.empty(elems // world, device=device)
+        return lambda: dist.reduce_scatter(out, list(buf.chunk(world)), group=group)
+    if op == "all_to_all":
+        out = torch.empty_like(buf)
+        return lambda: dist.all_to_all_single(out, buf, group=group)
+    first = dist.get_rank() == ranks[0]
+    peer = ranks[1] if first else ranks[0]
+
+    def ping_pong() -> None:  # two one-way transfers
+        if first:
+            dist.send(buf, peer, group=group), dist.recv(buf, peer, group=group)
+        else:
+            dist.recv(buf, peer, group=group), dist.send(buf, peer, group=group)
+    return ping_pong
+
+
+def time_collectives_here(node_of: Sequence[int], sizes: ProfileSizes, *, device: torch.device,
+                          on_round: Callable[[int], None] = lambda k: None,
+                          before_timing: Callable[[], object] = lambda: None
+                          ) -> list[tuple[str, str, int, float, float]] | None:
+    """This rank's part of every collective case; rank 0 gets ``Measurements.collectives``,
+    the others None. Needs an initialised default process group on every rank;
+    ``before_timing`` runs once the groups exist."""
+    rank, timer = dist.get_rank(), _call_timer(device)
+    groups = measured_groups(node_of)
+    handles = {ranks: dist.new_group(list(ranks)) for _, ranks in groups}
+    before_timing()
+    cases = collective_cases(groups, sizes.collective_bytes)
+    samples: dict[tuple, list[list[float]]] = {case: [] for case in cases}
+    for done in range(1, sizes.rounds + 1):
+        for case in cases:
+            link, op, ranks, size = case
+            if rank in ranks:
+                fn = _collective_call(op, size, ranks=ranks, group=handles[ranks], device=device)
+                fn()
+                samples[case].append([timer(fn) / (2 if op == "send_recv" else 1)
+                                      for _ in range(calls_for(size, sizes.calls))])
+        on_round(done)
+    dist.barrier()
+    if rank != 0:
+        return None
+    return [(link, op, len(ranks), float(size),
+             median_of_minima(samples[link, op, ranks, size]))
+            for link, op, ranks, size in cases]
 
 
 def _free_port() -> int:
@@ -120,136 +368,284 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _one_collective(op: str, size_bytes: int, *, rank: int, world: int) -> Callable[[], None]:
-    elems = max(world, size_bytes // 4) // world * world
-    if op == "all_reduce":
-        buf = torch.ones(elems)
-        return lambda: dist.all_reduce(buf)
-    if op == "all_gather":
-        part = torch.ones(elems // world)
-        outs = [torch.empty_like(part) for _ in range(world)]
-        return lambda: dist.all_gather(outs, part)
-    if op == "reduce_scatter":
-        ins = [torch.ones(elems // world) for _ in range(world)]
-        out = torch.empty(elems // world)
-        return lambda: dist.reduce_scatter(out, ins)
-    buf = torch.ones(elems)
-
-    def ping_pong() -> None:  # two one-way transfers; ranks >= 2 sit out
-        if rank == 0:
-            dist.send(buf, 1), dist.recv(buf, 1)
-        elif rank == 1:
-            dist.recv(buf, 0), dist.send(buf, 0)
-    return ping_pong
+def _local_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _collective_rank(rank: int, world: int, port: int, sizes: ProfileSizes, timeout_s: float,
-                     results: "mp.Queue") -> None:
+def local_processes(requested: int | None) -> int:
+    """Processes for the local collectives: ``requested``, else 2 on the CPU and one per GPU
+    (at most ``MAX_LOCAL_GPUS``) on CUDA. ValueError when CUDA has fewer GPUs than
+    requested: NCCL needs a GPU per process, and gloo on the host would measure the wrong
+    link."""
+    if not torch.cuda.is_available():
+        return requested or 2
+    gpus = torch.cuda.device_count()
+    if requested is not None and requested > gpus:
+        raise ValueError(f"--nproc-per-node {requested}: this machine has {gpus} GPU(s) and "
+                         f"NCCL needs one per process; pass at most {gpus}")
+    return requested or min(gpus, MAX_LOCAL_GPUS)
+
+
+def _pin_to_own_core(rank: int, world: int) -> None:
+    """Keep local gloo rank ``rank`` on one core of its own when there are enough.
+
+    Left to the scheduler, the ranks and their gloo threads move between cores and a whole
+    run settles into one of two speeds: on this 2-core machine all-to-all and send/recv of
+    4 MiB took about 1.0 or 0.6-0.7 ms per run, pinned about 0.7 ms every time.
+    """
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= world:
+        os.sched_setaffinity(0, {cores[rank]})
+
+
+def _spawned_rank(rank: int, world: int, port: int, sizes: ProfileSizes, timeout_s: float,
+                  results: "mp.Queue", go: "mp.Event") -> None:
+    backend = _local_backend()
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    else:
+        _pin_to_own_core(rank, world)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=dt.timedelta(seconds=timeout_s))
     try:
-        for op in COLLECTIVES:
-            for size in sizes.collective_bytes:
-                fn = _one_collective(op, size, rank=rank, world=world)
-                fn(), fn()
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(sizes.reps):
-                    fn()
-                seconds = (time.perf_counter() - start) / sizes.reps
-                if op == "send_recv":
-                    seconds /= 2
-                if rank == 0:
-                    results.put((op, world if op != "send_recv" else 2, float(size), seconds))
-        dist.barrier()
+        def wait_for_go() -> None:
+            if not go.wait(timeout_s):
+                raise RuntimeError(f"no start signal within {timeout_s:.0f} s")
+
+        out = time_collectives_here((0,) * world, sizes, device=device,
+                                    on_round=lambda k: results.put(("round", k)) if rank == 0
+                                    else None, before_timing=wait_for_go)
+        if rank == 0:
+            results.put(("done", out))
     finally:
         dist.destroy_process_group()
 
 
 def time_collectives(nproc: int, sizes: ProfileSizes, *, timeout_s: float,
-                     on_result: Callable[[int], None] = lambda done: None
-                     ) -> list[tuple[str, int, float, float]]:
-    """(op, ranks, size_bytes, seconds) of every collective over ``nproc`` gloo processes.
+                     on_round: Callable[[int], None] = lambda k: None,
+                     meanwhile: Callable[[], T] = lambda: None
+                     ) -> tuple[list[tuple[str, str, int, float, float]], T]:
+    """(``Measurements.collectives`` over ``nproc`` local processes (``intra`` only), what
+    ``meanwhile`` returned). ``meanwhile`` runs here while the processes start (seconds of
+    torch imports); they time nothing before it returns.
 
     RuntimeError if a process fails or the whole measurement exceeds ``timeout_s``.
     """
     if nproc < 2:
         raise ValueError(f"collectives need >= 2 processes, got --nproc-per-node {nproc}")
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, go = ctx.Queue(), ctx.Event()
     port = _free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=_collective_rank, args=(r, nproc, port, sizes, timeout_s,
-                                                        results), daemon=True)
+    procs = [ctx.Process(target=_spawned_rank, daemon=True,
+                         args=(r, nproc, port, sizes, timeout_s, results, go))
              for r in range(nproc)]
     for proc in procs:
         proc.start()
-    expected = len(COLLECTIVES) * len(sizes.collective_bytes)
     deadline = time.monotonic() + timeout_s
-    out: list[tuple[str, int, float, float]] = []
     try:
-        while len(out) < expected:
+        done_meanwhile = meanwhile()
+        go.set()
+        while True:
             if any(p.exitcode not in (None, 0) for p in procs):
                 raise RuntimeError(f"a collective-profiling process failed (exit codes "
                                    f"{[p.exitcode for p in procs]})")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"collective profiling exceeded {timeout_s:.0f} s")
             try:
-                out.append(results.get(timeout=0.5))
-                on_result(len(out))
+                kind, value = results.get(timeout=0.5)
             except queue.Empty:
                 continue
+            if kind == "done":
+                break
+            on_round(value)
         for proc in procs:
-            proc.join(timeout=max(1.0, deadline - time.monotonic()))
+            proc.join(timeout=JOIN_TIMEOUT_S)
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    return out
+    return value, done_meanwhile
 
 
+# ----- topology ----------------------------------------------------------------------------------
+TOPO_LINKS = {"NV": "NVLink", "PIX": "PCIe", "PXB": "PCIe", "PHB": "PCIe/host",
+              "NODE": "PCIe/host", "SYS": "PCIe/host"}
+"""``nvidia-smi topo -m`` connection codes: ``NV#`` a bonded set of # NVLinks; PIX one PCIe
+bridge; PXB several; PHB through a PCIe host bridge (the CPU); NODE between host bridges of one
+NUMA node; SYS across the CPUs' SMP interconnect."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_DEVICE = re.compile(r"(GPU|NIC)\d+")
+
+
+def parse_topo_matrix(text: str) -> dict[tuple[str, str], str]:
+    """GPU-to-GPU connection codes of ``nvidia-smi topo -m`` output: ``{("GPU0", "GPU1"):
+    "NV18", ...}`` for every ordered pair of GPUs (``X`` on the diagonal, so one GPU gives
+    ``{("GPU0", "GPU0"): "X"}``). ValueError without a GPU matrix.
+
+    The header line starts with whitespace and names the columns (``GPU0 ... NIC0 ...`` then
+    affinity columns); each row starts with its device and has one code per column.
+    """
+    lines = [_ANSI.sub("", line) for line in text.splitlines()]
+    header = next((line for line in lines if line[:1].isspace() and "GPU0" in line.split()),
+                  None)
+    if header is None:
+        raise ValueError("no 'GPU0 GPU1 ...' header in the nvidia-smi topo -m output")
+    columns = [cell for cell in header.split() if _DEVICE.fullmatch(cell)]
+    pairs = {}
+    for line in lines:
+        cells = line.split()
+        if not cells or not re.fullmatch(r"GPU\d+", cells[0]):
+            continue
+        pairs.update({(cells[0], col): code for col, code in zip(columns, cells[1:])
+                      if col.startswith("GPU")})
+    if not pairs:
+        raise ValueError("no GPU rows in the nvidia-smi topo -m output")
+    return pairs
+
+
+def link_name(code: str) -> str:
+    """``NVLink``, ``PCIe`` or ``PCIe/host`` for an ``nvidia-smi topo -m`` code."""
+    return TOPO_LINKS.get("NV" if re.fullmatch(r"NV\d+", code) else code, "unknown")
+
+
+def summarize_topology(pairs: Mapping[tuple[str, str], str]) -> str:
+    """One line: GPU count and how many GPU pairs each connection code joins."""
+    gpus = sorted({a for a, _ in pairs} | {b for _, b in pairs}, key=lambda g: int(g[3:]))
+    counts = collections.Counter(code for (a, b), code in pairs.items()
+                                 if int(a[3:]) < int(b[3:]))
+    links = ", ".join(f"{n} x {code} ({link_name(code)})" for code, n in counts.most_common())
+    if not links:
+        return f"{len(gpus)} GPU; no GPU-to-GPU links (nvidia-smi topo -m)"
+    return f"{len(gpus)} GPUs; GPU pairs: {links} (nvidia-smi topo -m)"
+
+
+def detect_topology(*, nodes: int = 1) -> str:
+    """One line on how this machine's devices are linked (see the module docstring)."""
+    across = f"; {nodes} nodes over the network" if nodes > 1 else ""
+    if not torch.cuda.is_available():
+        return f"loopback: CPU processes over TCP on this host (no GPU links){across}"
+    exe = shutil.which("nvidia-smi")
+    if exe:
+        try:
+            done = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True,
+                                  timeout=TOPOLOGY_TIMEOUT_S, check=True)
+            return summarize_topology(parse_topo_matrix(done.stdout)) + across
+        except (subprocess.SubprocessError, OSError, ValueError) as err:
+            return f"unknown: nvidia-smi topo -m failed ({str(err).splitlines()[0]}){across}"
+    return _nvml_topology() + across
+
+
+def _nvml_topology() -> str:
+    try:
+        import pynvml
+    except ImportError:
+        return "unknown: neither nvidia-smi nor pynvml is available"
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        active = 0
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                state = pynvml.nvmlDeviceGetNvLinkState(handle, link)
+            except pynvml.NVMLError:  # no such link on this GPU
+                break
+            active += state == pynvml.NVML_FEATURE_ENABLED
+        return (f"{pynvml.nvmlDeviceGetCount()} GPUs; GPU 0 has {active} active NVLinks "
+                "(pynvml)")
+    except pynvml.NVMLError as err:
+        return f"unknown: pynvml failed ({err})"
+
+
+# ----- the whole measurement ---------------------------------------------------------------------
 class Progress:
-    """One self-overwriting line on stderr: ``profile [k/n] what``."""
+    """One self-overwriting line on stderr: ``profile [k/n] what``; silent if not ``shown``."""
 
-    def __init__(self, total: int, *, stream=sys.stderr) -> None:
-        self.total, self.done, self.stream = total, 0, stream
+    def __init__(self, total: int, *, stream=sys.stderr, shown: bool = True) -> None:
+        self.total, self.done, self.stream, self.shown = total, 0, stream, shown
 
     def step(self, what: str) -> None:
         self.done += 1
-        self.stream.write(f"\rprofile [{self.done}/{self.total}] {what:<40}")
-        self.stream.flush()
+        if self.shown:
+            self.stream.write(f"\rprofile [{self.done}/{self.total}] {what:<40}")
+            self.stream.flush()
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def steps_of(sizes: ProfileSizes, *, collectives: bool = True) -> int:
+    """Progress steps ``measure`` takes: a compute and a collective step per round."""
+    return sizes.rounds * (2 if collectives else 1)
+
+
+def _time_this_device(dtype: str, sizes: ProfileSizes, device: torch.device,
+                      step: Callable[[str], None]) -> dict:
+    """GEMMs, the copy and (CUDA) host copies of this process, one thread on the CPU."""
+    threads_before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        gemm, copy = time_compute(dtype=DTYPES[dtype], sizes=sizes, device=device,
+                                  on_round=lambda k: step(f"compute round {k}/{sizes.rounds}"))
+        host = time_host_copies(sizes.host_copy_bytes, rounds=sizes.rounds, calls=sizes.calls)
+    finally:
+        torch.set_num_threads(threads_before)
+    return dict(gemm=gemm, copy=copy, host_copy=host)
 
 
 def measure(*, dtype: str, sizes: ProfileSizes, nproc: int, timeout_s: float = 120.0,
             progress: Progress | None = None) -> Measurements:
-    """Time GEMMs and a copy in this process and collectives over ``nproc`` processes."""
+    """Time this device in this process (while the collective processes start) and
+    collectives over ``nproc`` local processes (none with ``nproc`` 1)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    threads_before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
     step = progress.step if progress else (lambda what: None)
+    this_device = functools.partial(_time_this_device, dtype, sizes, device, step)
+    if nproc > 1:
+        colls, compute = time_collectives(
+            nproc, sizes, timeout_s=timeout_s, meanwhile=this_device,
+            on_round=lambda k: step(f"collectives round {k}/{sizes.rounds}"))
+    else:
+        colls, compute = [], this_device()
+    return Measurements(device_key=device_key(), dtype=dtype, **compute,
+                        collectives=tuple(colls),
+                        backend=_local_backend() if nproc > 1 else "",
+                        procs_per_node=nproc, topology=detect_topology(),
+                        samples_per_case=sizes.rounds * sizes.calls)
+
+
+def measure_distributed(*, dtype: str, sizes: ProfileSizes, timeout_s: float = 120.0,
+                        progress: Progress | None = None) -> Measurements | None:
+    """Under torchrun: rank 0 times its device while the others wait, then every process
+    times the collectives; rank 0 returns the measurements, the others None."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
+        torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=dt.timedelta(seconds=timeout_s))
+    step = progress.step if progress and rank == 0 else (lambda what: None)
     try:
-        gemm = []
-        for n in sizes.gemm_sides:
-            gemm += time_gemms((n,), dtype=DTYPES[dtype], device=device, reps=sizes.reps)
-            step(f"matmul {n}x{n} {dtype}")
-        copy = time_copy(sizes.copy_bytes, device=device, reps=sizes.reps)
-        step(f"copy {sizes.copy_bytes / 2**20:.0f} MiB")
+        node_of: list[int] = [0] * world
+        dist.all_gather_object(node_of, int(os.environ.get("GROUP_RANK", 0)))
+        compute = _time_this_device(dtype, sizes, device, step) if rank == 0 else {}
+        dist.barrier()
+        colls = time_collectives_here(node_of, sizes, device=device, on_round=lambda k: step(
+            f"collectives round {k}/{sizes.rounds}"))
     finally:
-        torch.set_num_threads(threads_before)
-    total = len(COLLECTIVES) * len(sizes.collective_bytes)
-    colls = time_collectives(nproc, sizes, timeout_s=timeout_s,
-                             on_result=lambda done: step(f"gloo collectives {done}/{total}"))
-    return Measurements(device_key=device_key(), dtype=dtype, gemm=tuple(gemm), copy=copy,
-                        collectives=tuple(colls))
-
-
-def steps_of(sizes: ProfileSizes) -> int:
-    """Progress steps ``measure`` takes with ``sizes``."""
-    return len(sizes.gemm_sides) + 1 + len(COLLECTIVES) * len(sizes.collective_bytes)
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    nodes = len(set(node_of))
+    return Measurements(device_key=device_key(), dtype=dtype, **compute,
+                        collectives=tuple(colls), backend="nccl" if cuda else "gloo",
+                        nodes=nodes, procs_per_node=world // nodes,
+                        topology=detect_topology(nodes=nodes),
+                        samples_per_case=sizes.rounds * sizes.calls)
