@@ -172,30 +172,16 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
         bound = max(abs(f.base) + abs(f.slope) * (hi - lo)
                     for forms in tables.time_ns[i].values() for f in forms.values())
         big = max(big, bound)
-        exposed = []
-        for raw, hidden in (("zero_comm", "zero_hidden"), ("offload_raw", "offload_hidden"),
-                            ("dp_comm", "dp_hidden")):
-            var = model.NewIntVar(0, bound, f"{raw}_exposed{i}")
-            model.Add(var >= term(raw) - term(hidden))
-            exposed.append(var)
-        t = model.NewIntVar(0, 3 * bound, f"t{i}")
-        model.Add(t == term("linear") + exposed[0] + exposed[1])
+        t, d, o, f = _stage_time(model, term, bound, i)
         t_vars.append(t)
-        d_vars.append(exposed[2])
-        o_exprs.append(term("optimizer"))
-        f_exprs.append(term("offload_step"))
+        d_vars.append(d)
+        o_exprs.append(o)
+        f_exprs.append(f)
         y_all.append(y)
         n_all.append(n)
     model.Add(sum(sum(n.values()) for n in n_all) == tables.num_layers)
-    top_t = model.NewIntVar(0, 3 * big, "T")
-    top_d, top_o, top_f = (model.NewIntVar(0, big, name) for name in ("D", "O", "F"))
-    for i in range(p):
-        model.Add(top_t >= t_vars[i])
-        model.Add(top_d >= d_vars[i])
-        model.Add(top_o >= o_exprs[i])
-        model.Add(top_f >= f_exprs[i])
-    m, v = tables.micro_batches, tables.vpp
-    objective = (m * v - 1) * top_t + sum(t_vars) + v * (top_d + top_o + top_f)
+    objective = _step_objective(model, t_vars, d_vars, o_exprs, f_exprs, big=big,
+                                micro_batches=tables.micro_batches, vpp=tables.vpp)
     model.Minimize(objective)
 
     def hint(model: cp_model.CpModel, layers: list[int], modes: list[str]) -> None:
@@ -210,6 +196,36 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
         return [int(solver.Value(n_all[i][modes[i]])) for i in range(p)], modes
 
     return _Decoder(read, hint, objective)
+
+
+def _stage_time(model: cp_model.CpModel, term, bound: int, i: int):
+    """Stage ``i``'s per-micro-batch time t (linear work plus exposed ZeRO and offload
+    traffic), its exposed data-parallel traffic d, and its optimizer and offload-step terms;
+    ``term(name)`` is the stage's expression for a time term of ``TIME_TERMS``."""
+    exposed = []
+    for raw, hidden in (("zero_comm", "zero_hidden"), ("offload_raw", "offload_hidden"),
+                        ("dp_comm", "dp_hidden")):
+        var = model.NewIntVar(0, bound, f"{raw}_exposed{i}")
+        model.Add(var >= term(raw) - term(hidden))
+        exposed.append(var)
+    t = model.NewIntVar(0, 3 * bound, f"t{i}")
+    model.Add(t == term("linear") + exposed[0] + exposed[1])
+    return t, exposed[2], term("optimizer"), term("offload_step")
+
+
+def _step_objective(model: cp_model.CpModel, t_vars, d_vars, o_exprs, f_exprs, *, big: int,
+                    micro_batches: int, vpp: int):
+    """v x step time: ``(m v - 1) T + sum_i t_i + v (D + O + F)`` with T, D, O, F the maxima
+    over stages (tight at the optimum: every term has a positive weight)."""
+    top_t = model.NewIntVar(0, 3 * big, "T")
+    top_d, top_o, top_f = (model.NewIntVar(0, big, name) for name in ("D", "O", "F"))
+    for t, d, o, f in zip(t_vars, d_vars, o_exprs, f_exprs):
+        model.Add(top_t >= t)
+        model.Add(top_d >= d)
+        model.Add(top_o >= o)
+        model.Add(top_f >= f)
+    m, v = micro_batches, vpp
+    return (m * v - 1) * top_t + sum(t_vars) + v * (top_d + top_o + top_f)
 
 
 def middle_groups(tables: CandidateTables) -> list[list[int]] | None:
@@ -385,29 +401,15 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
         bound = max(abs(f.base) + sum(abs(s) for s in f.slopes) * total
                     for forms in tables.time_ns[i].values() for f in forms.values())
         big = max(big, bound)
-        exposed = []
-        for raw, hidden in (("zero_comm", "zero_hidden"), ("offload_raw", "offload_hidden"),
-                            ("dp_comm", "dp_hidden")):
-            var = model.NewIntVar(0, bound, f"{raw}_exposed{i}")
-            model.Add(var >= term(raw) - term(hidden))
-            exposed.append(var)
-        t = model.NewIntVar(0, 3 * bound, f"t{i}")
-        model.Add(t == term("linear") + exposed[0] + exposed[1])
+        t, d, o, f = _stage_time(model, term, bound, i)
         t_vars.append(t)
-        d_vars.append(exposed[2])
-        o_exprs.append(term("optimizer"))
-        f_exprs.append(term("offload_step"))
+        d_vars.append(d)
+        o_exprs.append(o)
+        f_exprs.append(f)
         y_all.append(y)
         x_all.append(x)
-    top_t = model.NewIntVar(0, 3 * big, "T")
-    top_d, top_o, top_f = (model.NewIntVar(0, big, name) for name in ("D", "O", "F"))
-    for i in range(p):
-        model.Add(top_t >= t_vars[i])
-        model.Add(top_d >= d_vars[i])
-        model.Add(top_o >= o_exprs[i])
-        model.Add(top_f >= f_exprs[i])
-    m = tables.micro_batches
-    objective = (m - 1) * top_t + sum(t_vars) + top_d + top_o + top_f
+    objective = _step_objective(model, t_vars, d_vars, o_exprs, f_exprs, big=big,
+                                micro_batches=tables.micro_batches, vpp=1)
     if cutoff_s is not None:
         model.Add(objective < int(cutoff_s * 1e9))
     model.Minimize(objective)

@@ -100,14 +100,9 @@ def stage_config(config: ParallelConfig, model: ModelSpec, stage: int, layers: i
 def _time_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
                 layers: int, mode: str, framework: str,
                 calibration: Calibration) -> dict[str, float]:
-    terms = stage_terms(model, cluster, stage_config(config, model, stage, layers, mode), stage,
-                        framework=framework, calibration=calibration)
-    micro = terms.micro
-    return {"linear": micro.linear_s, "zero_comm": micro.zero_comm_s,
-            "zero_hidden": micro.zero_hidden_s, "offload_raw": micro.offload_raw_s,
-            "offload_hidden": micro.offload_hidden_s, "dp_comm": terms.dp_comm_s,
-            "dp_hidden": terms.dp_hidden_s, "optimizer": terms.optimizer_s,
-            "offload_step": terms.offload_s}
+    return _terms_of(stage_terms(model, cluster,
+                                 stage_config(config, model, stage, layers, mode), stage,
+                                 framework=framework, calibration=calibration))
 
 
 def _linear(first: float, second: float, scale: float) -> Linear:
@@ -162,7 +157,13 @@ def _reserved(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, st
 def stage_time_ns(tables: CandidateTables, stage: int, layers: int, mode: str) -> dict[str, int]:
     """Every time term of ``stage`` with ``layers`` layers under ``mode`` (ns)."""
     offset = layers - tables.lo[stage]
-    terms = {name: form.at(offset) for name, form in tables.time_ns[stage][mode].items()}
+    return _with_totals({name: form.at(offset)
+                         for name, form in tables.time_ns[stage][mode].items()})
+
+
+def _with_totals(terms: dict[str, int]) -> dict[str, int]:
+    """``terms`` plus ``micro_total`` (linear work and exposed ZeRO and offload traffic) and
+    ``dp_exposed``, composed as ``costmodel.estimate.compose_step`` does."""
     terms["micro_total"] = (terms["linear"]
                             + max(0, terms["zero_comm"] - terms["zero_hidden"])
                             + max(0, terms["offload_raw"] - terms["offload_hidden"]))
@@ -343,12 +344,8 @@ def traced_stage_ns(tables: TracedTables, stage: int, start: int, stop: int,
                     mode: str) -> dict[str, int]:
     """Every time term of ``stage`` holding ``[start, stop)`` under ``mode`` (ns)."""
     counts = tables.counts(start, stop)
-    terms = {name: form.at(counts) for name, form in tables.time_ns[stage][mode].items()}
-    terms["micro_total"] = (terms["linear"]
-                            + max(0, terms["zero_comm"] - terms["zero_hidden"])
-                            + max(0, terms["offload_raw"] - terms["offload_hidden"]))
-    terms["dp_exposed"] = max(0, terms["dp_comm"] - terms["dp_hidden"])
-    return terms
+    return _with_totals({name: form.at(counts)
+                         for name, form in tables.time_ns[stage][mode].items()})
 
 
 def traced_objective_ns(tables: TracedTables, layers: list[int] | tuple[int, ...],
