@@ -119,16 +119,8 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, worker
     hint = greedy_hint(tables)
     if hint is not None:
         decode.hint(model, *hint)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.random_seed = seed
-    solver.parameters.num_workers = workers
-    status = solver.Solve(model)
+    solver, status = _run(model, time_limit_s=time_limit_s, seed=seed, workers=workers)
     wall = time.perf_counter() - start
-    if status == cp_model.INFEASIBLE:
-        raise Infeasible("no layer split and recompute choice fits in memory")
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise NoSolutionInTime(f"no feasible split found within {time_limit_s} s")
     layers, modes = decode.read(solver)
     # The split's own objective: equal to the solver's at the optimum; below it when a time
     # limit stopped the solver before its maxima were tight.
@@ -136,6 +128,22 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, worker
                     objective=objective_ns(tables, layers, modes), vpp=tables.vpp,
                     status="OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE",
                     wall_s=wall)
+
+
+def _run(model: cp_model.CpModel, *, time_limit_s: float, seed: int,
+         workers: int) -> tuple[cp_model.CpSolver, int]:
+    """Solve with a time limit, a seed and a worker count; Infeasible or NoSolutionInTime
+    when there is no split to read."""
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.random_seed = seed
+    solver.parameters.num_workers = workers
+    status = solver.Solve(model)
+    if status == cp_model.INFEASIBLE:
+        raise Infeasible("no layer split and recompute choice fits in memory")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise NoSolutionInTime(f"no feasible split found within {time_limit_s} s")
+    return solver, status
 
 
 class _Decoder:
@@ -413,16 +421,8 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
     if cutoff_s is not None:
         model.Add(objective < int(cutoff_s * 1e9))
     model.Minimize(objective)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.random_seed = seed
-    solver.parameters.num_workers = workers
-    status = solver.Solve(model)
+    solver, status = _run(model, time_limit_s=time_limit_s, seed=seed, workers=workers)
     wall = time.perf_counter() - start
-    if status == cp_model.INFEASIBLE:
-        raise Infeasible("no layer split and recompute choice fits in memory")
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise NoSolutionInTime(f"no feasible split found within {time_limit_s} s")
     edges = [int(solver.Value(v)) for v in b]
     layers = [edges[i + 1] - edges[i] for i in range(p)]
     modes = [next(r for r in tables.allowed[i] if solver.BooleanValue(y_all[i][r]))
