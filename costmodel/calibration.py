@@ -79,6 +79,15 @@ class Calibration:
     ``nvlink_latency_s`` / ``nic_latency_s`` path latency of every group of that kind
     (``collectives.with_latency``); absent (the default) the cluster's values are used.
     Written by ``meshplan profile`` (alpha of an alpha-beta fit over gloo/NCCL collectives)."""
+    collective_call_s: float = 0.0
+    """Fixed seconds per latency step of every collective call the runtime issues, on top of
+    the alpha-beta time of the traffic the model charges: Python and c10d bookkeeping, DTensor
+    redistribution, and the wait for the peer process to reach the call (gloo ranks sharing
+    CPU cores). A call pays it once per one-hop step (``timing.latency_steps``: 2 for an
+    all-reduce of two ranks, 1 for a send or an all-gather), for every call
+    ``timing.collective_calls_per_microbatch`` counts. 0 (the default, right for NCCL, whose
+    launches run ahead of the GPU); fitted by ``meshplan validate --refit`` over several plans
+    (``fitting.refit_plans``)."""
     source: dict[str, str] = field(default_factory=dict, hash=False)
     """What each value was fitted on."""
 
@@ -99,6 +108,9 @@ class Calibration:
         if bad_links:
             raise ValueError(f"link_latency_s must map {sorted(LINK_KINDS)} to seconds >= 0, "
                              f"got {bad_links!r}")
+        if not isinstance(self.collective_call_s, (int, float)) or self.collective_call_s < 0:
+            raise ValueError(f"collective_call_s must be seconds >= 0, got "
+                             f"{self.collective_call_s!r}")
         for name in ("tp_overlap", "dp_overlap", "pp_overlap", "offload_overlap"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")

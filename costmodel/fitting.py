@@ -3,24 +3,34 @@
 Pure functions, no torch: the measurements come from ``runtime/profile_hw.py`` (profile) or a
 run report (validate) as plain numbers.
 
-* GEMM: ``t = flop / (peak * eff) + overhead`` (the cost model's ``_gemm_s`` for one call), an
-  ordinary least-squares line of time against FLOPs: slope ``1 / (peak * eff)``, intercept
-  ``overhead``.
+* GEMM: ``t = flop / (peak * eff) + overhead`` (the cost model's ``_gemm_s`` for one call), a
+  least-squares line of time against FLOPs: slope ``1 / (peak * eff)``, intercept ``overhead``.
 * Collectives: the alpha-beta model of ``collectives.py`` (Thakur et al. 2005). For a group of
-  ``n`` ranks on one node an operation on ``S`` bytes costs ``c_bw(op, n) * S / B + c_lat(op, n)
-  * alpha``; one least-squares fit over all operations and sizes gives the achieved link
-  bandwidth ``B`` and the one-hop latency ``alpha``.
-* Refit: one multiplicative factor ``f`` on every compute and communication cost (efficiencies
-  divided by ``f``, per-call overhead and link latency multiplied by it), found by a fixed-point
-  iteration on the estimator itself so that the predicted step equals the measured one.
+  ``n`` ranks an operation on ``S`` bytes costs ``c_bw(op, n) * S / B + c_lat(op, n) * alpha``;
+  one least-squares fit over all operations, group sizes and message sizes of one link kind
+  (``intra``: inside a node, ``inter``: one rank per node) gives that link's achieved
+  bandwidth ``B`` and one-hop latency ``alpha``.
+* Both profile fits weigh each sample by ``1 / t^2`` (relative residuals): times span three
+  decades, and unweighted least squares lets the noise of the largest sizes set the intercept.
+* Refit of one plan: one multiplicative factor ``f`` on every compute and communication cost
+  (efficiencies divided by ``f``, per-call overheads and link latency multiplied by it), found
+  by a fixed-point iteration on the estimator itself so that the predicted step equals the
+  measured one.
+* Refit of several plans (``refit_plans``): the compute factor, the seconds per collective
+  call and per GEMM call (``RefitTerms``), by non-negative least squares of relative residuals
+  over the plans. The estimator's step is piecewise linear in these terms, so slopes taken by
+  finite differences on the estimator make each round an exact linear solve.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from costmodel.calibration import Calibration, DeviceCalibration
 
@@ -40,35 +50,65 @@ class LineFit:
     intercept: float
 
 
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> LineFit:
-    """Least-squares line through ``(xs, ys)``; ValueError with fewer than two distinct xs."""
-    if len(xs) != len(ys) or len(set(xs)) < 2:
-        raise ValueError(f"a line fit needs >= 2 distinct x values, got xs={list(xs)}")
-    n = len(xs)
-    mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+def fit_line(xs: Sequence[float], ys: Sequence[float],
+             weights: Sequence[float] | None = None) -> LineFit:
+    """Least-squares line through ``(xs, ys)``, point i weighted by ``weights[i]`` (default
+    1); ValueError with fewer than two distinct xs."""
+    if (len(xs) != len(ys) or len(set(xs)) < 2
+            or (weights is not None and len(weights) != len(xs))):
+        raise ValueError(f"a line fit needs >= 2 distinct x values (and one weight each), got "
+                         f"xs={list(xs)}")
+    w = [1.0] * len(xs) if weights is None else list(weights)
+    total = sum(w)
+    mean_x = sum(wi * x for wi, x in zip(w, xs)) / total
+    mean_y = sum(wi * y for wi, y in zip(w, ys)) / total
+    sxx = sum(wi * (x - mean_x) ** 2 for wi, x in zip(w, xs))
+    sxy = sum(wi * (x - mean_x) * (y - mean_y) for wi, x, y in zip(w, xs, ys))
     slope = sxy / sxx
     return LineFit(slope=slope, intercept=mean_y - slope * mean_x)
+
+
+def relative_weights(ys: Sequence[float]) -> list[float]:
+    """``1 / y^2``: least squares with these weights minimises relative residuals, so a
+    0.1 ms sample counts as much as a 10 ms one (timings spread over decades)."""
+    if any(y <= 0 for y in ys):
+        raise ValueError(f"relative weights need positive values, got {list(ys)}")
+    return [1.0 / (y * y) for y in ys]
 
 
 def clamp_efficiency(value: float) -> float:
     return min(MAX_EFFICIENCY, max(MIN_EFFICIENCY, value))
 
 
+def fit_gemm_rate(flop: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """(flop_per_s, overhead_s) of ``t = flop / rate + overhead`` from per-call GEMM times.
+
+    Relative least squares (``relative_weights``): the small GEMMs, where the fixed cost is
+    most of the time, pin the overhead; the large ones the rate. A negative intercept (noise)
+    becomes 0 with the rate refitted through the origin; a non-positive slope falls back to
+    the best single sample's rate.
+    """
+    weights = relative_weights(seconds)
+    line = fit_line(flop, seconds, weights)
+    if line.intercept < 0:
+        slope = (sum(w * f * s for w, f, s in zip(weights, flop, seconds))
+                 / sum(w * f * f for w, f in zip(weights, flop)))
+        line = LineFit(slope=slope, intercept=0.0)
+    if line.slope <= 0:
+        return max(f / s for f, s in zip(flop, seconds)), 0.0
+    return 1.0 / line.slope, line.intercept
+
+
 def fit_gemm(flop: Sequence[float], seconds: Sequence[float], *,
              peak_flop_per_s: float) -> tuple[float, float]:
-    """(matmul_efficiency, matmul_overhead_s) from per-call GEMM times.
+    """(matmul_efficiency, matmul_overhead_s) from per-call GEMM times (``fit_gemm_rate``).
 
-    Slope of time against FLOPs is ``1 / (peak * eff)``; the intercept, clamped at 0, is the
-    fixed cost per call. The efficiency is not clamped here (a value above 1 means the
-    catalog peak is too low); ``clamp_efficiency`` does that when writing a calibration.
+    The efficiency is the fitted rate over ``peak_flop_per_s``, not clamped here (a value
+    above 1 means the catalog peak is too low); ``clamp_efficiency`` does that when writing a
+    calibration.
     """
-    line = fit_line(flop, seconds)
-    if line.slope <= 0:
-        best = max(f / s for f, s in zip(flop, seconds))
-        return best / peak_flop_per_s, 0.0
-    return 1.0 / (line.slope * peak_flop_per_s), max(0.0, line.intercept)
+    flop_per_s, overhead_s = fit_gemm_rate(flop, seconds)
+    return flop_per_s / peak_flop_per_s, overhead_s
 
 
 def collective_coefficients(op: str, n: int) -> tuple[float, float]:
@@ -80,28 +120,32 @@ def collective_coefficients(op: str, n: int) -> tuple[float, float]:
         return min(ring, tree)
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n, min(n - 1, 2 * math.log2(n))
+    if op == "all_to_all":
+        return (n - 1) / n, n - 1.0
     if op == "send_recv":
         return 1.0, 1.0
     raise ValueError(f"unknown collective {op!r}; expected all_reduce, all_gather, "
-                     "reduce_scatter or send_recv")
+                     "reduce_scatter, all_to_all or send_recv")
 
 
 def fit_alpha_beta(samples: Sequence[tuple[str, int, float, float]]) -> tuple[float, float]:
     """(bytes_per_s, latency_s) of one link from ``(op, n, size_bytes, seconds)`` samples.
 
-    Least squares of ``t = x1 * (c_bw S) + x2 * c_lat`` over two unknowns (``x1 = 1 / B``,
-    ``x2 = alpha``), solved by the 2x2 normal equations; negative parts are clamped (a
-    negative latency becomes 0 and the bandwidth is refitted through the origin; a
+    Relative least squares (``relative_weights``) of ``t = x1 * (c_bw S) + x2 * c_lat`` over
+    two unknowns (``x1 = 1 / B``, ``x2 = alpha``), solved by the 2x2 normal equations: the
+    small messages pin the latency, the large ones the bandwidth. Negative parts are clamped
+    (a negative latency becomes 0 and the bandwidth is refitted through the origin; a
     non-positive ``1 / B``, from noise, falls back to the smallest per-sample ``t / (c_bw S)``).
     """
     rows = [(*_scaled(op, n, size), t) for op, n, size, t in samples]
-    a11 = sum(u * u for u, _, _ in rows)
-    a12 = sum(u * v for u, v, _ in rows)
-    a22 = sum(v * v for _, v, _ in rows)
-    b1 = sum(u * t for u, _, t in rows)
-    b2 = sum(v * t for _, v, t in rows)
+    weights = relative_weights([t for _, _, t in rows])
+    a11 = sum(w * u * u for w, (u, _, _) in zip(weights, rows))
+    a12 = sum(w * u * v for w, (u, v, _) in zip(weights, rows))
+    a22 = sum(w * v * v for w, (_, v, _) in zip(weights, rows))
+    b1 = sum(w * u * t for w, (u, _, t) in zip(weights, rows))
+    b2 = sum(w * v * t for w, (_, v, t) in zip(weights, rows))
     det = a11 * a22 - a12 * a12
-    if det <= 0:
+    if det <= 1e-12 * a11 * a22:
         raise ValueError("collective samples need at least two different sizes")
     inv_bw, alpha = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
     if alpha < 0:
@@ -135,8 +179,9 @@ def scaled_calibration(calibration: Calibration, *, gpu_key: str, factor: float,
     """Every compute and communication cost of ``calibration`` made ``factor`` times slower.
 
     Efficiencies (matmul, attention, memory, link) are divided by ``factor`` and clamped to
-    (0, 1]; GEMM overhead and link latencies (``*_latency_s``: the ones in force before the
-    refit) are multiplied by it. Overlaps and traffic factors are left alone.
+    (0, 1]; GEMM overhead, link latencies (``*_latency_s``: the ones in force before the
+    refit) and the per-call collective cost are multiplied by it. Overlaps and traffic factors
+    are left alone.
     """
     dev = calibration.device(gpu_key)
     device = DeviceCalibration(
@@ -149,7 +194,8 @@ def scaled_calibration(calibration: Calibration, *, gpu_key: str, factor: float,
         calibration, devices={**calibration.devices, gpu_key: device},
         nvlink_efficiency=clamp_efficiency(calibration.nvlink_efficiency / factor),
         network_efficiency=clamp_efficiency(calibration.network_efficiency / factor),
-        link_latency_s={"intra": intra_latency_s * factor, "inter": inter_latency_s * factor})
+        link_latency_s={"intra": intra_latency_s * factor, "inter": inter_latency_s * factor},
+        collective_call_s=calibration.collective_call_s * factor)
 
 
 def refit_step_scale(predict_step_s: Callable[[float], float], *,
@@ -169,47 +215,254 @@ def refit_step_scale(predict_step_s: Callable[[float], float], *,
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinkFit:
+    """Alpha-beta fit of one link kind."""
+
+    bytes_per_s: float
+    """Achieved bandwidth B (beta is 1 / B)."""
+    latency_s: float
+    """One-hop latency alpha."""
+    group_sizes: tuple[int, ...]
+    """Group sizes the samples came from."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProfileFit:
     """What ``meshplan profile`` fitted, in the units of the measurement."""
 
     matmul_flop_per_s: float
-    """Asymptotic GEMM throughput (1 / slope of the time-vs-FLOP line)."""
+    """Asymptotic GEMM throughput (``fit_gemm_rate``)."""
     matmul_overhead_s: float
     memory_bytes_per_s: float
-    link_bytes_per_s: float
-    link_latency_s: float
+    links: dict[str, LinkFit] = field(default_factory=dict, hash=False)
+    """Per link kind measured: ``intra`` (inside a node), ``inter`` (across nodes)."""
+    host_copy_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
+    """Pinned host-device copy rate by direction (``h2d``, ``d2h``); empty without a GPU."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def fit_profile(*, gemm: Sequence[tuple[float, float]], copy: tuple[float, float],
-                collectives: Sequence[tuple[str, int, float, float]]) -> ProfileFit:
-    """Fit the raw ``(flop, s)`` GEMM, ``(bytes, s)`` copy and collective samples."""
-    line = fit_line([f for f, _ in gemm], [s for _, s in gemm])
-    flop_per_s = 1 / line.slope if line.slope > 0 else max(f / s for f, s in gemm)
-    link_bytes_per_s, latency_s = fit_alpha_beta(collectives)
-    return ProfileFit(matmul_flop_per_s=flop_per_s, matmul_overhead_s=max(0.0, line.intercept),
-                      memory_bytes_per_s=copy[0] / copy[1], link_bytes_per_s=link_bytes_per_s,
-                      link_latency_s=latency_s)
+                collectives: Sequence[tuple[str, str, int, float, float]] = (),
+                host_copy: Sequence[tuple[str, float, float]] = ()) -> ProfileFit:
+    """Fit raw ``(flop, s)`` GEMM, ``(bytes, s)`` copy, ``(link, op, n, size_bytes, s)``
+    collective and ``(direction, bytes, s)`` host-copy samples; one alpha-beta fit per link
+    kind present."""
+    flop_per_s, overhead_s = fit_gemm_rate([f for f, _ in gemm], [s for _, s in gemm])
+    links = {}
+    for link in sorted({row[0] for row in collectives}):
+        rows = [(op, n, size, s) for kind, op, n, size, s in collectives if kind == link]
+        bytes_per_s, latency_s = fit_alpha_beta(rows)
+        links[link] = LinkFit(bytes_per_s=bytes_per_s, latency_s=latency_s,
+                              group_sizes=tuple(sorted({n for _, n, _, _ in rows})))
+    return ProfileFit(matmul_flop_per_s=flop_per_s, matmul_overhead_s=overhead_s,
+                      memory_bytes_per_s=copy[0] / copy[1], links=links,
+                      host_copy_bytes_per_s={way: b / s for way, b, s in host_copy})
+
+
+@dataclass(frozen=True, kw_only=True)
+class CatalogRates:
+    """The catalog figures a profile is expressed against (efficiency = measured / these)."""
+
+    peak_flop_per_s: float
+    hbm_bytes_per_s: float
+    link_bytes_per_s: float
+    """In-node GPU-to-GPU bandwidth (the ``intra`` link)."""
+    nic_bytes_per_s: float
+    """One NIC of the reference cluster (the ``inter`` link, one rank per node)."""
 
 
 def profiled_calibration(base: Calibration, fit: ProfileFit, *, gpu_key: str,
-                         peak_flop_per_s: float, hbm_bytes_per_s: float,
-                         link_bytes_per_s: float, note: str) -> Calibration:
-    """``base`` with the device entry ``gpu_key``, ``nvlink_efficiency`` and the in-node
-    ``link_latency_s`` taken from ``fit``, expressed against the catalog's peak FLOP/s, HBM
-    and in-node link bandwidth (clamped to 1 where the measurement beats the catalog)."""
+                         catalog: CatalogRates, note: str) -> Calibration:
+    """``base`` with the device entry ``gpu_key`` and, per measured link, its efficiency
+    (``intra``: ``nvlink_efficiency``, ``inter``: ``network_efficiency``) and
+    ``link_latency_s`` taken from ``fit``, against ``catalog`` (clamped to 1 where the
+    measurement beats the catalog). Links not measured keep ``base``'s values."""
     device = profiled_device(base.device(gpu_key),
-                             matmul_efficiency=fit.matmul_flop_per_s / peak_flop_per_s,
+                             matmul_efficiency=fit.matmul_flop_per_s / catalog.peak_flop_per_s,
                              matmul_overhead_s=fit.matmul_overhead_s,
-                             memory_efficiency=fit.memory_bytes_per_s / hbm_bytes_per_s)
-    measured = (f"meshplan profile ({note}): GEMM {fit.matmul_flop_per_s / 1e9:.1f} GFLOP/s "
-                f"(catalog peak {peak_flop_per_s / 1e9:.1f}), overhead "
-                f"{fit.matmul_overhead_s * 1e6:.1f} us/call; copy "
-                f"{fit.memory_bytes_per_s / 1e9:.1f} GB/s (catalog {hbm_bytes_per_s / 1e9:.1f});"
-                f" collectives alpha {fit.link_latency_s * 1e6:.1f} us, beta "
-                f"{fit.link_bytes_per_s / 1e9:.2f} GB/s (catalog link "
-                f"{link_bytes_per_s / 1e9:.2f}). Efficiencies above 1 are clamped to 1.")
+                             memory_efficiency=fit.memory_bytes_per_s / catalog.hbm_bytes_per_s)
+    efficiency = {"intra": ("nvlink_efficiency", catalog.link_bytes_per_s),
+                  "inter": ("network_efficiency", catalog.nic_bytes_per_s)}
+    links = {efficiency[k][0]: clamp_efficiency(v.bytes_per_s / efficiency[k][1])
+             for k, v in fit.links.items()}
     return dataclasses.replace(
-        base, devices={**base.devices, gpu_key: device},
-        nvlink_efficiency=clamp_efficiency(fit.link_bytes_per_s / link_bytes_per_s),
-        link_latency_s={**base.link_latency_s, "intra": fit.link_latency_s},
-        source={**base.source, "profile": measured})
+        base, devices={**base.devices, gpu_key: device}, **links,
+        link_latency_s={**base.link_latency_s,
+                        **{k: v.latency_s for k, v in fit.links.items()}},
+        source={**base.source, "profile": profile_summary(fit, catalog=catalog, note=note)})
+
+
+def profile_summary(fit: ProfileFit, *, catalog: CatalogRates, note: str) -> str:
+    """One paragraph of what was measured, next to the catalog figures."""
+    parts = [f"meshplan profile ({note}): GEMM {fit.matmul_flop_per_s / 1e9:.1f} GFLOP/s "
+             f"(catalog peak {catalog.peak_flop_per_s / 1e9:.1f}), overhead "
+             f"{fit.matmul_overhead_s * 1e6:.2f} us/call; copy "
+             f"{fit.memory_bytes_per_s / 1e9:.1f} GB/s (catalog "
+             f"{catalog.hbm_bytes_per_s / 1e9:.1f})"]
+    parts += [f"host-device {way} {rate / 1e9:.1f} GB/s"
+              for way, rate in fit.host_copy_bytes_per_s.items()]
+    reference = {"intra": ("catalog link", catalog.link_bytes_per_s),
+                 "inter": ("catalog NIC", catalog.nic_bytes_per_s)}
+    parts += [f"{kind} collectives (groups of {', '.join(map(str, link.group_sizes))}) alpha "
+              f"{link.latency_s * 1e6:.1f} us, beta {link.bytes_per_s / 1e9:.2f} GB/s "
+              f"({reference[kind][0]} {reference[kind][1] / 1e9:.2f})"
+              for kind, link in fit.links.items()]
+    return "; ".join(parts) + ". Efficiencies above 1 are clamped to 1."
+
+
+# ----- validate --refit over several plans -------------------------------------------------------
+REFIT_TERMS = ("compute_factor", "collective_call_s", "gemm_call_s")
+"""The constants a several-plan refit fits (``RefitTerms``), in the order it frees them: with
+two plans the compute factor and the per-collective cost, the per-GEMM cost from three."""
+REFIT_ROUNDS = 4
+"""Linearise-and-solve rounds of ``refit_plans``: the step is piecewise linear in the terms, so
+one round is exact unless a bottleneck stage or an overlap switches under the new values."""
+REFIT_MIN_SINGULAR = 1e-3
+"""Smallest singular value, relative to the largest, of the normalised slope matrix of the
+freed terms; below it the plans cannot tell two terms apart and the last one is kept as is."""
+_SLOPE_STEP = 1e-3
+"""Relative step of the finite-difference slopes."""
+_TERM_SCALE = {"compute_factor": 1.0, "gemm_call_s": 1e-5, "collective_call_s": 1e-4}
+"""Typical size of each term: the finite-difference step and column scale for a zero term."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefitTerms:
+    """What a refit over several plans fits; the predicted step is linear in each term."""
+
+    compute_factor: float
+    """Multiplier of FLOP- and byte-bound compute time (``Calibration.framework_compute_factor``
+    of the plans' framework)."""
+    collective_call_s: float
+    """``Calibration.collective_call_s``: fixed cost per latency step of a collective call."""
+    gemm_call_s: float
+    """Seconds charged per GEMM call, ``compute_factor * matmul_overhead_s``: in eager mode on a
+    CPU, the host work (Python, dispatcher, autograd, element-wise ops) around each GEMM."""
+
+    def __post_init__(self) -> None:
+        if not self.compute_factor > 0:
+            raise ValueError(f"compute_factor must be > 0, got {self.compute_factor!r}")
+        for name in ("gemm_call_s", "collective_call_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def values(self) -> tuple[float, float, float]:
+        """The terms in ``REFIT_TERMS`` order."""
+        return tuple(getattr(self, name) for name in REFIT_TERMS)
+
+
+def refit_terms_of(calibration: Calibration, *, gpu_key: str, framework: str) -> RefitTerms:
+    """The ``RefitTerms`` that ``calibration`` implies for ``gpu_key`` and ``framework``."""
+    factor = calibration.compute_factor(framework)
+    return RefitTerms(compute_factor=factor,
+                      gemm_call_s=factor * calibration.device(gpu_key).matmul_overhead_s,
+                      collective_call_s=calibration.collective_call_s)
+
+
+def with_refit_terms(calibration: Calibration, terms: RefitTerms, *, gpu_key: str,
+                     framework: str) -> Calibration:
+    """``calibration`` with ``terms`` written into the device entry ``gpu_key``, the compute
+    factor of ``framework`` and ``collective_call_s``; everything else unchanged."""
+    device = dataclasses.replace(calibration.device(gpu_key),
+                                 matmul_overhead_s=terms.gemm_call_s / terms.compute_factor)
+    return dataclasses.replace(
+        calibration, devices={**calibration.devices, gpu_key: device},
+        framework_compute_factor={**calibration.framework_compute_factor,
+                                  framework: terms.compute_factor},
+        collective_call_s=terms.collective_call_s)
+
+
+def refit_plans(predict_s: Callable[[RefitTerms], Sequence[float]], *,
+                measured_s: Sequence[float], start: RefitTerms) -> RefitTerms:
+    """Terms with which the predicted steps of several plans best match their measured steps.
+
+    Minimises ``sum_i (predicted_i / measured_i - 1)^2`` (relative residuals: a 20 ms plan
+    counts as much as a 300 ms one) with every term >= 0. ``predict_s`` is the estimator's
+    step of each plan under given terms; it is piecewise linear in them, so each of
+    ``REFIT_ROUNDS`` rounds takes finite-difference slopes at the current terms and solves
+    the linear problem exactly (``_nonnegative_lstsq``). Only terms the plans determine are
+    freed (``free_terms``): at most one per plan, in ``REFIT_TERMS`` order; the others keep
+    their ``start`` value.
+    """
+    measured = np.asarray(measured_s, dtype=float)
+    if measured.ndim != 1 or not len(measured) or np.any(measured <= 0):
+        raise ValueError(f"measured steps must be seconds > 0, got {list(measured_s)}")
+    terms = start
+    for _ in range(REFIT_ROUNDS):
+        base = np.asarray(predict_s(terms), dtype=float)
+        slopes = _slopes(predict_s, terms, base)
+        free = free_terms(slopes / measured[:, None])
+        if not free:
+            return terms
+        x = np.array(terms.values())
+        offset = base - slopes @ x  # prediction = offset + slopes @ x on this linear piece
+        solved = _nonnegative_lstsq(slopes[:, free] / measured[:, None],
+                                    1 - (offset + slopes @ _zeroed(x, free)) / measured)
+        x[free] = solved
+        if x[0] <= 0:
+            raise ValueError("the measured steps leave no time for compute (compute_factor "
+                             "fitted to 0); check the plans and their measurements")
+        terms = RefitTerms(**dict(zip(REFIT_TERMS, x)))
+    return terms
+
+
+def _zeroed(x: np.ndarray, free: list[int]) -> np.ndarray:
+    out = x.copy()
+    out[free] = 0.0
+    return out
+
+
+def _slopes(predict_s: Callable[[RefitTerms], Sequence[float]], terms: RefitTerms,
+            base: np.ndarray) -> np.ndarray:
+    """d prediction_i / d term_j by forward differences (columns in ``REFIT_TERMS`` order)."""
+    x = np.array(terms.values())
+    columns = []
+    for j, name in enumerate(REFIT_TERMS):
+        step = _SLOPE_STEP * max(abs(x[j]), _TERM_SCALE[name])
+        moved = x.copy()
+        moved[j] += step
+        shifted = np.asarray(predict_s(RefitTerms(**dict(zip(REFIT_TERMS, moved)))), dtype=float)
+        columns.append((shifted - base) / step)
+    return np.stack(columns, axis=1)
+
+
+def free_terms(relative_slopes: np.ndarray) -> list[int]:
+    """Indices of the terms a refit can determine from these plans.
+
+    ``relative_slopes[i, j]``: change of plan i's predicted/measured ratio per unit of term
+    j. A term no plan depends on is skipped; the others are taken in ``REFIT_TERMS`` order,
+    at most one per plan, while the normalised columns stay independent
+    (``REFIT_MIN_SINGULAR``).
+    """
+    plans, _ = relative_slopes.shape
+    chosen: list[int] = []
+    for j in range(relative_slopes.shape[1]):
+        if len(chosen) == plans or not np.any(relative_slopes[:, j]):
+            continue
+        trial = relative_slopes[:, chosen + [j]]
+        trial = trial / np.linalg.norm(trial, axis=0)
+        singular = np.linalg.svd(trial, compute_uv=False)
+        if singular[-1] >= REFIT_MIN_SINGULAR * singular[0]:
+            chosen.append(j)
+    return chosen
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin ||a x - b||`` over ``x >= 0`` for a few unknowns: the best unconstrained
+    solution over every subset of unknowns, the rest held at 0, that is non-negative."""
+    n = a.shape[1]
+    best, best_cost = np.zeros(n), float(b @ b)
+    for size in range(1, n + 1):
+        for subset in itertools.combinations(range(n), size):
+            cols = list(subset)
+            x_sub, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if np.any(x_sub < 0):
+                continue
+            x = np.zeros(n)
+            x[cols] = x_sub
+            cost = float(np.sum((a @ x - b) ** 2))
+            if cost < best_cost - 1e-15:
+                best, best_cost = x, cost
+    return best

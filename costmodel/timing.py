@@ -289,9 +289,8 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     offload = _param_offload_per_microbatch_s(config, cluster, params=params)
     calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
                                             recompute=mode)
-    tp += calibration.collective_call_s * calls.tp
-    pp += calibration.collective_call_s * calls.pp
-    zero += calibration.collective_call_s * calls.zero
+    tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration)
+    tp, pp, zero = tp + tp_calls_s, pp + pp_calls_s, zero + zero_calls_s
     return StageTime(compute_s=compute, tp_comm_s=tp, cp_comm_s=cp, ep_comm_s=ep,
                      pp_comm_s=pp, zero_comm_s=zero,
                      zero_hidden_s=calibration.dp_overlap * compute if zero else 0.0,
@@ -419,7 +418,8 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
     else:
         return 0.0, 0.0
     if config.zero_stage <= 1:
-        comm += calibration.collective_call_s * ddp_buckets(total_params * grad_bytes)
+        comm += (calibration.collective_call_s * ddp_buckets(total_params * grad_bytes)
+                 * latency_steps("all_reduce", link.size))
     hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0
     return comm, hideable
 
@@ -436,8 +436,8 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     shard = config.dp * config.cp if config.zero_stage >= 1 else 1
     local = (params.dense + params.expert) / shard
     device = calibration.device(cluster.gpu.key)
-    loss_s = calibration.collective_call_s * LOSS_REDUCTION_CALLS if config.world_size > 1 \
-        else 0.0  # the logged loss's all-reduce, once per step (runtime/train.py)
+    loss_s = (calibration.collective_call_s * LOSS_REDUCTION_CALLS  # the logged loss
+              * latency_steps("all_reduce", config.world_size))
     if config.offload == "none":
         bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
         return local * OPTIMIZER_BYTES_PER_PARAM / bandwidth + loss_s, 0.0
@@ -457,36 +457,61 @@ LOSS_REDUCTION_CALLS = 1
 """All-reduces of the logged loss over all ranks, once per step (runtime/train.py)."""
 
 
-@dataclass(frozen=True)
-class CollectiveCalls:
-    """Collective calls one micro-batch issues on one rank of a stage, by group."""
+def latency_steps(op: str, n: int) -> float:
+    """One-hop latency steps one call of ``op`` over ``n`` ranks pays in ``collective_call_s``.
 
-    tp: int
-    pp: int
-    zero: int
-    """ZeRO-2/3 (FSDP2) parameter all-gathers and gradient reduce-scatters."""
+    As ``collectives.py`` charges latency: all-reduce ``min(2 (n-1), 2 log2 n)`` (ring or
+    double binary tree), all-gather ``min(n-1, 2 log2 n)``, send/recv 1; 0 for one rank. A
+    reduce-scatter pays an all-reduce's steps: gloo's costs as much as an all-reduce of the
+    same input (2 ranks, 32 KiB on this CPU: 0.31 ms against 0.28 ms, all-gather 0.21 ms).
+    """
+    if n <= 1:
+        return 0.0
+    if op in ("all_reduce", "reduce_scatter"):
+        return min(2.0 * (n - 1), 2 * math.log2(n))
+    if op == "all_gather":
+        return min(n - 1.0, 2 * math.log2(n))
+    if op == "send_recv":
+        return 1.0
+    raise ValueError(f"op must be all_reduce, all_gather, reduce_scatter or send_recv, got "
+                     f"{op!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveCalls:
+    """Collective calls one micro-batch issues on one rank of a stage, by group and kind."""
+
+    tp_all_reduce: int = 0
+    tp_all_gather: int = 0
+    tp_reduce_scatter: int = 0
+    pp_send_recv: int = 0
+    zero_all_gather: int = 0
+    """ZeRO-2/3 (FSDP2) parameter all-gathers."""
+    zero_reduce_scatter: int = 0
+    """ZeRO-2/3 (FSDP2) gradient reduce-scatters."""
 
 
 def tp_calls_per_layer(model: ModelSpec, config: ParallelConfig, framework: str, *,
-                       recompute: str) -> int:
-    """TP/SP collective calls of one layer for one micro-batch (forward, backward, recompute).
+                       recompute: str) -> tuple[int, int, int]:
+    """(all-reduces, all-gathers, reduce-scatters) of one layer's TP/SP for one micro-batch.
 
     Megatron-LM fuses Q, K, V (and the MLP input projections) into one column-parallel GEMM: 2
     forward and 2 backward all-reduces, or with SP an all-gather and a reduce-scatter in place
     of each (Korthikanti et al. 2022, arXiv:2205.05198, Sec. 4.2.2). The meshplan runtime
     (``parallelize_module``, runtime/parallelize.py) keeps them apart: without SP each
     column-parallel linear (wq, wk, wv, w1 and SwiGLU's w3) all-reduces its own input gradient;
-    with SP the gathered input gradient is reduce-scattered once per sub-block (as Megatron),
-    plus one all-reduce per norm for its replicated weight's gradient. Full recompute repeats
-    the forward calls; selective recompute keeps collective outputs (no extra call).
+    with SP the gathered input's gradient is reduce-scattered once per sub-block, as in
+    Megatron, plus one all-reduce per norm for its replicated weight's gradient. Full recompute
+    repeats the forward calls; selective recompute keeps collective outputs (no extra call).
     """
     if config.tp == 1:
-        return 0
-    forward = backward = 4 if config.sp else 2
-    if framework == "meshplan":
-        mats = 3 if model.activation == "swiglu" else 2
-        backward = backward + 2 if config.sp else 3 + mats - 1
-    return forward + backward + (forward if recompute == "full" else 0)
+        return 0, 0, 0
+    repeat = 2 if recompute == "full" else 1
+    meshplan = framework == "meshplan"
+    if config.sp:  # forward: gather before, scatter after each sub-block; backward: the duals
+        return (2 if meshplan else 0), 2 * repeat + 2, 2 * repeat + 2
+    mats = 3 if model.activation == "swiglu" else 2
+    return 2 * repeat + (3 + mats - 1 if meshplan else 2), 0, 0
 
 
 def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, stage: int, *,
@@ -497,7 +522,9 @@ def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, st
     TP: ``tp_calls_per_layer`` per layer, plus the vocabulary-parallel embedding (forward
     all-reduce; with SP a reduce-scatter and its backward all-gather) and LM head (backward
     all-reduce of its input gradient; with SP an all-gather and its backward reduce-scatter).
-    PP: one send or receive per direction and virtual chunk. ZeRO-2/3 (FSDP2, one group per
+    PP: one blocking call per pipeline neighbour and virtual chunk (torch's 1F1B batches each
+    send with the receive of the opposite direction in one ``batch_isend_irecv``, so an end
+    stage waits once per micro-batch, a middle stage twice). ZeRO-2/3 (FSDP2, one group per
     block plus a root group holding the embedding / head): every group all-gathers its
     parameters once per micro-batch, twice under ZeRO-3 when they are resharded after forward
     (pp = 1, runtime/parallelize.py), and reduce-scatters its gradients once. Not counted:
@@ -506,17 +533,34 @@ def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, st
     """
     layers = len(stage_layer_range(model, config, stage))
     edges = int(stage == 0) + int(stage == config.pp - 1)
-    tp = 0
+    calls: dict[str, int] = {}
     if config.tp > 1:
-        tp = layers * tp_calls_per_layer(model, config, framework, recompute=recompute) \
-            + edges * (2 if config.sp else 1)
-    pp = 2 * config.vpp if config.pp > 1 else 0
-    zero = 0
+        reduces, gathers, scatters = tp_calls_per_layer(model, config, framework,
+                                                        recompute=recompute)
+        calls.update(tp_all_reduce=layers * reduces + (0 if config.sp else edges),
+                     tp_all_gather=layers * gathers + (edges if config.sp else 0),
+                     tp_reduce_scatter=layers * scatters + (edges if config.sp else 0))
+    if config.pp > 1:
+        calls["pp_send_recv"] = config.vpp * (int(stage > 0) + int(stage < config.pp - 1))
     if config.zero_stage >= 2 and config.dp * config.cp > 1:
-        gathers = 2 if config.zero_stage == 3 and config.pp == 1 else 1
         groups = layers + (1 if edges else 0)
-        zero = groups * (gathers + 1)
-    return CollectiveCalls(tp=tp, pp=pp, zero=zero)
+        calls.update(zero_all_gather=groups * (2 if config.zero_stage == 3 and config.pp == 1
+                                               else 1),
+                     zero_reduce_scatter=groups)
+    return CollectiveCalls(**calls)
+
+
+def call_overhead_s(calls: CollectiveCalls, config: ParallelConfig,
+                    calibration: Calibration) -> tuple[float, float, float]:
+    """(tp, pp, zero) seconds of ``collective_call_s`` per latency step of each call."""
+    call_s, tp, dp = calibration.collective_call_s, config.tp, config.dp * config.cp
+    tp_s = call_s * (calls.tp_all_reduce * latency_steps("all_reduce", tp)
+                     + calls.tp_all_gather * latency_steps("all_gather", tp)
+                     + calls.tp_reduce_scatter * latency_steps("reduce_scatter", tp))
+    pp_s = call_s * calls.pp_send_recv * latency_steps("send_recv", 2)
+    zero_s = call_s * (calls.zero_all_gather * latency_steps("all_gather", dp)
+                       + calls.zero_reduce_scatter * latency_steps("reduce_scatter", dp))
+    return tp_s, pp_s, zero_s
 
 
 def ddp_buckets(grad_bytes: float) -> int:

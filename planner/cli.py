@@ -26,6 +26,7 @@ from costmodel import (FRAMEWORKS, Calibration, ClusterSpec, ModelSpec, Parallel
                        cluster_names, estimate, estimate_to_dict, load_calibration, load_cluster,
                        load_model, model_catalog)
 from costmodel.config import MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES, RECOMPUTE_MODES
+from costmodel.models import is_factory_ref
 from planner import report
 from planner import export as export_formats
 from planner import explain as explain_mod
@@ -203,10 +204,18 @@ def load_inputs(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Calib
     value of the wrong JSON type in a calibration or GPU entry (TypeError, which the loaders do
     not translate yet) are turned into ValueError here, naming the flag.
     """
-    model = _load("--model", args.model, lambda: load_model(args.model))
     cluster = _load("--cluster", args.cluster,
                     lambda: load_cluster(args.cluster, nodes=args.nodes,
                                          gpus_per_node=args.gpus_per_node))
+    # a user's module (package.module:callable) is traced at the sequence length and in the
+    # dtype the plans will use
+    seq_len = dtype = None
+    if is_factory_ref(args.model):
+        seq_len = getattr(args, "seq_len", None)
+        dtype = getattr(args, "dtype", None) or (
+            "fp32" if cluster.gpu.key == CPU_GPU_KEY else "bf16")
+    model = _load("--model", args.model,
+                  lambda: load_model(args.model, seq_len=seq_len, dtype=dtype))
     calibration = _load("--calibration", args.calibration,
                         lambda: load_calibration(args.calibration))
     return model, cluster, calibration
@@ -232,7 +241,29 @@ def _add_json_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _add_models_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_json_argument(parser)
+    parser.add_argument("--model", metavar="NAME|FILE|PKG.MOD:FN",
+                        help="show one model; a traced module (package.module:callable) is "
+                             "listed layer by layer")
+    parser.add_argument("--seq-len", type=_positive_int, metavar="S",
+                        help="sequence length to trace a module at")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                        help="dtype to trace a module in (default bf16)")
+
+
 def _run_models(args: argparse.Namespace) -> int:
+    if args.model:
+        factory = is_factory_ref(args.model)
+        model = _load("--model", args.model, lambda: load_model(
+            args.model, seq_len=args.seq_len if factory else None,
+            dtype=args.dtype if factory else None))
+        if args.json:
+            _dump_json({**model.to_dict(), "num_params": model.num_params})
+        else:
+            print(report.layers_table(model) if model.is_traced
+                  else report.models_table([model]))
+        return EXIT_OK
     models = list(model_catalog().values())
     if args.json:
         _dump_json([{**m.to_dict(), "num_params": m.num_params} for m in models])
@@ -552,8 +583,14 @@ PROFILE_TIMEOUT_S = 150.0
 def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", default="calibration.json",
                         help="calibration JSON to write (default calibration.json)")
-    parser.add_argument("--nproc-per-node", type=_positive_int, default=2, metavar="K",
-                        help="processes for the gloo collectives (default 2)")
+    parser.add_argument("--measurements", metavar="FILE",
+                        help="raw timings and fitted values as JSON (default: --out with "
+                             "'-measurements' before '.json')")
+    parser.add_argument("--nproc-per-node", type=_positive_int, metavar="K",
+                        help="local processes for the collectives, groups of 2, 4, ... K "
+                             "(default 2 on the CPU, one per GPU up to 8; 1 skips them). Under "
+                             "torchrun every process of the job takes part instead, and "
+                             "cross-node links are measured too")
     parser.add_argument("--quick", action="store_true",
                         help="fewer and smaller sizes (seconds; for tests)")
     parser.add_argument("--dtype", choices=DTYPES,
@@ -561,6 +598,9 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", metavar="FILE",
                         help="calibration the measured values are written over (default: "
                              "built-in)")
+    parser.add_argument("--cluster", metavar="NAME",
+                        help="catalog cluster whose NIC bandwidth the cross-node fit is "
+                             "expressed against (default: the first with this device)")
 
 
 def _write_calibration(calibration: Calibration, path: str, *, about: str) -> None:
@@ -572,112 +612,317 @@ def _write_calibration(calibration: Calibration, path: str, *, about: str) -> No
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    """Measure this machine (runtime/profile_hw.py) and fit a calibration (costmodel/fitting)."""
+    """Measure this machine (runtime/profile_hw.py) and fit a calibration (costmodel/fitting).
+
+    Under torchrun every process joins the collectives; rank 0 fits and writes, the other
+    ranks return 0 without output.
+    """
     import time
 
     from costmodel import fitting, gpu_catalog
     from runtime import profile_hw
 
+    start = time.perf_counter()
     base = _load("--calibration", args.calibration, lambda: load_calibration(args.calibration))
     key = profile_hw.device_key()
     gpu = gpu_catalog()["a100-80gb" if key == "default" else key]
+    cluster = _load("--cluster", args.cluster, lambda: load_cluster(
+        args.cluster or next((name for name in cluster_names()
+                              if load_cluster(name).gpu.key == gpu.key), "dgx-a100-80gb")))
+    raw_path = _profile_paths(args)
     dtype = args.dtype or ("fp32" if key == CPU_GPU_KEY else "bf16")
-    sizes = profile_hw.QUICK if args.quick else profile_hw.FULL
-    start = time.perf_counter()
-    progress = profile_hw.Progress(profile_hw.steps_of(sizes))
+    if key == CPU_GPU_KEY and dtype == "fp16":
+        raise ValueError("--dtype fp16 on the CPU: torch has no fast fp16 GEMM there (about "
+                         "1 GFLOP/s here), the profile would take many minutes; use fp32 or bf16")
+    sizes = profile_hw.sizes_for(quick=args.quick, cuda=key != CPU_GPU_KEY)
+    distributed = profile_hw.under_torchrun()
+    nproc = 1 if distributed else profile_hw.local_processes(args.nproc_per_node)
+    progress = profile_hw.Progress(
+        profile_hw.steps_of(sizes, collectives=distributed or nproc > 1),
+        shown=not distributed or os.environ["RANK"] == "0")
     try:
-        measured = profile_hw.measure(dtype=dtype, sizes=sizes, nproc=args.nproc_per_node,
-                                      timeout_s=PROFILE_TIMEOUT_S, progress=progress)
+        if distributed:
+            measured = profile_hw.measure_distributed(dtype=dtype, sizes=sizes,
+                                                      timeout_s=PROFILE_TIMEOUT_S,
+                                                      progress=progress)
+        else:
+            measured = profile_hw.measure(dtype=dtype, sizes=sizes, nproc=nproc,
+                                          timeout_s=PROFILE_TIMEOUT_S, progress=progress)
     finally:
         progress.close()
+    if measured is None:  # a torchrun rank other than 0
+        return EXIT_OK
     fit = fitting.fit_profile(gemm=measured.gemm, copy=measured.copy,
-                              collectives=measured.collectives)
+                              collectives=measured.collectives, host_copy=measured.host_copy)
     wall_s = time.perf_counter() - start
-    note = (f"{'quick, ' if args.quick else ''}{key}, {dtype}, {args.nproc_per_node} gloo "
-            f"processes on 127.0.0.1, {wall_s:.0f} s")
-    calibration = fitting.profiled_calibration(
-        base, fit, gpu_key=key, peak_flop_per_s=gpu.peak(dtype),
-        hbm_bytes_per_s=gpu.hbm_bytes_per_s, link_bytes_per_s=gpu.nvlink_bytes_per_s,
-        note=note)
+    where = (f"{measured.nodes} nodes x {measured.procs_per_node}" if measured.nodes > 1
+             else f"{measured.procs_per_node}")
+    note = (f"{'quick, ' if args.quick else ''}{key}, {dtype}, {where} "
+            f"{measured.backend or 'no collective'} processes, {measured.samples_per_case} "
+            f"samples per case, {wall_s:.0f} s")
+    catalog = fitting.CatalogRates(peak_flop_per_s=gpu.peak(dtype),
+                                   hbm_bytes_per_s=gpu.hbm_bytes_per_s,
+                                   link_bytes_per_s=gpu.nvlink_bytes_per_s,
+                                   nic_bytes_per_s=cluster.nic_bytes_per_s)
+    calibration = fitting.profiled_calibration(base, fit, gpu_key=key, catalog=catalog,
+                                               note=note)
+    calibration = dataclasses.replace(calibration, source={**calibration.source,
+                                                           "topology": measured.topology})
     _write_calibration(calibration, args.out, about=f"meshplan profile of this machine "
-                       f"({note}); use with --calibration {args.out}")
-    print(f"matmul     {fit.matmul_flop_per_s / 1e12:.4f} TFLOP/s + "
-          f"{fit.matmul_overhead_s * 1e6:.1f} us/call  ({dtype}; catalog peak "
-          f"{gpu.peak(dtype) / 1e12:.4f})")
-    print(f"memory     {fit.memory_bytes_per_s / 1e9:.1f} GB/s  (catalog "
-          f"{gpu.hbm_bytes_per_s / 1e9:.1f})")
-    print(f"collective alpha {fit.link_latency_s * 1e6:.1f} us, beta "
-          f"{fit.link_bytes_per_s / 1e9:.2f} GB/s  (catalog link "
-          f"{gpu.nvlink_bytes_per_s / 1e9:.2f} GB/s)")
-    print(f"wrote {args.out} (device {key!r}) in {wall_s:.1f} s")
+                       f"({note}; topology: {measured.topology}); use with --calibration "
+                       f"{args.out}")
+    with open(raw_path, "w") as out:
+        json.dump({"about": f"raw timings and fits of {args.out}", "note": note,
+                   "wall_s": wall_s, "measurements": measured.to_dict(),
+                   "fit": fit.to_dict(), "catalog": dataclasses.asdict(catalog),
+                   "reference_cluster": cluster.name}, out, indent=2)
+        out.write("\n")
+    print(_profile_lines(measured, fit, catalog, dtype=dtype))
+    print(f"wrote {args.out} (device {key!r}) and {raw_path} in {wall_s:.1f} s")
     return EXIT_OK
 
 
+def _profile_paths(args: argparse.Namespace) -> str:
+    """The ``--measurements`` path (default: next to ``--out``); ValueError, before anything is
+    measured, when the folder of either file does not exist."""
+    raw_path = args.measurements or f"{os.path.splitext(args.out)[0]}-measurements.json"
+    for flag, path in (("--out", args.out), ("--measurements", raw_path)):
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{flag} {path!r}: its folder does not exist")
+    return raw_path
+
+
+def _profile_lines(measured: Any, fit: Any, catalog: Any, *, dtype: str) -> str:
+    """What ``profile`` measured, one line per kind, next to the catalog figures."""
+    lines = [f"topology   {measured.topology}",
+             f"matmul     {fit.matmul_flop_per_s / 1e12:.4g} TFLOP/s + "
+             f"{fit.matmul_overhead_s * 1e6:.2f} us/call  ({dtype}; catalog peak "
+             f"{catalog.peak_flop_per_s / 1e12:.4g})",
+             f"memory     {fit.memory_bytes_per_s / 1e9:.1f} GB/s  (catalog "
+             f"{catalog.hbm_bytes_per_s / 1e9:.1f})"]
+    lines.append("host-dev   " + (", ".join(f"{way} {rate / 1e9:.1f} GB/s" for way, rate in
+                                            fit.host_copy_bytes_per_s.items())
+                                  or "skipped: no CUDA device (pinned H2D/D2H need one)"))
+    reference = {"intra": ("link", catalog.link_bytes_per_s),
+                 "inter": ("NIC", catalog.nic_bytes_per_s)}
+    for kind in ("intra", "inter"):
+        link = fit.links.get(kind)
+        if link is None:
+            why = ("one process" if kind == "intra" else
+                   "one node; run under torchrun --nnodes N to measure it")
+            lines.append(f"{kind:<10} not measured ({why})")
+            continue
+        lines.append(f"{kind:<10} alpha {link.latency_s * 1e6:.1f} us, beta "
+                     f"{link.bytes_per_s / 1e9:.2f} GB/s over groups of "
+                     f"{', '.join(map(str, link.group_sizes))} ({measured.backend}; catalog "
+                     f"{reference[kind][0]} {reference[kind][1] / 1e9:.2f} GB/s)")
+    return "\n".join(lines)
+
+
+VALIDATE_MEMORY_STEPS = 3
+"""Steps of ``validate``'s memory run. The CPU's live-tensor tracker costs dispatch time on every
+op (a tiny plan's step ran 3-4x slower with it), so step times come from a run without it and
+per-rank peaks from a short second run with it; the peak is reached within the first steps."""
+FOREIGN_CORES_WARNING = 0.25
+"""``validate`` warns when other processes kept more than this many cores busy on average during
+a timed run: the ranks then wait for CPU time and for each other, and the step is not the
+plan's (on a 2-core machine one foreign busy process doubled some steps)."""
+
+
 def _add_validate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("plan_file", metavar="plan.json", help="a plan file (meshplan plan -o)")
+    parser.add_argument("plan_files", nargs="+", metavar="plan.json",
+                        help="plan file(s) (meshplan plan -o); --refit over several plans fits "
+                             "compute, per-GEMM and per-collective costs together")
     parser.add_argument("--steps", type=_positive_int, default=5, metavar="N",
                         help="optimizer steps (default 5; the first is a warm-up)")
     parser.add_argument("--calibration", metavar="FILE",
                         help="calibration of the prediction (default: the built-in one)")
     parser.add_argument("--refit", action="store_true",
-                        help="write a calibration scaled so the prediction matches this run")
+                        help="write a calibration fitted so the predictions match these runs")
     parser.add_argument("--out", metavar="FILE", default="calibration-refit.json",
                         help="where --refit writes (default calibration-refit.json)")
+    parser.add_argument("--report", metavar="FILE",
+                        help="write measured and predicted values of every plan as JSON")
     parser.add_argument("--timeout", type=_positive_float, default=60.0, metavar="S",
                         help="process-group timeout in seconds (default 60)")
     parser.add_argument("--nproc-per-node", type=_positive_int, metavar="K",
-                        help="processes (default: the plan's world size)")
+                        help="processes (default: each plan's world size)")
 
 
 def _run_validate(args: argparse.Namespace) -> int:
-    """Run the plan, compare with the prediction under ``--calibration``, optionally refit.
+    """Run each plan, compare with the prediction under ``--calibration``, optionally refit.
 
-    Refit: one factor ``f`` slows every compute and communication cost (``fitting.
-    scaled_calibration``); ``fitting.refit_step_scale`` finds ``f`` by iterating the estimator
-    until the predicted step equals the measured median step.
+    On the CPU each plan runs twice (``_measure_plan``): its median step without the memory
+    tracker, its per-rank peaks with it. Refit on one plan: one factor ``f`` slows every compute and
+    communication cost (``fitting.scaled_calibration``, found by ``fitting.
+    refit_step_scale``). On several plans: ``fitting.refit_plans`` fits the compute factor,
+    the cost per GEMM call and the cost per collective call by least squares over them.
     """
-    from costmodel import fitting
+    plans = [(path, read_plan(path)) for path in args.plan_files]
+    calibration = _load("--calibration", args.calibration,
+                        lambda: load_calibration(args.calibration))
+    for flag, path in (("--report", args.report), ("--out", args.out if args.refit else None)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{flag} {path!r}: its folder does not exist")
+    entries = []
+    for path, plan in plans:
+        code, measured = _measure_plan(path, args)
+        if measured is None:
+            return code
+        if len(plans) > 1:
+            print(f"plan {path}")
+        est = _plan_estimate(plan, calibration)
+        print(_validate_summary(measured, est))
+        entries.append(_validate_entry(path, measured, est))
+    document = {"calibration": args.calibration or "built-in", "steps": args.steps,
+                "plans": entries}
+    if args.refit:
+        document["refit"] = _refit_and_write(plans, entries, calibration, args)
+    if args.report:
+        with open(args.report, "w") as out:
+            json.dump(document, out, indent=2)
+            out.write("\n")
+    return EXIT_OK
+
+
+def _measure_plan(path: str, args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
+    """(exit code, report): the timed run's report with the memory run's per-rank peaks.
+
+    On CUDA one run gives both (the allocator's counters cost nothing); on the CPU the timed
+    run goes without the live-tensor tracker and a short second run measures the peaks."""
+    import torch
+
     from runtime import launch
     from runtime.train import RunOptions
 
-    plan = read_plan(args.plan_file)
-    calibration = _load("--calibration", args.calibration,
-                        lambda: load_calibration(args.calibration))
-    result = launch.run(args.plan_file, options=RunOptions(steps=args.steps,
-                                                           timeout_s=args.timeout),
-                        launch=launch.Launch(nproc_per_node=args.nproc_per_node))
-    if result.exit_code != 0 or result.report is None:
-        return result.exit_code or 1
+    where = launch.Launch(nproc_per_node=args.nproc_per_node)
+    runs = ((args.steps, True),) if torch.cuda.is_available() else \
+        ((args.steps, False), (min(args.steps, VALIDATE_MEMORY_STEPS), True))
+    reports, foreign = [], None
+    for steps, track in runs:
+        before = _cpu_counters()
+        result = launch.run(path, options=RunOptions(steps=steps, timeout_s=args.timeout,
+                                                     track_memory=track), launch=where)
+        if result.exit_code != 0 or result.report is None:
+            return result.exit_code or 1, None
+        foreign = _foreign_cores(before, _cpu_counters()) if foreign is None else foreign
+        reports.append(result.report)
+    timed, tracked = reports[0], reports[-1]
+    return EXIT_OK, {**timed, "per_rank": tracked["per_rank"],
+                     "peak_bytes": tracked["peak_bytes"], "foreign_cpu_cores": foreign}
 
-    def predict(cal: Calibration):
-        return estimate(plan.model, plan.cluster, plan.config, framework=plan.framework,
-                        calibration=cal)
 
-    est = predict(calibration)
-    measured_s = result.report["step_s_median"]
-    print(_validate_summary(result.report, est))
-    if args.refit:
-        key, cluster = plan.cluster.gpu.key, plan.cluster
-        latency = dict(intra_latency_s=calibration.link_latency_s.get(
-                           "intra", cluster.nvlink_latency_s),
-                       inter_latency_s=calibration.link_latency_s.get(
-                           "inter", cluster.nic_latency_s))
+def _cpu_counters() -> tuple[float, float, float] | None:
+    """(wall s, busy CPU s of the whole machine, CPU s of this process and its waited-for
+    children); None where ``/proc/stat`` is missing (not Linux)."""
+    import resource
+    import time
 
-        def scaled(factor: float) -> Calibration:
-            return fitting.scaled_calibration(calibration, gpu_key=key, factor=factor,
-                                              **latency)
+    try:
+        with open("/proc/stat") as stat:
+            fields = [float(v) for v in stat.readline().split()[1:]]
+    except OSError:
+        return None
+    hertz = os.sysconf("SC_CLK_TCK")
+    mine = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    busy_s = sum(fields[i] for i in (0, 1, 2, 5, 6)) / hertz  # user nice system irq softirq
+    return time.monotonic(), busy_s, mine
 
-        factor = fitting.refit_step_scale(lambda f: predict(scaled(f)).time.step_s,
-                                          measured_step_s=measured_s)
-        refit = scaled(factor)
-        note = (f"meshplan validate --refit on {args.plan_file}: measured median step "
-                f"{measured_s:.4f} s over {args.steps} steps; every compute and comm cost "
-                f"scaled by {factor:.3f}")
-        refit = dataclasses.replace(refit, source={**refit.source, "refit": note})
-        _write_calibration(refit, args.out, about=note)
-        print(f"refit      factor {factor:.3f}; predicted step now "
-              f"{predict(refit).time.step_s:.4f} s; wrote {args.out}")
-    return EXIT_OK
+
+def _foreign_cores(before: tuple[float, float, float] | None,
+                   after: tuple[float, float, float] | None) -> float | None:
+    """Average number of cores other processes kept busy between two ``_cpu_counters``."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    busy = after[1] - before[1]
+    mine = after[2] - before[2]
+    return max(0.0, (busy - mine) / (after[0] - before[0]))
+
+
+def _plan_estimate(plan: Any, calibration: Calibration) -> Any:
+    return estimate(plan.model, plan.cluster, plan.config, framework=plan.framework,
+                    calibration=calibration)
+
+
+def _validate_entry(path: str, report: dict[str, Any], est: Any) -> dict[str, Any]:
+    """One plan's measured and predicted values for ``--report``."""
+    stage_peak = {s.stage: s.peak_bytes for s in est.memory.per_stage}
+    ranks = [{"rank": r["rank"], "stage": r["stage"], "measured_peak_bytes": r["peak_bytes"],
+              "predicted_peak_bytes": stage_peak.get(r["stage"]),
+              "peak_ratio": (r["peak_bytes"] / stage_peak[r["stage"]]
+                             if r["peak_bytes"] is not None and stage_peak.get(r["stage"])
+                             else None)}
+             for r in report["per_rank"]]
+    measured_s = report["step_s_median"]
+    return {"plan": path, "world_size": report["world_size"], "measured_step_s": measured_s,
+            "step_s": report["step_s"], "predicted_step_s": est.time.step_s,
+            "step_ratio": measured_s / est.time.step_s, "per_rank": ranks,
+            "foreign_cpu_cores": report.get("foreign_cpu_cores")}
+
+
+def _refit_and_write(plans: list[tuple[str, Any]], entries: list[dict[str, Any]],
+                     calibration: Calibration, args: argparse.Namespace) -> dict[str, Any]:
+    """Fit (``_refit_one`` / ``_refit_several``), write ``--out``, print and return a summary."""
+    keys = {(plan.cluster.gpu.key, plan.framework) for _, plan in plans}
+    if len(keys) > 1:
+        raise ValueError(f"--refit over several plans needs one device and framework, got "
+                         f"{sorted(keys)}")
+    measured = [e["measured_step_s"] for e in entries]
+    runs = "; ".join(f"{path}: measured median step {m:.4f} s"
+                     for (path, _), m in zip(plans, measured))
+    if len(plans) == 1:
+        refit, fitted = _refit_one(plans[0][1], calibration, measured[0])
+    else:
+        refit, fitted = _refit_several([p for _, p in plans], calibration, measured)
+    note = f"meshplan validate --refit over {args.steps} steps ({runs}); {fitted}"
+    refit = dataclasses.replace(refit, source={**refit.source, "refit": note})
+    _write_calibration(refit, args.out, about=note)
+    after = [_plan_estimate(plan, refit).time.step_s for _, plan in plans]
+    print(f"refit      {fitted}; wrote {args.out}")
+    for (path, _), m, p in zip(plans, measured, after):
+        print(f"           {path}: measured {m:.4f} s   predicted now {p:.4f} s   "
+              f"ratio {m / p:.2f}x")
+    return {"out": args.out, "fitted": fitted, "predicted_step_s": after}
+
+
+def _refit_one(plan: Any, calibration: Calibration,
+               measured_s: float) -> tuple[Calibration, str]:
+    """One factor on every compute and communication cost, matching one plan's step."""
+    from costmodel import fitting
+
+    key, cluster = plan.cluster.gpu.key, plan.cluster
+    latency = dict(intra_latency_s=calibration.link_latency_s.get(
+                       "intra", cluster.nvlink_latency_s),
+                   inter_latency_s=calibration.link_latency_s.get(
+                       "inter", cluster.nic_latency_s))
+
+    def scaled(factor: float) -> Calibration:
+        return fitting.scaled_calibration(calibration, gpu_key=key, factor=factor, **latency)
+
+    factor = fitting.refit_step_scale(lambda f: _plan_estimate(plan, scaled(f)).time.step_s,
+                                      measured_step_s=measured_s)
+    return scaled(factor), f"every compute and comm cost scaled by {factor:.3f}"
+
+
+def _refit_several(plans: list[Any], calibration: Calibration,
+                   measured_s: list[float]) -> tuple[Calibration, str]:
+    """Compute factor, seconds per GEMM call and per collective call, by least squares."""
+    from costmodel import fitting
+
+    key, framework = plans[0].cluster.gpu.key, plans[0].framework
+
+    def with_terms(terms: Any) -> Calibration:
+        return fitting.with_refit_terms(calibration, terms, gpu_key=key, framework=framework)
+
+    terms = fitting.refit_plans(
+        lambda t: [_plan_estimate(p, with_terms(t)).time.step_s for p in plans],
+        measured_s=measured_s,
+        start=fitting.refit_terms_of(calibration, gpu_key=key, framework=framework))
+    fitted = (f"fitted over {len(plans)} plans: compute factor {terms.compute_factor:.3f}, "
+              f"{terms.gemm_call_s * 1e6:.1f} us per GEMM call, "
+              f"{terms.collective_call_s * 1e6:.0f} us per collective call")
+    return with_terms(terms), fitted
 
 
 def _validate_summary(report: dict[str, Any], est: Any) -> str:
@@ -685,6 +930,10 @@ def _validate_summary(report: dict[str, Any], est: Any) -> str:
     measured_s, predicted_s = report["step_s_median"], est.time.step_s
     lines = [f"step time  measured {measured_s:.4f} s   predicted {predicted_s:.4f} s   "
              f"ratio {measured_s / predicted_s:.2f}x"]
+    foreign = report.get("foreign_cpu_cores")
+    if foreign is not None and foreign > FOREIGN_CORES_WARNING:
+        lines.append(f"warning: other processes kept {foreign:.2f} cores busy during the timed "
+                     f"run; its step time is not this plan's alone")
     stage_peak = {s.stage: s.peak_bytes for s in est.memory.per_stage}
     for rank in report["per_rank"]:
         predicted = stage_peak.get(rank["stage"])
@@ -706,7 +955,8 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "models": Command("list the model catalog", _add_json_argument, _run_models),
+    "models": Command("list the model catalog, or one model's layers",
+                      _add_models_arguments, _run_models),
     "clusters": Command("list the cluster templates", _add_json_argument, _run_clusters),
     "estimate": Command("memory per GPU and time per step of one plan", _add_estimate_arguments,
                         _run_estimate),
@@ -752,6 +1002,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError) as err:
         print(f"{PROG}: error: {_one_line(str(err))}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `meshplan models | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":
