@@ -338,6 +338,10 @@ def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Para
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework)
     offload = _param_offload_per_microbatch_s(config, cluster, params=params)
+    calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
+                                            recompute=mode)
+    _, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration)
+    pp, zero = pp + pp_calls_s, zero + zero_calls_s
     return StageTime(compute_s=compute, tp_comm_s=0.0, cp_comm_s=0.0, ep_comm_s=0.0,
                      pp_comm_s=pp, zero_comm_s=zero,
                      zero_hidden_s=calibration.dp_overlap * compute if zero else 0.0,
