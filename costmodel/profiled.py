@@ -159,14 +159,3 @@ def model_from_factory(ref: str, *, seq_len: int | None = None,
         spec = dataclasses.replace(spec, vocab_size=vocab)
     return spec
 
-
-def with_seq_len(spec: ModelSpec, seq_len: int) -> ModelSpec:
-    """``spec`` retraced at ``seq_len`` (traced costs hold for one sequence length only)."""
-    if spec.seq_len == seq_len:
-        return spec
-    if not spec.factory:
-        raise ValueError(f"{spec.name} was traced at seq_len {spec.seq_len} and has no factory "
-                         f"to retrace it at {seq_len}")
-    dtype = {4: "fp32", 2: "bf16"}.get(spec.traced_dtype_bytes, "bf16")
-    return dataclasses.replace(model_from_factory(spec.factory, seq_len=seq_len, dtype=dtype),
-                               name=spec.name)

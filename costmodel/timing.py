@@ -284,11 +284,21 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     compute *= calibration.compute_factor(framework)
     tp *= 1 - calibration.tp_overlap
     pp = _pp_comm_s(model, config, pp_link, calibration)
+    return _stage_time(model, cluster, config, calibration, stage, params=params, links=links,
+                       framework=framework, compute=compute, tp=tp, cp=cp, ep=ep, pp=pp)
+
+
+def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                calibration: Calibration, stage: int, *, params: StageParams, links: Links,
+                framework: str, compute: float, tp: float, cp: float, ep: float,
+                pp: float) -> StageTime:
+    """A stage's ``StageTime`` from its compute and TP/CP/EP/PP traffic: adds the ZeRO and
+    parameter-offload traffic (with the part compute hides) and every collective call's cost."""
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework)
     offload = _param_offload_per_microbatch_s(config, cluster, params=params)
     calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
-                                            recompute=mode)
+                                            recompute=config.stage_recompute(stage))
     tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration)
     tp, pp, zero = tp + tp_calls_s, pp + pp_calls_s, zero + zero_calls_s
     return StageTime(compute_s=compute, tp_comm_s=tp, cp_comm_s=cp, ep_comm_s=ep,
@@ -335,18 +345,8 @@ def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Para
                                intra_eff=calibration.nvlink_efficiency,
                                inter_eff=calibration.network_efficiency)
         pp = 2 * one * (1 - calibration.pp_overlap)
-    zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
-                                  framework=framework)
-    offload = _param_offload_per_microbatch_s(config, cluster, params=params)
-    calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
-                                            recompute=mode)
-    _, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration)
-    pp, zero = pp + pp_calls_s, zero + zero_calls_s
-    return StageTime(compute_s=compute, tp_comm_s=0.0, cp_comm_s=0.0, ep_comm_s=0.0,
-                     pp_comm_s=pp, zero_comm_s=zero,
-                     zero_hidden_s=calibration.dp_overlap * compute if zero else 0.0,
-                     offload_raw_s=offload,
-                     offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0)
+    return _stage_time(model, cluster, config, calibration, stage, params=params, links=links,
+                       framework=framework, compute=compute, tp=0.0, cp=0.0, ep=0.0, pp=pp)
 
 
 def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,

@@ -362,9 +362,3 @@ def traced_objective_ns(tables: TracedTables, layers: list[int] | tuple[int, ...
              + max(x["offload_step"] for x in terms))
     return (m - 1) * max(t) + sum(t) + extra
 
-
-def traced_fits(tables: TracedTables, stage: int, start: int, stop: int, mode: str) -> bool:
-    counts = tables.counts(start, stop)
-    workspace = max((w for w, c in zip(tables.workspace_bytes, counts) if c), default=0) \
-        if mode == "full" else 0
-    return tables.memory_bytes[stage][mode].at(counts) + workspace <= tables.capacity_bytes

@@ -26,6 +26,19 @@ class CliResult:
         return json.loads(self.out)
 
 
+def usage_error(*argv: Any) -> str:
+    """``meshplan ARGV`` must fail as a user error: exit 2, nothing on stdout, one line on
+    stderr and no traceback; returns that line."""
+    result = run_cli(*argv)
+    assert result.code == 2, (result.code, result.err)
+    assert result.out == ""
+    assert "Traceback" not in result.err
+    lines = result.err.splitlines()
+    assert len(lines) == 1, result.err
+    assert lines[0].startswith("meshplan: error: ")
+    return lines[0]
+
+
 def run_cli(*argv: Any) -> CliResult:
     """``meshplan ARGV`` through ``planner.cli.main``; stdout and stderr captured apart."""
     out, err = io.StringIO(), io.StringIO()

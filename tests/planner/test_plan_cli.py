@@ -19,6 +19,7 @@ import pytest
 
 from costmodel import estimate, estimate_to_dict, load_model
 from planner.testing import run_cli
+from planner.testing import usage_error as cli_usage_error
 from planner.plan import plan_from_dict
 
 # ----- the contract, copied from DESIGN.md ("plan --json output", "Plan file") ----------------
@@ -53,15 +54,8 @@ def plan_json(*argv: str) -> dict:
 
 
 def usage_error(*argv: str) -> str:
-    """``argv`` must fail as a user error: exit 2, nothing on stdout, one line, no traceback."""
-    result = meshplan(*argv, "--json")
-    assert result.code == 2, (result.code, result.err)
-    assert result.out == ""
-    assert "Traceback" not in result.err
-    lines = result.err.splitlines()
-    assert len(lines) == 1, result.err
-    assert lines[0].startswith("meshplan: error: ")
-    return lines[0]
+    """``argv`` (with ``--json``) must fail as a user error (``planner.testing.usage_error``)."""
+    return cli_usage_error(*argv, "--json")
 
 
 def assert_close_tree(got, want, path: str = "") -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from costmodel import estimate
-from planner.testing import run_cli
+from planner.testing import run_cli, usage_error
 from planner.plan import read_plan
 
 # ----- the contract, copied from DESIGN.md --------------------------------------------------------
@@ -42,16 +42,6 @@ BASE = ["--model", "megatron-1.7b", "--cluster", "dgx-a100-80gb", "--global-batc
 meshplan = run_cli
 
 
-def usage_error(*argv) -> str:
-    """``argv`` must fail as a user error: exit 2, nothing on stdout, one line, no traceback."""
-    result = meshplan(*argv)
-    assert result.code == 2, (result.code, result.err)
-    assert result.out == ""
-    assert "Traceback" not in result.err
-    lines = result.err.splitlines()
-    assert len(lines) == 1, result.err
-    assert lines[0].startswith("meshplan: error: ")
-    return lines[0]
 
 
 def write_plan_file(path: Path, *argv: str) -> dict:
