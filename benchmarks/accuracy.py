@@ -21,8 +21,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from costmodel import load_calibration  # noqa: E402
-from costmodel.reference import predict, reference_runs  # noqa: E402
+from meshplan.costmodel import load_calibration  # noqa: E402
+from meshplan.costmodel.reference import predict, reference_runs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from costmodel import ParallelConfig, estimate, load_cluster, load_model  # noqa: E402
+from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from costmodel import FRAMEWORKS, ParallelConfig, estimate, estimate_to_dict, load_cluster
-from costmodel import load_model
-from costmodel.estimate import Estimate
+from meshplan.costmodel import FRAMEWORKS, ParallelConfig, estimate, estimate_to_dict, load_cluster
+from meshplan.costmodel import load_model
+from meshplan.costmodel.estimate import Estimate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 2**30

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import minimize
 
-from costmodel import ParallelConfig, default_calibration, load_cluster, load_model
-from costmodel.calibration import Calibration
-from costmodel.reference import predict, reference_runs
-from costmodel.timing import BACKWARD_FACTOR, _tp_comm_per_layer_s, layer_forward_s, stage_links
+from meshplan.costmodel import ParallelConfig, default_calibration, load_cluster, load_model
+from meshplan.costmodel.calibration import Calibration
+from meshplan.costmodel.reference import predict, reference_runs
+from meshplan.costmodel.timing import BACKWARD_FACTOR, _tp_comm_per_layer_s, layer_forward_s, stage_links
 
 CALIBRATION_FILE = Path(__file__).resolve().parents[1] / "costmodel" / "data" / "calibration.json"
 

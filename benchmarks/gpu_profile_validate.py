@@ -48,9 +48,9 @@ REFIT_LINE = re.compile(r"^refit\s.*?(?:factor|scaled by) ([\d.e+-]+)", re.MULTI
 
 
 def meshplan(*argv: str, timeout_s: float) -> str:
-    """``python -m planner.cli ARGV``; its stdout (stderr passes through). Raises on failure."""
+    """``python -m meshplan ARGV``; its stdout (stderr passes through). Raises on failure."""
     print(f"$ meshplan {' '.join(argv)}", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, "-m", "planner.cli", *argv], cwd=ROOT, text=True,
+    done = subprocess.run([sys.executable, "-m", "meshplan", *argv], cwd=ROOT, text=True,
                           stdout=subprocess.PIPE, timeout=timeout_s, check=False)
     print(done.stdout, file=sys.stderr, end="", flush=True)
     if done.returncode != 0:

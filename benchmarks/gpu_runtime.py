@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from costmodel import ParallelConfig, default_calibration, estimate, load_cluster, load_model
-from planner.plan import Plan, write_plan
+from meshplan.costmodel import ParallelConfig, default_calibration, estimate, load_cluster, load_model
+from meshplan.planner.plan import Plan, write_plan
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "llama3.2-1b"
@@ -57,7 +57,7 @@ def run_plan(plan: Plan, steps: int, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         plan_file, report_file = Path(tmp) / "plan.json", Path(tmp) / "report.json"
         write_plan(plan, plan_file)
-        subprocess.run([sys.executable, "-m", "planner.cli", "run", str(plan_file),
+        subprocess.run([sys.executable, "-m", "meshplan", "run", str(plan_file),
                         "--steps", str(steps), "--report", str(report_file),
                         "--nproc-per-node", "1"], check=True, timeout=timeout_s)
         return json.loads(report_file.read_text())

@@ -23,10 +23,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from costmodel import default_calibration  # noqa: E402
-from costmodel.reference import predict, reference_runs  # noqa: E402
-from planner.search import search  # noqa: E402
-from planner.space import SearchSpace  # noqa: E402
+from meshplan.costmodel import default_calibration  # noqa: E402
+from meshplan.costmodel.reference import predict, reference_runs  # noqa: E402
+from meshplan.planner.search import search  # noqa: E402
+from meshplan.planner.space import SearchSpace  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -1,6 +1,6 @@
 """Is ``meshplan profile`` repeatable? Run it several times and compare the fitted values.
 
-Each run is a fresh ``python -m planner.cli profile`` (as a user runs it); the fitted values
+Each run is a fresh ``python -m meshplan profile`` (as a user runs it); the fitted values
 come from its ``--measurements`` file. The table lists every fitted value of every run and the
 spread (largest / smallest run); the acceptance is a spread of at most 1.2 (20 %) and a wall
 time under 3 minutes per full run. Writes ``profile-repeat-<device>-<date>.{md,json}`` under
@@ -45,7 +45,7 @@ def profile_once(*, quick: bool, nproc: int, workdir: Path, index: int,
                  timeout_s: float) -> dict:
     """One ``meshplan profile`` in a fresh interpreter: wall time and its measurements file."""
     out, raw = workdir / f"cal-{index}.json", workdir / f"raw-{index}.json"
-    argv = [sys.executable, "-m", "planner.cli", "profile", "--out", str(out),
+    argv = [sys.executable, "-m", "meshplan", "profile", "--out", str(out),
             "--measurements", str(raw), "--nproc-per-node", str(nproc)]
     start = time.perf_counter()
     subprocess.run(argv + (["--quick"] if quick else []), cwd=ROOT, check=True,

@@ -24,8 +24,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model  # noqa: E402
-from planner.plan import Plan, write_plan  # noqa: E402
+from meshplan.costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model  # noqa: E402
+from meshplan.planner.plan import Plan, write_plan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -57,7 +57,7 @@ def make_plan(ranks: int, fields: dict, calibration_path: str | None) -> Plan:
 def run(plan: Plan, steps: int, folder: Path) -> dict:
     plan_file, report_file = folder / "plan.json", folder / "report.json"
     write_plan(plan, plan_file)
-    subprocess.run([sys.executable, "-m", "planner.cli", "run", str(plan_file), "--steps",
+    subprocess.run([sys.executable, "-m", "meshplan", "run", str(plan_file), "--steps",
                     str(steps), "--report", str(report_file)], check=True, timeout=600,
                    stdout=subprocess.DEVNULL)
     return json.loads(report_file.read_text())

@@ -2,7 +2,7 @@
 
 Builds GPT-2 124M, Llama-2-7B and Llama-3-70B with ``transformers`` from their published
 ``config.json`` (no download, no weights) and profiles one training step with
-``costmodel.hf.profile_hf``. Per model: traced parameters against the published count and
+``meshplan.costmodel.hf.profile_hf``. Per model: traced parameters against the published count and
 ``costmodel.models.from_hf_config``, per-block forward FLOPs against ``costmodel.flops``
 (non-causal, as the FLOP counter counts), the trace wall time and the growth of peak RSS.
 Each model runs in a fresh process that first traces a tiny model of the same type, so imports
@@ -23,8 +23,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token
-from costmodel.models import from_hf_config
+from meshplan.costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token
+from meshplan.costmodel.models import from_hf_config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BF16_BYTES = 2
@@ -59,7 +59,7 @@ def _peak_rss_bytes() -> int:
 
 def trace_case(config: dict, micro_batch: int, seq_len: int) -> dict:
     """Runs in a fresh process: warm up on a tiny model, then trace ``config`` once."""
-    from costmodel.hf import profile_hf
+    from meshplan.costmodel.hf import profile_hf
 
     profile_hf({**config, **TINY[config["model_type"]]}, micro_batch=1, seq_len=8)
     rss_before = _peak_rss_bytes()

@@ -7,7 +7,7 @@
    the trace counts non-causal attention FLOPs (``FlopCounterMode`` ignores causality) at the
    matmul efficiency and what eager modules actually save.
 2. ``meshplan plan`` wall time for traced models: the example with unlike layers
-   (``runtime.examples:hybrid``) on the cpu cluster and the traced Llama-3-8B on 64 H100s.
+   (``meshplan.runtime.examples:hybrid``) on the cpu cluster and the traced Llama-3-8B on 64 H100s.
 
 Writes ``traced-models-<date>.{md,json}`` under ``benchmarks/results/``.
 
@@ -22,13 +22,13 @@ import json
 import time
 from pathlib import Path
 
-from costmodel import ParallelConfig, estimate, load_cluster, load_model
-from costmodel.hf import hf_config
-from costmodel.profiled import spec_from_graph
-from costmodel.profiling import profile_module
-from planner.space import SearchSpace
-from planner.search import search
-from costmodel.calibration import default_calibration
+from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
+from meshplan.costmodel.hf import hf_config
+from meshplan.costmodel.profiled import spec_from_graph
+from meshplan.costmodel.profiling import profile_module
+from meshplan.planner.space import SearchSpace
+from meshplan.planner.search import search
+from meshplan.costmodel.calibration import default_calibration
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SEQ = 8192
@@ -83,8 +83,8 @@ def compare(traced, analytic, cluster) -> list[dict]:
 
 def plan_times(traced) -> list[dict]:
     rows = []
-    hybrid = load_model("runtime.examples:hybrid", dtype="fp32")
-    cases = (("runtime.examples:hybrid", hybrid, load_cluster("cpu"), 8, "fp32"),
+    hybrid = load_model("meshplan.runtime.examples:hybrid", dtype="fp32")
+    cases = (("meshplan.runtime.examples:hybrid", hybrid, load_cluster("cpu"), 8, "fp32"),
              ("llama3-8b (traced)", traced, load_cluster("dgx-h100", nodes=8), 512, "bf16"))
     for name, spec, cluster, batch, dtype in cases:
         space = SearchSpace(global_batch_size=batch, seq_len=spec.seq_len, dtype=dtype,

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model
-from planner.plan import Plan, read_plan, write_plan
+from meshplan.costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model
+from meshplan.planner.plan import Plan, read_plan, write_plan
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMON = dict(global_batch_size=8, micro_batch_size=2, seq_len=64, dtype="fp32")
@@ -74,7 +74,7 @@ def write_plans(folder: Path) -> dict[str, Path]:
 
 
 def meshplan(*argv: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "planner.cli", *argv], text=True,
+    done = subprocess.run([sys.executable, "-m", "meshplan", *argv], text=True,
                           capture_output=True, timeout=RUN_TIMEOUT_S, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"meshplan {' '.join(argv)} failed:\n{done.stderr[-3000:]}")

@@ -21,8 +21,8 @@ selective recomputation drops the attention core; full recomputation keeps the l
 
 from __future__ import annotations
 
-from costmodel.config import ParallelConfig
-from costmodel.model import ModelSpec
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.model import ModelSpec
 
 MASK_BYTES = 1
 """Bytes per element of a dropout mask (torch.bool)."""

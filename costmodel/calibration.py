@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.jsonio import read_json_object, read_package_json
+from meshplan.costmodel.jsonio import read_json_object, read_package_json
 
 
 LINK_KINDS = frozenset({"intra", "inter"})

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from costmodel.hardware import ClusterSpec
+from meshplan.costmodel.hardware import ClusterSpec
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,22 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from costmodel.model import ModelSpec
-
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES = ("none", "selective", "full")
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
 OFFLOAD_DEVICES = ("cpu", "nvme")
 FRAMEWORKS = ("meshplan", "megatron", "deepspeed", "torchtitan", "ideal")
 MESH_AXES = ("tp", "cp", "dp", "pp")
+DTYPES = ("bf16", "fp16", "fp32")
+CPU_DEVICE_KEY = "cpu"
+"""GPU catalog key of the CPU pseudo-device."""
+
+
+def default_dtype(device_key: str) -> str:
+    """The compute dtype a plan uses unless told: bf16 on GPUs; fp32 on the CPU pseudo-device
+    (``cpu``), where torch has no fast bf16/fp16 GEMM and the runtime's tests compare fp32
+    losses."""
+    return "fp32" if device_key == CPU_DEVICE_KEY else "bf16"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +113,7 @@ class ParallelConfig:
                              f"divisible by tp ({self.tp})")
         if self.seq_len % self.cp:
             raise ValueError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}")
-        if self.dtype not in ("bf16", "fp16", "fp32"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be bf16, fp16 or fp32, got {self.dtype!r}")
 
     # ----- derived ---------------------------------------------------------------------------
@@ -145,61 +153,3 @@ def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
     for i in order[:extra]:
         counts[i] += 1
     return tuple(counts)
-
-
-def check_fits_model(config: ParallelConfig, model: ModelSpec, *, num_gpus: int) -> None:
-    """Raise ValueError naming the first way ``config`` cannot run ``model`` on ``num_gpus``."""
-    if config.world_size != num_gpus:
-        raise ValueError(f"tp*cp*dp*pp = {config.tp}*{config.cp}*{config.dp}*{config.pp} = "
-                         f"{config.world_size} but the cluster has {num_gpus} GPUs")
-    if model.is_traced:
-        from costmodel.traced import check_config  # costmodel.traced imports this module
-        check_config(config, model)
-    if model.num_heads % config.tp or model.kv_heads % config.tp:
-        raise ValueError(f"tp {config.tp} must divide the attention heads ({model.num_heads}) "
-                         f"and kv heads ({model.kv_heads})")
-    if config.pp * config.vpp > model.num_layers:
-        raise ValueError(f"pp*vpp = {config.pp * config.vpp} exceeds the model's "
-                         f"{model.num_layers} layers")
-    layers = config.stage_layers(model.num_layers)
-    if len(layers) != config.pp or sum(layers) != model.num_layers or min(layers) < 1:
-        raise ValueError(f"layers_per_stage {list(layers)} must list {config.pp} positive "
-                         f"counts summing to {model.num_layers}")
-    if config.vpp > 1 and min(layers) < config.vpp:
-        raise ValueError(f"with vpp {config.vpp} every stage needs at least vpp layers (one per "
-                         f"virtual chunk); got {list(layers)}")
-    if config.ep > 1:
-        if not model.is_moe:
-            raise ValueError(f"ep {config.ep} > 1 needs an MoE model; {model.name} is dense")
-        if model.num_experts % config.ep:
-            raise ValueError(f"ep {config.ep} must divide the {model.num_experts} experts")
-        if (config.dp * config.cp) % config.ep:
-            raise ValueError(f"ep {config.ep} must divide dp*cp = {config.dp * config.cp}")
-
-
-def rank_of(config: ParallelConfig, coords: dict[str, int]) -> int:
-    """Global rank of mesh coordinates ``coords`` (tp, cp, dp, pp) under ``mesh_order``.
-
-    rank = sum_k coords[axis_k] * prod_{j<k} size[axis_j]. Example, order tp-cp-dp-pp with
-    tp=2, cp=1, dp=2, pp=2: coordinates (tp=1, dp=1, pp=1) give 1 + 2*(0 + 1*(1 + 2*1)) = 7.
-    """
-    sizes = {"tp": config.tp, "cp": config.cp, "dp": config.dp, "pp": config.pp}
-    rank, stride = 0, 1
-    for axis in config.mesh_order:
-        rank += coords.get(axis, 0) * stride
-        stride *= sizes[axis]
-    return rank
-
-
-def axis_group(config: ParallelConfig, axis: str, *, stage: int = 0) -> tuple[int, ...]:
-    """Ranks of the ``axis`` group that contains the first rank of pipeline stage ``stage``."""
-    sizes = {"tp": config.tp, "cp": config.cp, "dp": config.dp, "pp": config.pp}
-    base = {"pp": stage}
-    return tuple(rank_of(config, {**base, axis: i}) for i in range(sizes[axis]))
-
-
-def ep_group(config: ParallelConfig) -> tuple[int, ...]:
-    """The expert-parallel group of rank 0: the first ``ep`` ranks of its dp x cp group."""
-    members = [rank_of(config, {"cp": c, "dp": d})
-               for d in range(config.dp) for c in range(config.cp)]
-    return tuple(sorted(members)[:config.ep])

@@ -5,18 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from costmodel import flops, traced
-from costmodel.calibration import Calibration, default_calibration
-from costmodel.config import FRAMEWORKS, ParallelConfig, check_fits_model
-from costmodel.hardware import ClusterSpec
-from costmodel.memory import (StageMemory, host_bytes_per_node, stage_layer_range, stage_memory,
+from meshplan.costmodel import flops, schema, traced
+from meshplan.costmodel.calibration import Calibration, default_calibration
+from meshplan.costmodel.config import FRAMEWORKS, ParallelConfig
+from meshplan.costmodel.layout import check_fits_model
+from meshplan.costmodel.hardware import ClusterSpec
+from meshplan.costmodel.memory import (StageMemory, host_bytes_per_node, stage_layer_range, stage_memory,
                               stage_params)
-from costmodel.model import ModelSpec
-from costmodel.timing import (BACKWARD_FACTOR, StageTime, calibrated_link, dp_step_s,
+from meshplan.costmodel.model import ModelSpec
+from meshplan.costmodel.timing import (BACKWARD_FACTOR, StageTime, calibrated_link, dp_step_s,
                               exposed_s, optimizer_step_s, stage_link_signature, stage_links,
                               stage_microbatch_time)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = schema.ESTIMATE
 
 
 @dataclass(frozen=True)

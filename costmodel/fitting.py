@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodel.calibration import Calibration, DeviceCalibration
+from meshplan.costmodel.calibration import Calibration, DeviceCalibration
 
 MAX_EFFICIENCY = 1.0
 """Efficiencies are fractions of a catalog peak; a measurement above it is clamped here."""

@@ -13,7 +13,7 @@ done since 2025-03 (commit 8873b55d6a). Norms, softmax, biases and the router ar
 
 from __future__ import annotations
 
-from costmodel.model import ModelSpec
+from meshplan.costmodel.model import ModelSpec
 
 
 def layer_matmul_flop_per_token(model: ModelSpec, index: int) -> float:

@@ -18,7 +18,7 @@ from typing import Any
 
 import networkx as nx
 
-from costmodel.jsonio import read_json_object, read_package_json
+from meshplan.costmodel.jsonio import read_json_object, read_package_json
 
 
 @dataclass(frozen=True, kw_only=True)

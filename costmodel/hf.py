@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from costmodel.profiling import LayerGraph, profile_module
+from meshplan.costmodel.profiling import LayerGraph, profile_module
 
 if TYPE_CHECKING:
     import transformers

@@ -24,4 +24,4 @@ def read_json_object(path: str | Path, *, what: str) -> dict[str, Any]:
 
 def read_package_json(name: str) -> dict[str, Any]:
     """A data file shipped in ``costmodel/data``."""
-    return json.loads(resources.files("costmodel.data").joinpath(name).read_text())
+    return json.loads(resources.files("meshplan.costmodel.data").joinpath(name).read_text())

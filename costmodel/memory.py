@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel import activations as act
-from costmodel import traced
-from costmodel.calibration import Calibration
-from costmodel.config import ParallelConfig
-from costmodel.frameworks import (StateBytes, deepspeed_host_bytes_per_node,
+from meshplan.costmodel import activations as act
+from meshplan.costmodel import traced
+from meshplan.costmodel.calibration import Calibration
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.frameworks import (StateBytes, deepspeed_host_bytes_per_node,
                                   framework_buffer_bytes, logit_copies, model_state_bytes,
                                   eager_autograd, optimizer_workspace_bytes,
                                   vocab_parallel_loss)
-from costmodel.hardware import ClusterSpec
-from costmodel.model import ModelSpec
+from meshplan.costmodel.hardware import ClusterSpec
+from meshplan.costmodel.model import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,14 @@ import functools
 import json
 import logging
 import os
-import re
 import types
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
-from costmodel.model import MODEL_FIELDS, ModelSpec, TracedLayer
+from meshplan.costmodel.model import MODEL_FIELDS, ModelSpec, TracedLayer
+from meshplan.costmodel.refs import is_factory_ref
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +46,6 @@ _HF_MARKER_KEYS = ("model_type", "architectures", "num_hidden_layers", "n_layer"
                    "n_embed", "n_head", "num_attention_heads")
 """Keys that only a HuggingFace config has (a ModelSpec file says num_layers, num_heads)."""
 _MISSING = object()
-_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-"""``package.module:callable`` (the callable may be an attribute path, ``mod:Class.build``)."""
-
-
-def is_factory_ref(ref: str | None) -> bool:
-    """``ref`` names a user's module factory, not a catalog model or a file."""
-    return bool(ref) and bool(_FACTORY.match(str(ref))) and not Path(str(ref)).exists()
-
-
 # ----- catalog ---------------------------------------------------------------------------------
 def model_catalog() -> dict[str, ModelSpec]:
     """All catalog models by name (a fresh dict each call; the specs are frozen)."""
@@ -64,7 +55,7 @@ def model_catalog() -> dict[str, ModelSpec]:
 @functools.cache
 def _catalog() -> Mapping[str, ModelSpec]:
     origin = f"costmodel/data/{CATALOG_FILE}"
-    text = (resources.files("costmodel") / "data" / CATALOG_FILE).read_text(encoding="utf-8")
+    text = (resources.files("meshplan.costmodel.data") / CATALOG_FILE).read_text(encoding="utf-8")
     data = _parse_json(text, origin=origin)
     entries = data.get("models")
     if not isinstance(entries, dict):
@@ -96,7 +87,7 @@ def load_model(ref: str | os.PathLike[str], *, seq_len: int | None = None,
     """
     ref = os.fspath(ref)
     if is_factory_ref(ref):
-        from costmodel.profiled import model_from_factory  # imports torch
+        from meshplan.costmodel.profiled import model_from_factory  # imports torch
         return model_from_factory(ref, seq_len=seq_len, dtype=dtype or "bf16")
     spec = _resolve(ref)
     if seq_len is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from costmodel.model import ModelSpec, TracedLayer
-from costmodel.models import is_factory_ref
-from costmodel.profiling import LayerGraph, profile_module
+from meshplan.costmodel.model import ModelSpec, TracedLayer
+from meshplan.costmodel.refs import is_factory_ref
+from meshplan.costmodel.profiling import LayerGraph, profile_module
 
+LEGACY_FACTORY_MODULES = {"runtime.examples": "meshplan.runtime.examples"}
+"""Factory modules of meshplan 0.1 (top-level ``runtime``), as older plan files name them."""
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -41,8 +44,12 @@ def load_factory(ref: str) -> Callable[[], nn.Module]:
     if not is_factory_ref(ref):
         raise ValueError(f"--model {ref!r}: expected package.module:callable")
     module_name, attr = ref.split(":")
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # modules in the working directory, as `python -m` finds them
+    module_name = LEGACY_FACTORY_MODULES.get(module_name, module_name)
+    here = os.getcwd()
+    if not {"", ".", here} & set(sys.path):
+        # modules in the working directory, found after installed ones so that nothing there
+        # can shadow meshplan or its dependencies (workers run with PYTHONSAFEPATH=1)
+        sys.path.append(here)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

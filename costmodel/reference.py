@@ -10,14 +10,14 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from costmodel import flops
-from costmodel.calibration import Calibration
-from costmodel.config import RECOMPUTE_MODES, ParallelConfig
-from costmodel.estimate import Estimate, estimate
-from costmodel.jsonio import read_package_json
-from costmodel.hardware import ClusterSpec, load_cluster
-from costmodel.model import ModelSpec
-from costmodel.models import load_model
+from meshplan.costmodel import flops
+from meshplan.costmodel.calibration import Calibration
+from meshplan.costmodel.config import RECOMPUTE_MODES, ParallelConfig
+from meshplan.costmodel.estimate import Estimate, estimate
+from meshplan.costmodel.jsonio import read_package_json
+from meshplan.costmodel.hardware import ClusterSpec, load_cluster
+from meshplan.costmodel.model import ModelSpec
+from meshplan.costmodel.models import load_model
 
 TUNE_MICRO_BATCHES = (1, 2, 4, 8, 16)
 """Micro-batch sizes tried when a source does not publish its micro-batch."""

@@ -19,15 +19,16 @@ import functools
 import math
 from dataclasses import dataclass
 
-from costmodel import activations as act
-from costmodel import collectives as coll
-from costmodel import traced
-from costmodel.calibration import Calibration
-from costmodel.config import ParallelConfig, axis_group, ep_group, rank_of
-from costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
-from costmodel.hardware import ClusterSpec
-from costmodel.memory import StageParams, stage_layer_range
-from costmodel.model import ModelSpec
+from meshplan.costmodel import activations as act
+from meshplan.costmodel import collectives as coll
+from meshplan.costmodel import traced
+from meshplan.costmodel.calibration import Calibration
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.layout import axis_group, ep_group, rank_of
+from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
+from meshplan.costmodel.hardware import ClusterSpec
+from meshplan.costmodel.memory import StageParams, stage_layer_range
+from meshplan.costmodel.model import ModelSpec
 
 BACKWARD_FACTOR = 2.0
 """Backward costs twice the forward (weight and input gradients)."""

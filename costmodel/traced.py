@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from costmodel.config import ParallelConfig
-from costmodel.model import ModelSpec
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.model import ModelSpec
 
 TRACED_RECOMPUTE = ("none", "full")
 """Recompute modes a traced layer supports (selective needs a known attention block)."""

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from costmodel import Calibration, ParallelConfig, estimate
-from costmodel.estimate import Estimate
-from planner.plan import Plan
-from planner.planning import summary
-from planner.search import NoPlanFits, search
-from planner.space import SearchSpace, space_with_pins
+from meshplan.costmodel import Calibration, ParallelConfig, estimate
+from meshplan.costmodel.estimate import Estimate
+from meshplan.planner.plan import Plan
+from meshplan.planner.planning import summary
+from meshplan.planner.search import NoPlanFits, search
+from meshplan.planner.space import SearchSpace, space_with_pins
 
 TIME_TERMS = ("compute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s", "pp_bubble_s",
               "dp_comm_s", "offload_s", "optimizer_s")

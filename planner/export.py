@@ -33,9 +33,9 @@ import shlex
 import warnings
 from typing import Any
 
-from costmodel import ModelSpec, ParallelConfig
-from costmodel.config import RECOMPUTE_MODES
-from planner.plan import Plan
+from meshplan.costmodel import ModelSpec, ParallelConfig
+from meshplan.costmodel.config import RECOMPUTE_MODES
+from meshplan.planner.plan import Plan
 
 TARGETS = ("deepspeed", "megatron", "torchtitan")
 DEFAULT_MESH_ORDER = ("tp", "cp", "dp", "pp")

@@ -17,12 +17,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from costmodel import FRAMEWORKS, ClusterSpec, ModelSpec, ParallelConfig, check_fits_model
-from costmodel.estimate import Estimate, config_to_dict, estimate_to_dict
-from costmodel.hardware import cluster_from_dict
-from costmodel.models import spec_from_dict
+from meshplan.costmodel import FRAMEWORKS, ClusterSpec, ModelSpec, ParallelConfig, check_fits_model
+from meshplan.costmodel import schema
+from meshplan.costmodel.estimate import Estimate, config_to_dict, estimate_to_dict
+from meshplan.costmodel.hardware import cluster_from_dict
+from meshplan.costmodel.models import spec_from_dict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = schema.PLAN_FILE
 CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
                "recompute", "micro_batch_size", "global_batch_size", "grad_accum_steps", "vpp",
                "seq_len", "layers_per_stage", "mesh_order", "flash_attention", "dtype")
@@ -128,7 +129,7 @@ def plan_from_dict(data: dict[str, Any], *, origin: str = "plan") -> Plan:
 
 
 def read_plan(path: str | Path) -> Plan:
-    from costmodel.jsonio import read_json_object
+    from meshplan.costmodel.jsonio import read_json_object
     return plan_from_dict(read_json_object(path, what="plan"), origin=str(path))
 
 

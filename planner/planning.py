@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from costmodel import Calibration, ClusterSpec, ModelSpec
-from costmodel.estimate import Estimate
-from planner.plan import Plan
-from planner.search import NoPlanFits, SearchResult, SearchTimeout, Solved, search
-from planner.space import SearchSpace, pins_of
+from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec
+from meshplan.costmodel.estimate import Estimate
+from meshplan.planner.plan import Plan
+from meshplan.planner.search import NoPlanFits, SearchResult, SearchTimeout, Solved, search
+from meshplan.planner.space import SearchSpace, pins_of
 
 SECONDS_PER_DAY = 86400.0
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from costmodel import ClusterSpec, Estimate, ModelSpec
+from meshplan.costmodel import ClusterSpec, Estimate, ModelSpec
 
 GIB = 2**30
 """Bytes per GiB."""

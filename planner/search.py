@@ -17,14 +17,14 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
-from costmodel.estimate import Estimate, stage_terms
-from costmodel.memory import stage_memory
-from costmodel.timing import stage_link_signature
-from costmodel.traced import TRACED_RECOMPUTE
-from planner import solver as cpsat
-from planner.space import SearchSpace, candidates
-from planner.tables import (TracedTables, build_tables, build_traced_tables, layer_bounds,
+from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
+from meshplan.costmodel.estimate import Estimate, stage_terms
+from meshplan.costmodel.memory import stage_memory
+from meshplan.costmodel.timing import stage_link_signature
+from meshplan.costmodel.traced import TRACED_RECOMPUTE
+from meshplan.planner import solver as cpsat
+from meshplan.planner.space import SearchSpace, candidates
+from meshplan.planner.tables import (TracedTables, build_tables, build_traced_tables, layer_bounds,
                             stage_config)
 
 SOLVE_TIME_CAP_S = 10.0

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from planner.tables import (CandidateTables, TracedTables, fits, objective_ns, stage_time_ns,
+from meshplan.planner.tables import (CandidateTables, TracedTables, fits, objective_ns, stage_time_ns,
                             traced_objective_ns)
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from costmodel import ClusterSpec, ModelSpec, ParallelConfig
-from costmodel.config import OFFLOAD_DEVICES, RECOMPUTE_MODES
+from meshplan.costmodel import ClusterSpec, ModelSpec, ParallelConfig
+from meshplan.costmodel.config import OFFLOAD_DEVICES, RECOMPUTE_MODES
 
 MESH_ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
-from costmodel.estimate import stage_terms
-from costmodel import traced
-from costmodel.memory import recompute_workspace_bytes, stage_memory
-from costmodel.timing import stage_link_signature
+from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
+from meshplan.costmodel.estimate import stage_terms
+from meshplan.costmodel import traced
+from meshplan.costmodel.memory import recompute_workspace_bytes, stage_memory
+from meshplan.costmodel.timing import stage_link_signature
 
 NS_PER_S = 1e9
 WINDOW_LAYERS = 32

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from costmodel.model import ModelSpec
-from costmodel.profiled import load_factory
-from costmodel.profiling import top_level_layers
+from meshplan.costmodel.model import ModelSpec
+from meshplan.costmodel.profiled import load_factory
+from meshplan.costmodel.profiling import top_level_layers
 
 
 class Chain(nn.Module):

@@ -68,9 +68,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from costmodel.model import ModelSpec
-from runtime import optim as optim_mod
-from runtime.data import DataSpec
+from meshplan.costmodel.model import ModelSpec
+from meshplan.runtime import optim as optim_mod
+from meshplan.runtime.data import DataSpec
 
 LATEST = "latest"
 """Pointer file naming the last committed checkpoint folder."""

@@ -7,7 +7,7 @@ a chain (each takes the previous one's output), so the runtime can cut it into p
 anywhere (``runtime.chain``). ``meshplan_inputs`` and ``meshplan_loss`` follow the protocol of
 ``costmodel.profiled``.
 
-Try: ``meshplan plan --model runtime.examples:hybrid --cluster cpu --global-batch 8``.
+Try: ``meshplan plan --model meshplan.runtime.examples:hybrid --cluster cpu --global-batch 8``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from costmodel.model import ModelSpec
-from runtime.model import Block, FeedForward, _norm
+from meshplan.costmodel.model import ModelSpec
+from meshplan.runtime.model import Block, FeedForward, _norm
 
 HYBRID_SPEC = ModelSpec(name="hybrid-block", num_layers=1, hidden_size=64, num_heads=4,
                         ffn_hidden_size=128, vocab_size=256, seq_len=64, activation="swiglu",
@@ -70,5 +70,5 @@ class Hybrid(nn.Module):
 
 
 def hybrid() -> Hybrid:
-    """The example factory: ``--model runtime.examples:hybrid``."""
+    """The example factory: ``--model meshplan.runtime.examples:hybrid``."""
     return Hybrid()

@@ -2,7 +2,7 @@
 
 Outside torchrun (no RANK / WORLD_SIZE in the environment) ``run`` checks the plan against the
 launch (world size = nproc-per-node x nnodes must equal tp*cp*dp*pp, else ValueError before
-anything starts) and runs ``python -m torch.distributed.run`` with ``python -m runtime.worker``
+anything starts) and runs ``python -m torch.distributed.run`` with ``python -m meshplan.runtime.worker``
 as the program: one node uses a c10d rendezvous on 127.0.0.1 with a free port (torchrun's
 ``--standalone``, without its ``localhost`` lookup); several nodes pass ``--nnodes``,
 ``--rdzv-endpoint`` and ``--rdzv-id`` through. ``OMP_NUM_THREADS=1`` is set for the workers
@@ -30,11 +30,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from planner.plan import Plan, read_plan
-from runtime import checkpoint
-from runtime import mesh as mesh_mod
-from runtime.train import RunOptions, plan_data
-from runtime.worker import Job, run_job_or_exit, under_torchrun
+from meshplan.planner.plan import Plan, read_plan
+from meshplan.runtime import checkpoint
+from meshplan.runtime import mesh as mesh_mod
+from meshplan.runtime.train import RunOptions, plan_data
+from meshplan.runtime.worker import Job, run_job_or_exit, under_torchrun
 
 LOCAL_ENDPOINT = "127.0.0.1:0"
 """Single-node rendezvous: loopback, port chosen by the agent."""
@@ -78,19 +78,22 @@ def processes_per_node(launch: Launch, world_size: int) -> int:
 
 
 def torchrun_command(job: Job, launch: Launch, *, nproc_per_node: int) -> list[str]:
-    """The ``python -m torch.distributed.run ... -m runtime.worker <job>`` command line."""
+    """The ``python -m torch.distributed.run ... -m meshplan.runtime.worker <job>`` command line."""
     return [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(launch.nnodes), "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint or LOCAL_ENDPOINT,
             "--rdzv-id", launch.rdzv_id or uuid.uuid4().hex,
             "--max-restarts", str(launch.max_restarts),
-            "-m", "runtime.worker", job.to_json()]
+            "-m", "meshplan.runtime.worker", job.to_json()]
 
 
 def start(job: Job, launch: Launch, *, nproc_per_node: int,
           timeout_s: float | None = None) -> subprocess.CompletedProcess:
     """Run torchrun for ``job`` and wait; output goes to this process's stdout and stderr."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # PYTHONSAFEPATH: torchrun and its workers do not put the working directory first on
+    # sys.path, so a user's own `meshplan/` (or any) package there cannot replace meshplan's
+    # code inside the workers; a user's model factory is still found (load_factory appends it).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     if launch.max_restarts:
         env[FRESH_STORE_PER_ATTEMPT] = "1"
     env.pop("RANK", None)

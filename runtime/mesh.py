@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from costmodel.config import ParallelConfig, check_fits_model
-from costmodel.model import ModelSpec
+from meshplan.costmodel import layout
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.model import ModelSpec
 
 DEFAULT_TIMEOUT_S = 60.0
 """Process-group timeout: a rank waiting this long on a collective fails instead of hanging."""
@@ -37,9 +38,9 @@ class UnsupportedPlan(ValueError):
 def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
     """Raise ValueError for a plan that does not fit its model (``check_fits_model``), or
     ``UnsupportedPlan`` naming the first plan feature the runtime does not implement."""
-    check_fits_model(config, model, num_gpus=config.world_size)
+    layout.check_fits_model(config, model, num_gpus=config.world_size)
     if model.is_traced:
-        from runtime.chain import check_runnable  # imports torch's fake-mode tracer
+        from meshplan.runtime.chain import check_runnable  # imports torch's fake-mode tracer
         try:
             check_runnable(model)
         except ValueError as err:
@@ -77,10 +78,12 @@ def check_world_size(config: ParallelConfig, world_size: int) -> None:
 
 
 def mesh_dims(config: ParallelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(names, sizes) of the mesh dimensions, slowest-varying first, cp left out."""
-    names = tuple(axis for axis in reversed(config.mesh_order) if axis != "cp")
-    sizes = {"tp": config.tp, "dp": config.dp, "pp": config.pp}
-    return names, tuple(sizes[n] for n in names)
+    """(names, sizes) of the DeviceMesh: the cost model's rank grid (``layout.mesh_dims``)
+    without its cp axis, which the runtime refuses above 1 (``check_supported``), so every
+    rank keeps the index ``layout.rank_of`` gives it."""
+    names, sizes = layout.mesh_dims(config)
+    kept = [(n, s) for n, s in zip(names, sizes) if n != "cp"]
+    return tuple(n for n, _ in kept), tuple(s for _, s in kept)
 
 
 def device_for_rank() -> torch.device:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from costmodel.model import ModelSpec
+from meshplan.costmodel.model import ModelSpec
 
 INIT_STD = 0.02
 """Standard deviation of weight initialisation (GPT-2 / Megatron ``init_method_std``)."""

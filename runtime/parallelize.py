@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from runtime.model import Decoder
+from meshplan.runtime.model import Decoder
 
 
 # ----- tensor and sequence parallelism ------------------------------------------------------

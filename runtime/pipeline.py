@@ -33,7 +33,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                           ScheduleInterleaved1F1B)
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from costmodel.config import ParallelConfig
+from meshplan.costmodel.config import ParallelConfig
 
 
 def chunk_counts(layers: int, chunks: int) -> list[int]:

@@ -24,7 +24,7 @@ part of them); on CUDA every call by CUDA events.
 
 Collectives. Outside torchrun, ``nproc`` processes started with ``torch.multiprocessing``
 (spawn) meet over TCP on 127.0.0.1. Under torchrun (``RANK`` and ``WORLD_SIZE`` set, e.g.
-``torchrun --nnodes 2 --nproc-per-node 8 ... -m planner.cli profile``) every process takes
+``torchrun --nnodes 2 --nproc-per-node 8 ... -m meshplan profile``) every process takes
 part and rank 0 returns the measurements. ``measured_groups`` picks the groups: the first g
 ranks of rank 0's node (link ``intra``) and the first rank of each of the first m nodes (link
 ``inter``), g, m = 2, 4, 8, ... Every group times all-reduce, all-gather, reduce-scatter and

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from costmodel.model import ModelSpec
-from costmodel.profiling import LayerGraph, profile_module
-from runtime.model import Decoder
+from meshplan.costmodel.model import ModelSpec
+from meshplan.costmodel.profiling import LayerGraph, profile_module
+from meshplan.runtime.model import Decoder
 
 
 def profile_decoder(spec: ModelSpec, *, batch_size: int, seq_len: int | None = None,

@@ -34,17 +34,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from costmodel.estimate import config_to_dict
-from planner.plan import Plan
-from runtime import checkpoint
-from runtime import data as data_mod
-from runtime import mesh as mesh_mod
-from runtime import optim as optim_mod
-from runtime import parallelize, pipeline
-from runtime.fault import Fault
-from runtime.memory import PeakMemory, peak_rss_bytes
-from runtime.chain import build_chain
-from runtime.model import build_decoder
+from meshplan.costmodel import schema
+from meshplan.costmodel.estimate import config_to_dict
+from meshplan.planner.plan import Plan
+from meshplan.runtime import checkpoint
+from meshplan.runtime import data as data_mod
+from meshplan.runtime import mesh as mesh_mod
+from meshplan.runtime import optim as optim_mod
+from meshplan.runtime import parallelize, pipeline
+from meshplan.runtime.fault import Fault
+from meshplan.runtime.memory import PeakMemory, peak_rss_bytes
+from meshplan.runtime.chain import build_chain
+from meshplan.runtime.model import build_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -358,7 +359,7 @@ def build_report(plan: Plan, *, backend: str, losses: list[float], times_s: list
                       "peak_ratio": _ratio(entry["peak_bytes"], stage_peak)})
     peaks = [e["peak_bytes"] for e in ranks if e["peak_bytes"] is not None]
     peak = max(peaks) if peaks else None
-    return {"schema_version": 1, "plan": config_to_dict(plan.config, plan.model),
+    return {"schema_version": schema.RUN_REPORT, "plan": config_to_dict(plan.config, plan.model),
             "world_size": config.world_size, "backend": backend, "losses": losses,
             "step_s_median": step_s,
             "tokens_per_s": config.global_batch_size * config.seq_len / step_s,

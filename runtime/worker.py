@@ -1,4 +1,4 @@
-"""The torchrun worker: ``python -m runtime.worker '<job JSON>'`` (what ``launch.py`` starts).
+"""The torchrun worker: ``python -m meshplan.runtime.worker '<job JSON>'`` (what ``launch.py`` starts).
 
 A job lists one or more plan files of the same world size and the run options. The worker
 joins the process group once and runs the plans one after another, each on a fresh DeviceMesh
@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from planner.plan import Plan, read_plan
-from runtime import mesh as mesh_mod
-from runtime.train import RunOptions, run_plan
+from meshplan.planner.plan import Plan, read_plan
+from meshplan.runtime import mesh as mesh_mod
+from meshplan.runtime.train import RunOptions, run_plan
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -131,7 +131,7 @@ def run_job_or_exit(job: Job) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m runtime.worker '<job JSON>' (started by meshplan run)",
+        print("usage: python -m meshplan.runtime.worker '<job JSON>' (started by meshplan run)",
               file=sys.stderr)
         return EXIT_USAGE
     return run_job_or_exit(Job.from_json(args[0]))

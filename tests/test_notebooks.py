@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from costmodel import load_model
+from meshplan.costmodel import load_model
 
 nbformat = pytest.importorskip("nbformat", reason="needs the 'notebooks' extra")
 nbclient = pytest.importorskip("nbclient", reason="needs the 'notebooks' extra")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel import default_calibration
-from costmodel.reference import predict, reference_runs
+from meshplan.costmodel import default_calibration
+from meshplan.costmodel.reference import predict, reference_runs
 
 
 @pytest.fixture(scope="module")

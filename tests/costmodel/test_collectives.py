@@ -15,12 +15,13 @@ from importlib import resources
 
 import pytest
 
-from costmodel import collectives as coll
-from costmodel.calibration import default_calibration
-from costmodel.config import ParallelConfig, axis_group
-from costmodel.estimate import estimate
-from costmodel.hardware import load_cluster
-from costmodel.models import load_model
+from meshplan.costmodel import collectives as coll
+from meshplan.costmodel.calibration import default_calibration
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.layout import axis_group
+from meshplan.costmodel.estimate import estimate
+from meshplan.costmodel.hardware import load_cluster
+from meshplan.costmodel.models import load_model
 
 EXACT = 1e-12
 CLUSTER = "dgx-a100-80gb"
@@ -29,7 +30,7 @@ RAW = 1.0
 
 
 def _catalog_json(name: str) -> dict:
-    return json.loads(resources.files("costmodel.data").joinpath(name).read_text())
+    return json.loads(resources.files("meshplan.costmodel.data").joinpath(name).read_text())
 
 
 @pytest.fixture(scope="module")

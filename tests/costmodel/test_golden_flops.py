@@ -13,13 +13,13 @@ import dataclasses
 
 import pytest
 
-from costmodel import flops
-from costmodel.calibration import default_calibration
-from costmodel.config import ParallelConfig
-from costmodel.estimate import estimate
-from costmodel.hardware import ClusterSpec, load_cluster
-from costmodel.model import ModelSpec
-from costmodel.models import load_model
+from meshplan.costmodel import flops
+from meshplan.costmodel.calibration import default_calibration
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.estimate import estimate
+from meshplan.costmodel.hardware import ClusterSpec, load_cluster
+from meshplan.costmodel.model import ModelSpec
+from meshplan.costmodel.models import load_model
 
 EXACT = 1e-9
 """Relative tolerance where both sides evaluate the same formula."""

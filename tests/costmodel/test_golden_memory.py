@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel import activations as act
-from costmodel.config import ParallelConfig
-from costmodel.estimate import estimate
-from costmodel.frameworks import (deepspeed_host_bytes_per_node, framework_buffer_bytes,
+from meshplan.costmodel import activations as act
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.estimate import estimate
+from meshplan.costmodel.frameworks import (deepspeed_host_bytes_per_node, framework_buffer_bytes,
                                   model_state_bytes)
-from costmodel.hardware import load_cluster
-from costmodel.models import load_model
+from meshplan.costmodel.hardware import load_cluster
+from meshplan.costmodel.models import load_model
 
 EXACT = 1e-9
 """Relative tolerance where the source is a formula."""

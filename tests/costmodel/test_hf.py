@@ -33,10 +33,10 @@ from torch.utils import flop_counter
 
 transformers = pytest.importorskip("transformers")
 
-from costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token  # noqa: E402
-from costmodel.hf import hf_config, profile_hf  # noqa: E402
-from costmodel.models import from_hf_config  # noqa: E402
-from costmodel.profiling import top_level_layers  # noqa: E402
+from meshplan.costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token  # noqa: E402
+from meshplan.costmodel.hf import hf_config, profile_hf  # noqa: E402
+from meshplan.costmodel.models import from_hf_config  # noqa: E402
+from meshplan.costmodel.profiling import top_level_layers  # noqa: E402
 
 GPT2_CONFIG = {
     "model_type": "gpt2", "activation_function": "gelu_new", "attn_pdrop": 0.1,
@@ -200,7 +200,7 @@ def refuse(*args, **kwargs):
 socket.socket.connect = refuse
 socket.create_connection = refuse
 socket.getaddrinfo = refuse
-from costmodel.hf import hf_config, profile_hf
+from meshplan.costmodel.hf import hf_config, profile_hf
 """
 
 

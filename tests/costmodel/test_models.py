@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodel.model import ModelSpec
-from costmodel.models import from_hf_config, load_model, model_catalog
+from meshplan.costmodel.model import ModelSpec
+from meshplan.costmodel.models import from_hf_config, load_model, model_catalog
 
 # Narayanan et al. 2021 (arXiv:2104.04473), Table 1 and Sec. 5.1: V = 51200, s = 2048.
 NARAYANAN_VOCAB = 51200

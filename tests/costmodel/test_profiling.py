@@ -22,12 +22,12 @@ import pytest
 import torch
 from torch import nn
 
-from costmodel.activations import layer_activation_bytes
-from costmodel.config import ParallelConfig
-from costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token
-from costmodel.models import load_model
-from costmodel.profiling import profile_module
-from runtime.profile_model import profile_decoder
+from meshplan.costmodel.activations import layer_activation_bytes
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token
+from meshplan.costmodel.models import load_model
+from meshplan.costmodel.profiling import profile_module
+from meshplan.runtime.profile_model import profile_decoder
 
 TINY = load_model("tiny")
 TINY_GPT = dataclasses.replace(TINY, name="tiny-gpt", activation="gelu", norm="layernorm",

@@ -16,15 +16,15 @@ import pytest
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
-from costmodel import activations as act
-from costmodel.config import (FRAMEWORKS, MESH_AXES, RECOMPUTE_MODES, ParallelConfig,
-                              check_fits_model)
-from costmodel.estimate import estimate
-from costmodel.frameworks import logit_copies, model_state_bytes, vocab_parallel_loss
-from costmodel.hardware import ClusterSpec, load_cluster
-from costmodel.memory import stage_activation_bytes, stage_states
-from costmodel.model import ModelSpec
-from costmodel.models import load_model
+from meshplan.costmodel import activations as act
+from meshplan.costmodel.config import FRAMEWORKS, MESH_AXES, RECOMPUTE_MODES, ParallelConfig
+from meshplan.costmodel.layout import check_fits_model
+from meshplan.costmodel.estimate import estimate
+from meshplan.costmodel.frameworks import logit_copies, model_state_bytes, vocab_parallel_loss
+from meshplan.costmodel.hardware import ClusterSpec, load_cluster
+from meshplan.costmodel.memory import stage_activation_bytes, stage_states
+from meshplan.costmodel.model import ModelSpec
+from meshplan.costmodel.models import load_model
 
 FAST = settings(max_examples=100, deadline=None)
 TOLERANCE = 1e-9

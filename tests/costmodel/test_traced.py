@@ -3,7 +3,7 @@ costs, the cost model's use of them, the JSON form and the refusals.
 
 Expected numbers come from outside the code under test:
 
-* parameters and output shapes: ``runtime.examples.hybrid()`` built for real on the CPU here,
+* parameters and output shapes: ``meshplan.runtime.examples.hybrid()`` built for real on the CPU here,
   counted with ``p.numel()`` per top-level layer of ``model.layers``;
 * forward FLOPs: the analytic count of ``costmodel.flops`` for ``HYBRID_SPEC`` (non-causal:
   the counter ignores causality), and ``FlopCounterMode`` run here over the real CPU module
@@ -29,14 +29,14 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from costmodel import (ParallelConfig, check_fits_model, default_calibration, estimate,
+from meshplan.costmodel import (ParallelConfig, check_fits_model, default_calibration, estimate,
                        load_cluster, load_model)
-from costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token
-from costmodel.memory import stage_params
-from costmodel.models import spec_from_dict
-from runtime import examples
+from meshplan.costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token
+from meshplan.costmodel.memory import stage_params
+from meshplan.costmodel.models import spec_from_dict
+from meshplan.runtime import examples
 
-HYBRID = "runtime.examples:hybrid"
+HYBRID = "meshplan.runtime.examples:hybrid"
 SEQ_LEN = 64
 """``Hybrid.meshplan_seq_len``, the length the example is traced at."""
 NUM_LAYERS = 10
@@ -435,7 +435,7 @@ def test_a_chain_is_told_from_a_module_whose_layers_read_other_inputs(factories,
     assert load_model(f"{factories}:good").traced_chain
     split = load_model(f"{factories}:branches")
     assert split.num_layers == 2 and not split.traced_chain
-    from runtime.chain import check_runnable
+    from meshplan.runtime.chain import check_runnable
 
     with pytest.raises(ValueError, match="chain"):
         check_runnable(split)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from costmodel import ParallelConfig, estimate, estimate_to_dict, load_cluster, load_model
-from planner import cli
+from meshplan.costmodel import ParallelConfig, estimate, estimate_to_dict, load_cluster, load_model
+from meshplan import cli
 
 # ----- the estimate --json schema, copied from DESIGN.md (schema_version 1) -------------------
 TOP_KEYS = {"schema_version", "model", "framework", "fits", "plan", "memory", "time",

@@ -33,10 +33,11 @@ from importlib import metadata
 
 import pytest
 
-from costmodel import ParallelConfig, estimate, load_cluster, load_model
-from planner import cli, export
-from planner.export import ExportWarning
-from planner.plan import Plan, write_plan
+from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
+from meshplan import cli
+from meshplan.planner import export
+from meshplan.planner.export import ExportWarning
+from meshplan.planner.plan import Plan, write_plan
 
 # ----- plans -------------------------------------------------------------------------------------
 PLAN_3D = {"tp": 2, "pp": 2, "dp": 2, "sp": True, "zero_stage": 1, "recompute": "selective",

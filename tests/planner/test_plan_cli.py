@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from costmodel import estimate, estimate_to_dict, load_model
-from planner.testing import run_cli
-from planner.testing import usage_error as cli_usage_error
-from planner.plan import plan_from_dict
+from meshplan.costmodel import estimate, estimate_to_dict, load_model
+from meshplan.testing import run_cli
+from meshplan.testing import usage_error as cli_usage_error
+from meshplan.planner.plan import plan_from_dict
 
 # ----- the contract, copied from DESIGN.md ("plan --json output", "Plan file") ----------------
 PLAN_JSON_KEYS = {"schema_version", "plans", "solver", "pareto"}
@@ -54,7 +54,7 @@ def plan_json(*argv: str) -> dict:
 
 
 def usage_error(*argv: str) -> str:
-    """``argv`` (with ``--json``) must fail as a user error (``planner.testing.usage_error``)."""
+    """``argv`` (with ``--json``) must fail as a user error (``meshplan.testing.usage_error``)."""
     return cli_usage_error(*argv, "--json")
 
 

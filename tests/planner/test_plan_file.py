@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from costmodel import estimate
-from planner.testing import run_cli, usage_error
-from planner.plan import read_plan
+from meshplan.costmodel import estimate
+from meshplan.testing import run_cli, usage_error
+from meshplan.planner.plan import read_plan
 
 # ----- the contract, copied from DESIGN.md --------------------------------------------------------
 ESTIMATE_PLAN_KEYS = {"tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload",

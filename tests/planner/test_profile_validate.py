@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model
-from costmodel import fitting
-from costmodel.calibration import default_calibration
-from planner.plan import Plan, write_plan
+from meshplan.costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model
+from meshplan.costmodel import fitting
+from meshplan.costmodel.calibration import default_calibration
+from meshplan.planner.plan import Plan, write_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = dict(dp=2, global_batch_size=8, micro_batch_size=2, seq_len=64, dtype="fp32")
 
 
 def meshplan(*argv: str, timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner.cli", *argv], cwd=ROOT, text=True,
+    return subprocess.run([sys.executable, "-m", "meshplan", *argv], cwd=ROOT, text=True,
                           capture_output=True, timeout=timeout_s, check=False)
 
 

@@ -29,16 +29,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from costmodel import (ClusterSpec, ModelSpec, ParallelConfig, default_calibration, estimate,
+from meshplan.costmodel import (ClusterSpec, ModelSpec, ParallelConfig, default_calibration, estimate,
                        load_cluster)
-from costmodel.config import RECOMPUTE_MODES
-from costmodel.estimate import compose_step, stage_terms
-from planner import solver
-from planner import search as search_module
-from planner.search import (NoPlanFits, SearchTimeout, bound, lower_bound_s, recompute_deficit,
+from meshplan.costmodel.config import RECOMPUTE_MODES
+from meshplan.costmodel.estimate import compose_step, stage_terms
+from meshplan.planner import solver
+from meshplan.planner import search as search_module
+from meshplan.planner.search import (NoPlanFits, SearchTimeout, bound, lower_bound_s, recompute_deficit,
                              search)
-from planner.space import MESH_ORDERS, SearchSpace, candidates
-from planner.tables import build_tables, layer_bounds, objective_ns, stage_config
+from meshplan.planner.space import MESH_ORDERS, SearchSpace, candidates
+from meshplan.planner.tables import build_tables, layer_bounds, objective_ns, stage_config
 
 CAL = default_calibration()
 FRAMEWORKS = ("meshplan", "megatron", "deepspeed", "torchtitan")

@@ -26,11 +26,11 @@ import random
 
 import pytest
 
-from costmodel import (ModelSpec, ParallelConfig, default_calibration, estimate, load_cluster,
+from meshplan.costmodel import (ModelSpec, ParallelConfig, default_calibration, estimate, load_cluster,
                        load_model)
-from costmodel.config import RECOMPUTE_MODES
-from planner import solver
-from planner.tables import (TIME_TERMS, CandidateTables, Linear, build_tables, fits,
+from meshplan.costmodel.config import RECOMPUTE_MODES
+from meshplan.planner import solver
+from meshplan.planner.tables import (TIME_TERMS, CandidateTables, Linear, build_tables, fits,
                             objective_ns)
 
 CAL = default_calibration()

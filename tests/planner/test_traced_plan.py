@@ -1,4 +1,4 @@
-"""Planning a traced model (``runtime.examples:hybrid``, layers not alike): the CP-SAT split over
+"""Planning a traced model (``meshplan.runtime.examples:hybrid``, layers not alike): the CP-SAT split over
 stage boundaries against brute force, and the command line end to end.
 
 Brute force: every candidate of the space (``planner.space.candidates``) x every split of the
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from costmodel import default_calibration, estimate, load_cluster, load_model
-from costmodel.config import even_split
-from planner import cli
-from planner.search import NoPlanFits, search
-from planner.space import SearchSpace, candidates
+from meshplan.costmodel import default_calibration, estimate, load_cluster, load_model
+from meshplan.costmodel.config import even_split
+from meshplan import cli
+from meshplan.planner.search import NoPlanFits, search
+from meshplan.planner.space import SearchSpace, candidates
 
-HYBRID = "runtime.examples:hybrid"
+HYBRID = "meshplan.runtime.examples:hybrid"
 NUM_LAYERS = 10
 SEQ_LEN = 64
 GLOBAL_BATCH = 8
@@ -258,7 +258,7 @@ def test_an_unknown_module_is_one_error_line(capsys):
 
 
 def test_models_lists_a_traced_module_layer_by_layer():
-    from planner.testing import run_cli
+    from meshplan.testing import run_cli
 
     text = run_cli("models", "--model", HYBRID)
     assert text.code == 0, text.err

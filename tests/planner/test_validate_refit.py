@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model
-from costmodel import fitting
-from costmodel.calibration import default_calibration
-from costmodel.timing import (CollectiveCalls, collective_calls_per_microbatch,
+from meshplan.costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model
+from meshplan.costmodel import fitting
+from meshplan.costmodel.calibration import default_calibration
+from meshplan.costmodel.timing import (CollectiveCalls, collective_calls_per_microbatch,
                               latency_steps, tp_calls_per_layer)
-from planner.plan import Plan, write_plan
+from meshplan.planner.plan import Plan, write_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = dict(global_batch_size=8, micro_batch_size=2, seq_len=64, dtype="fp32")
@@ -161,7 +161,7 @@ def test_with_refit_terms_round_trips():
 
 
 def test_foreign_cores_is_the_machine_busy_time_less_ours():
-    from planner.cli import _cpu_counters, _foreign_cores
+    from meshplan.cli import _cpu_counters, _foreign_cores
 
     # (wall s, busy CPU s of the machine, CPU s of this process and its children)
     assert _foreign_cores((10.0, 100.0, 5.0), (12.0, 104.0, 7.0)) == pytest.approx(1.0)
@@ -191,7 +191,7 @@ dp2z0 twice as slow in one benchmark run): the test skips."""
 
 
 def meshplan(*argv: str, timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner.cli", *argv], cwd=ROOT, text=True,
+    return subprocess.run([sys.executable, "-m", "meshplan", *argv], cwd=ROOT, text=True,
                           capture_output=True, timeout=timeout_s, check=False)
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from costmodel import ModelSpec, ParallelConfig, estimate, load_cluster
-from planner.plan import Plan, write_plan
+from meshplan.costmodel import ModelSpec, ParallelConfig, estimate, load_cluster
+from meshplan.planner.plan import Plan, write_plan
 
 LAUNCH_TIMEOUT_S = 110
 """A torchrun launch of the tests must finish within this (tests time out at 120 s)."""
@@ -47,9 +47,9 @@ def worker_env() -> dict[str, str]:
 def run_torchrun(plans: Sequence[Path], reports: Sequence[Path], *, nproc: int, steps: int,
                  timeout_s: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
     """``runtime.worker`` on ``nproc`` local processes for ``plans``, one report each."""
-    from runtime.launch import Launch, torchrun_command
-    from runtime.train import RunOptions
-    from runtime.worker import Job
+    from meshplan.runtime.launch import Launch, torchrun_command
+    from meshplan.runtime.train import RunOptions
+    from meshplan.runtime.worker import Job
 
     job = Job(plans=tuple(map(str, plans)), reports=tuple(map(str, reports)),
               options=RunOptions(steps=steps, timeout_s=60.0))
@@ -74,9 +74,9 @@ def make_config() -> Callable[..., ParallelConfig]:
 
 def run_meshplan(*argv: str, timeout_s: float = LAUNCH_TIMEOUT_S,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``meshplan ARGV`` in a fresh interpreter (``python -m planner.cli``), with ``env``
+    """``meshplan ARGV`` in a fresh interpreter (``python -m meshplan``), with ``env``
     added to ``worker_env()``."""
-    return subprocess.run([sys.executable, "-m", "planner.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "meshplan", *argv], capture_output=True,
                           text=True, timeout=timeout_s, env={**worker_env(), **(env or {})})
 
 

@@ -1,7 +1,7 @@
 """Checkpoints (runtime/checkpoint.py): resume bit for bit, reshard into another plan, survive a
 killed rank, skip interrupted saves, refuse a missing checkpoint.
 
-The multi-process cases run ``meshplan run`` (``python -m planner.cli run``) on 4 CPU processes
+The multi-process cases run ``meshplan run`` (``python -m meshplan run``) on 4 CPU processes
 (gloo, fp32, the ``tiny`` model, global batch 8, sequence 64). Two runs are shared, made on
 first use:
 
@@ -25,13 +25,13 @@ from typing import Any
 import pytest
 import torch
 
-from costmodel import load_model
-from planner import cli
-from runtime import checkpoint, optim
-from runtime.data import DataSpec
-from runtime.fault import Fault
-from runtime.model import build_decoder
-from runtime.parallelize import apply_checkpointing
+from meshplan.costmodel import load_model
+from meshplan import cli
+from meshplan.runtime import checkpoint, optim
+from meshplan.runtime.data import DataSpec
+from meshplan.runtime.fault import Fault
+from meshplan.runtime.model import build_decoder
+from meshplan.runtime.parallelize import apply_checkpointing
 
 TINY = load_model("tiny")
 STEPS = 6

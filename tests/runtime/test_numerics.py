@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from costmodel import ModelSpec, load_model
+from meshplan.costmodel import ModelSpec, load_model
 
 STEPS = 5
 REL_TOL = 1e-4

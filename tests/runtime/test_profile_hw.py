@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from costmodel import fitting, load_calibration
-from costmodel.calibration import default_calibration
-from runtime import profile_hw
+from meshplan.costmodel import fitting, load_calibration
+from meshplan.costmodel.calibration import default_calibration
+from meshplan.runtime import profile_hw
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -223,7 +223,7 @@ def test_profiled_calibration_writes_measured_links_only():
 # ----- the command -------------------------------------------------------------------------------
 def _profile(tmp_path: Path, name: str, *args: str, timeout_s: float = 100) -> dict:
     out = tmp_path / f"{name}.json"
-    done = subprocess.run([sys.executable, "-m", "planner.cli", "profile", "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "meshplan", "profile", "--out", str(out),
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
@@ -281,7 +281,7 @@ def test_two_simulated_nodes_under_torchrun_fit_intra_and_inter(tmp_path):
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-         str(port), "-m", "planner.cli", "profile", "--quick", "--out", str(out)],
+         str(port), "-m", "meshplan", "profile", "--quick", "--out", str(out)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for node in (0, 1)]
     try:

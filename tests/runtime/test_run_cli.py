@@ -8,12 +8,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from costmodel import load_model
-from planner import cli
+from meshplan.costmodel import load_model
+from meshplan import cli
 
 TINY = load_model("tiny")
 
@@ -104,7 +105,7 @@ def test_two_nodes_meet_at_the_rendezvous(dp2_plan, tmp_path):
     """Two launchers of one process each (as on two nodes) form one dp2 job on 127.0.0.1."""
     endpoint, report = f"127.0.0.1:{_free_port()}", tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    argv = [sys.executable, "-m", "planner.cli", "run", str(dp2_plan), "--steps", "2",
+    argv = [sys.executable, "-m", "meshplan", "run", str(dp2_plan), "--steps", "2",
             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
             "--rdzv-id", "two-nodes", "--report", str(report)]
     nodes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -113,3 +114,32 @@ def test_two_nodes_meet_at_the_rendezvous(dp2_plan, tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
     data = json.loads(report.read_text())
     assert data["world_size"] == 2 and len(data["losses"]) == 2
+
+
+def _env_without_paths() -> dict[str, str]:
+    drop = ("RANK", "WORLD_SIZE", "PYTHONPATH", "PYTHONSAFEPATH")
+    return dict({k: v for k, v in os.environ.items() if k not in drop}, OMP_NUM_THREADS="1")
+
+
+DECOY = "raise ImportError('this is the user\\'s own {name} package, not meshplan\\'s')\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_run_works_from_a_directory_with_its_own_runtime_planner_costmodel_and_meshplan(
+        tmp_path, plan_file, make_config):
+    """A user project with packages named like meshplan's parts (and like meshplan itself):
+    none of them may be imported by ``meshplan run`` or by its torchrun workers."""
+    for name in ("runtime", "planner", "costmodel", "meshplan"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(DECOY.format(name=name))
+        (tmp_path / name / "worker.py").write_text(DECOY.format(name=name))
+    plan = plan_file(TINY, make_config(dp=2, zero_stage=3), tmp_path / "p.json")
+    script = Path(sys.executable).with_name("meshplan")
+    done = subprocess.run([str(script), "run", plan.name, "--steps", "2", "--json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=150,
+                          env=_env_without_paths())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not meshplan's" not in done.stderr
+    report = json.loads(done.stdout)
+    assert report["world_size"] == 2 and len(report["losses"]) == 2

@@ -1,4 +1,4 @@
-"""A traced user module (``runtime.examples:hybrid``, layers not alike) runs under the runtime.
+"""A traced user module (``meshplan.runtime.examples:hybrid``, layers not alike) runs under the runtime.
 
 Every layout trains exactly like one process (losses within 1e-4 relative), and each rank's
 measured peak memory is within 10% of the cost model's prediction from the traced layer costs
@@ -17,14 +17,14 @@ import json
 
 import pytest
 
-from costmodel import load_model
+from meshplan.costmodel import load_model
 
 STEPS = 4
 REL_TOL = 1e-4
 MEMORY_TOL = 0.10
 FULL_RECOMPUTE_OVER = 0.15
 """How far a full-recompute stage may measure below its (conservative) prediction."""
-HYBRID = load_model("runtime.examples:hybrid", seq_len=64, dtype="fp32")
+HYBRID = load_model("meshplan.runtime.examples:hybrid", seq_len=64, dtype="fp32")
 
 CASES = {
     "pp2_uneven": {"pp": 2, "layers_per_stage": (3, 7)},

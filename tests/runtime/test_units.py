@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from costmodel import ParallelConfig, load_model
-from runtime import data, mesh, optim, pipeline
-from runtime.memory import LiveStorageTracker
-from runtime.model import build_decoder
+from meshplan.costmodel import ParallelConfig, load_model
+from meshplan.runtime import data, mesh, optim, pipeline
+from meshplan.runtime.memory import LiveStorageTracker
+from meshplan.runtime.model import build_decoder
 
 TINY = load_model("tiny")
 

@@ -22,18 +22,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from costmodel import (FRAMEWORKS, Calibration, ClusterSpec, ModelSpec, ParallelConfig,
+from meshplan.costmodel import (FRAMEWORKS, Calibration, ClusterSpec, ModelSpec, ParallelConfig,
                        cluster_names, estimate, estimate_to_dict, load_calibration, load_cluster,
                        load_model, model_catalog)
-from costmodel.config import MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES, RECOMPUTE_MODES
-from costmodel.models import is_factory_ref
-from planner import report
-from planner import export as export_formats
-from planner import explain as explain_mod
-from planner import planning
-from planner.plan import read_plan, write_plan
-from planner.search import NoPlanFits, SearchTimeout
-from planner.space import SearchSpace
+from meshplan.costmodel.config import MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES, RECOMPUTE_MODES
+from meshplan.costmodel import schema
+from meshplan.costmodel.config import CPU_DEVICE_KEY, DTYPES, default_dtype
+from meshplan.costmodel.refs import is_factory_ref
+from meshplan.planner import report
+from meshplan.planner import export as export_formats
+from meshplan.planner import explain as explain_mod
+from meshplan.planner import planning
+from meshplan.planner.plan import read_plan, write_plan
+from meshplan.planner.search import NoPlanFits, SearchTimeout
+from meshplan.planner.space import SearchSpace
 
 PROG = "meshplan"
 EXIT_OK = 0
@@ -41,9 +43,6 @@ EXIT_USAGE = 2
 """User error: bad flag, unknown name, malformed file, degrees that do not fit together."""
 EXIT_NO_PLAN = 3
 """``plan`` found no configuration that fits (DESIGN.md)."""
-DTYPES = ("bf16", "fp16", "fp32")
-CPU_GPU_KEY = "cpu"
-"""GPU catalog key of the CPU pseudo-device; plans on it default to fp32."""
 
 
 class UsageError(Exception):
@@ -191,7 +190,7 @@ def fill_config_defaults(given: dict[str, Any], *, model: ModelSpec,
         values["dp"] = default_dp(num_gpus=cluster.num_gpus, tp=values["tp"], pp=values["pp"],
                                   cp=values["cp"])
     values.setdefault("seq_len", model.seq_len)
-    values.setdefault("dtype", "fp32" if cluster.gpu.key == CPU_GPU_KEY else "bf16")
+    values.setdefault("dtype", default_dtype(cluster.gpu.key))
     return ParallelConfig(**values)
 
 
@@ -212,8 +211,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Calib
     seq_len = dtype = None
     if is_factory_ref(args.model):
         seq_len = getattr(args, "seq_len", None)
-        dtype = getattr(args, "dtype", None) or (
-            "fp32" if cluster.gpu.key == CPU_GPU_KEY else "bf16")
+        dtype = getattr(args, "dtype", None) or default_dtype(cluster.gpu.key)
     model = _load("--model", args.model,
                   lambda: load_model(args.model, seq_len=seq_len, dtype=dtype))
     calibration = _load("--calibration", args.calibration,
@@ -248,7 +246,7 @@ def _add_models_arguments(parser: argparse.ArgumentParser) -> None:
                              "listed layer by layer")
     parser.add_argument("--seq-len", type=_positive_int, metavar="S",
                         help="sequence length to trace a module at")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+    parser.add_argument("--dtype", choices=DTYPES,
                         help="dtype to trace a module in (default bf16)")
 
 
@@ -427,7 +425,7 @@ def search_space_from_args(given: dict[str, Any], *, model: ModelSpec,
     if given.get("offload") == "optimizer+params" and given.get("zero_stage", 3) != 3:
         raise ValueError("--offload optimizer+params needs --zero 3 (parameters are only "
                          f"sharded under ZeRO-3), got --zero {given['zero_stage']}")
-    dtype = given.get("dtype", "fp32" if cluster.gpu.key == CPU_GPU_KEY else "bf16")
+    dtype = given.get("dtype", default_dtype(cluster.gpu.key))
     return SearchSpace(global_batch_size=given["global_batch_size"],
                        seq_len=given.get("seq_len", model.seq_len), dtype=dtype,
                        flash_attention=given.get("flash_attention", True),
@@ -462,7 +460,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         except OSError as err:
             raise ValueError(f"-o {args.output!r}: cannot write: {err.strerror or err}") from None
     if args.json:
-        _dump_json({"schema_version": 1, "plans": [p.to_dict() for p in result.plans],
+        _dump_json({"schema_version": schema.PLAN_SEARCH, "plans": [p.to_dict() for p in result.plans],
                     "solver": {"status": result.status, "wall_s": result.wall_s,
                                "candidates": result.candidates},
                     "pareto": list(result.pareto)})
@@ -532,8 +530,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_run(args: argparse.Namespace) -> int:
     """Execute a plan with torch.distributed; the runtime is imported only here (DESIGN.md)."""
-    from runtime import launch
-    from runtime.train import RunOptions
+    from meshplan.runtime import launch
+    from meshplan.runtime.train import RunOptions
 
     if args.data and not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data!r}: no such file")
@@ -619,8 +617,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     """
     import time
 
-    from costmodel import fitting, gpu_catalog
-    from runtime import profile_hw
+    from meshplan.costmodel import fitting, gpu_catalog
+    from meshplan.runtime import profile_hw
 
     start = time.perf_counter()
     base = _load("--calibration", args.calibration, lambda: load_calibration(args.calibration))
@@ -630,11 +628,11 @@ def _run_profile(args: argparse.Namespace) -> int:
         args.cluster or next((name for name in cluster_names()
                               if load_cluster(name).gpu.key == gpu.key), "dgx-a100-80gb")))
     raw_path = _profile_paths(args)
-    dtype = args.dtype or ("fp32" if key == CPU_GPU_KEY else "bf16")
-    if key == CPU_GPU_KEY and dtype == "fp16":
+    dtype = args.dtype or default_dtype(key)
+    if key == CPU_DEVICE_KEY and dtype == "fp16":
         raise ValueError("--dtype fp16 on the CPU: torch has no fast fp16 GEMM there (about "
                          "1 GFLOP/s here), the profile would take many minutes; use fp32 or bf16")
-    sizes = profile_hw.sizes_for(quick=args.quick, cuda=key != CPU_GPU_KEY)
+    sizes = profile_hw.sizes_for(quick=args.quick, cuda=key != CPU_DEVICE_KEY)
     distributed = profile_hw.under_torchrun()
     nproc = 1 if distributed else profile_hw.local_processes(args.nproc_per_node)
     progress = profile_hw.Progress(
@@ -792,8 +790,8 @@ def _measure_plan(path: str, args: argparse.Namespace) -> tuple[int, dict[str, A
     run goes without the live-tensor tracker and a short second run measures the peaks."""
     import torch
 
-    from runtime import launch
-    from runtime.train import RunOptions
+    from meshplan.runtime import launch
+    from meshplan.runtime.train import RunOptions
 
     where = launch.Launch(nproc_per_node=args.nproc_per_node)
     runs = ((args.steps, True),) if torch.cuda.is_available() else \
@@ -889,7 +887,7 @@ def _refit_and_write(plans: list[tuple[str, Any]], entries: list[dict[str, Any]]
 def _refit_one(plan: Any, calibration: Calibration,
                measured_s: float) -> tuple[Calibration, str]:
     """One factor on every compute and communication cost, matching one plan's step."""
-    from costmodel import fitting
+    from meshplan.costmodel import fitting
 
     key, cluster = plan.cluster.gpu.key, plan.cluster
     latency = dict(intra_latency_s=calibration.link_latency_s.get(
@@ -908,7 +906,7 @@ def _refit_one(plan: Any, calibration: Calibration,
 def _refit_several(plans: list[Any], calibration: Calibration,
                    measured_s: list[float]) -> tuple[Calibration, str]:
     """Compute factor, seconds per GEMM call and per collective call, by least squares."""
-    from costmodel import fitting
+    from meshplan.costmodel import fitting
 
     key, framework = plans[0].cluster.gpu.key, plans[0].framework
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from planner import cli
+from meshplan import cli
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def usage_error(*argv: Any) -> str:
 
 
 def run_cli(*argv: Any) -> CliResult:
-    """``meshplan ARGV`` through ``planner.cli.main``; stdout and stderr captured apart."""
+    """``meshplan ARGV`` through ``meshplan.cli.main``; stdout and stderr captured apart."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main([str(a) for a in argv])
