@@ -3,11 +3,16 @@
 Everything is recomputed from the plan file with the cost model (so the explanation reflects
 the calibration in use) and one search of the same space for the runners-up and the what-ifs:
 one more node, twice the inter-node bandwidth, and the next ZeRO stage.
+
+The result is typed (``Explanation`` and the small frozen dataclasses below, which hold the
+estimates they describe); ``Explanation.to_dict`` is the one place its JSON (``explain --json``)
+is produced, and ``render`` the one place its text is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from meshplan.costmodel import Calibration, ParallelConfig, estimate
@@ -24,9 +29,143 @@ MEMORY_TERMS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_b
                 "buffers_bytes")
 
 
+@dataclass(frozen=True, kw_only=True)
+class MemoryBinding:
+    """The stage whose reserved memory is closest to capacity, and its largest part."""
+
+    stage: int
+    reserved_bytes: int
+    capacity_bytes: int
+    largest_component: str
+    """Name of the largest memory term (``params_bytes``, ..., ``buffers_bytes``)."""
+    largest_component_bytes: int
+    headroom_fraction: float
+    """1 - reserved / capacity (from the unrounded bytes)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "reserved_bytes": self.reserved_bytes,
+                "capacity_bytes": self.capacity_bytes,
+                "headroom_fraction": self.headroom_fraction,
+                "largest_component": self.largest_component,
+                "largest_component_bytes": self.largest_component_bytes}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeBinding:
+    """The term that dominates the step, the largest communication term, the slowest stage."""
+
+    dominant_term: str
+    dominant_s: float
+    step_s: float
+    dominant_comm: str
+    dominant_comm_s: float
+    bottleneck_stage: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dominant_term": self.dominant_term, "dominant_s": self.dominant_s,
+                "dominant_fraction": self.dominant_s / self.step_s,
+                "dominant_comm": self.dominant_comm, "dominant_comm_s": self.dominant_comm_s,
+                "bottleneck_stage": self.bottleneck_stage}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Binding:
+    memory: MemoryBinding
+    time: TimeBinding
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"memory": self.memory.to_dict(), "time": self.time.to_dict()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TermDelta:
+    """How much one time term grows (``delta_s`` > 0) or shrinks in another plan."""
+
+    term: str
+    delta_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerUp:
+    """A plan of the same space that is not the explained one, and why it is slower."""
+
+    estimate: Estimate
+    delta_s: float
+    """Its step minus the explained plan's step."""
+    why: tuple[TermDelta, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**summary(self.estimate), "step_s": self.estimate.time.step_s,
+                "delta_s": self.delta_s,
+                "why": [{"term": d.term, "delta_s": d.delta_s} for d in self.why]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replanned:
+    """The best plan after a change of the cluster (``best`` None: no plan fits, ``why``)."""
+
+    change: str
+    best: Estimate | None
+    why: str = ""
+    same_plan_step_s: float | None = None
+    """The explained plan's own step on the changed cluster, where that was computed."""
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.best is None:
+            return {"change": self.change, "fits": False, "why": self.why}
+        data = {"change": self.change, "fits": True, "step_s": self.best.time.step_s,
+                "tokens_per_s": self.best.throughput.tokens_per_s,
+                "num_gpus": self.best.cluster.num_gpus, "plan": summary(self.best)}
+        if self.same_plan_step_s is not None:
+            data["same_plan_step_s"] = self.same_plan_step_s
+        return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamePlanChange:
+    """The explained plan with one choice changed (e.g. the next ZeRO stage)."""
+
+    change: str
+    estimate: Estimate
+    base: Estimate
+
+    def to_dict(self) -> dict[str, Any]:
+        other, base = self.estimate, self.base
+        return {"change": self.change, "step_s": other.time.step_s,
+                "delta_s": other.time.step_s - base.time.step_s,
+                "peak_reserved_bytes": int(other.memory.peak_reserved_bytes),
+                "delta_peak_bytes": int(other.memory.peak_reserved_bytes
+                                        - base.memory.peak_reserved_bytes),
+                "fits": other.fits}
+
+
+WhatIf = Replanned | SamePlanChange
+
+
+@dataclass(frozen=True, kw_only=True)
+class Explanation:
+    """``meshplan explain``: the plan re-estimated, what binds, runners-up, what-ifs."""
+
+    estimate: Estimate
+    binding: Binding
+    runners_up: tuple[RunnerUp, ...]
+    what_if: tuple[WhatIf, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``explain --json`` document."""
+        est = self.estimate
+        return {"plan": {**summary(est), "step_s": est.time.step_s,
+                         "tokens_per_s": est.throughput.tokens_per_s,
+                         "mfu": est.throughput.mfu, "fits": est.fits},
+                "binding": self.binding.to_dict(),
+                "runners_up": [r.to_dict() for r in self.runners_up],
+                "what_if": [w.to_dict() for w in self.what_if]}
+
+
 def explain(plan: Plan, *, calibration: Calibration, runners_up: int = 3,
-            time_limit_s: float = 30.0) -> dict[str, Any]:
-    """The explanation as JSON-ready data."""
+            time_limit_s: float = 30.0) -> Explanation:
+    """Explain ``plan`` under ``calibration``; each search behind it is limited to
+    ``time_limit_s``."""
     est = estimate(plan.model, plan.cluster, plan.config, framework=plan.framework,
                    calibration=calibration)
     pins = plan.provenance.get("pinned", {})
@@ -34,15 +173,13 @@ def explain(plan: Plan, *, calibration: Calibration, runners_up: int = 3,
                             global_batch_size=plan.config.global_batch_size,
                             seq_len=plan.config.seq_len, dtype=plan.config.dtype,
                             flash_attention=plan.config.flash_attention)
-    return {"plan": {**summary(est), "step_s": est.time.step_s,
-                     "tokens_per_s": est.throughput.tokens_per_s, "mfu": est.throughput.mfu,
-                     "fits": est.fits},
-            "binding": binding(est),
-            "runners_up": _runners_up(plan, est, space, calibration, runners_up, time_limit_s),
-            "what_if": what_ifs(plan, est, space, calibration, time_limit_s)}
+    return Explanation(
+        estimate=est, binding=binding(est),
+        runners_up=_runners_up(plan, est, space, calibration, runners_up, time_limit_s),
+        what_if=what_ifs(plan, est, space, calibration, time_limit_s))
 
 
-def binding(est: Estimate) -> dict[str, Any]:
+def binding(est: Estimate) -> Binding:
     """The stage whose memory is closest to capacity and the terms that dominate the step."""
     stage = max(est.memory.per_stage, key=lambda s: s.reserved_bytes)
     components = {name: getattr(stage, name) for name in MEMORY_TERMS}
@@ -50,47 +187,46 @@ def binding(est: Estimate) -> dict[str, Any]:
     times = {name: getattr(est.time, name) for name in TIME_TERMS}
     dominant = max(times, key=times.get)
     comm = max(COMM_TERMS, key=lambda name: times[name])
-    return {"memory": {"stage": stage.stage, "reserved_bytes": int(stage.reserved_bytes),
-                       "capacity_bytes": int(est.memory.capacity_bytes),
-                       "headroom_fraction": 1 - stage.reserved_bytes / est.memory.capacity_bytes,
-                       "largest_component": largest,
-                       "largest_component_bytes": int(components[largest])},
-            "time": {"dominant_term": dominant, "dominant_s": times[dominant],
-                     "dominant_fraction": times[dominant] / est.time.step_s,
-                     "dominant_comm": comm, "dominant_comm_s": times[comm],
-                     "bottleneck_stage": est.time.bottleneck_stage}}
+    return Binding(
+        memory=MemoryBinding(stage=stage.stage, reserved_bytes=int(stage.reserved_bytes),
+                             capacity_bytes=int(est.memory.capacity_bytes),
+                             largest_component=largest,
+                             largest_component_bytes=int(components[largest]),
+                             headroom_fraction=1 - stage.reserved_bytes
+                             / est.memory.capacity_bytes),
+        time=TimeBinding(dominant_term=dominant, dominant_s=times[dominant],
+                         step_s=est.time.step_s, dominant_comm=comm,
+                         dominant_comm_s=times[comm],
+                         bottleneck_stage=est.time.bottleneck_stage))
 
 
-def _term_deltas(other: Estimate, est: Estimate) -> list[dict[str, float]]:
+def _term_deltas(other: Estimate, est: Estimate) -> tuple[TermDelta, ...]:
     """Time terms where ``other`` differs most from ``est`` (largest increase first)."""
     deltas = [(name, getattr(other.time, name) - getattr(est.time, name)) for name in TIME_TERMS]
     deltas.sort(key=lambda d: -d[1])
-    return [{"term": name, "delta_s": delta} for name, delta in deltas[:3] if abs(delta) > 0]
+    return tuple(TermDelta(term=name, delta_s=delta) for name, delta in deltas[:3]
+                 if abs(delta) > 0)
 
 
 def _runners_up(plan: Plan, est: Estimate, space: SearchSpace, calibration: Calibration,
-                count: int, time_limit_s: float) -> list[dict[str, Any]]:
+                count: int, time_limit_s: float) -> tuple[RunnerUp, ...]:
     try:
         result = search(plan.model, plan.cluster, space, framework=plan.framework,
                         calibration=calibration, top_k=count + 1, time_limit_s=time_limit_s)
     except NoPlanFits:
-        return []
-    out = []
-    for solved in result.ranked:
-        other = solved.estimate
-        if other.config == est.config:
-            continue
-        out.append({**summary(other), "step_s": other.time.step_s,
-                    "delta_s": other.time.step_s - est.time.step_s,
-                    "why": _term_deltas(other, est)})
-    return out[:count]
+        return ()
+    out = [RunnerUp(estimate=solved.estimate,
+                    delta_s=solved.estimate.time.step_s - est.time.step_s,
+                    why=_term_deltas(solved.estimate, est))
+           for solved in result.ranked if solved.estimate.config != est.config]
+    return tuple(out[:count])
 
 
 def what_ifs(plan: Plan, est: Estimate, space: SearchSpace, calibration: Calibration,
-             time_limit_s: float) -> list[dict[str, Any]]:
+             time_limit_s: float) -> tuple[WhatIf, ...]:
     """One more node (re-planned), 2x inter-node bandwidth (same plan, and re-planned), the
     next ZeRO stage (same plan)."""
-    out = []
+    out: list[WhatIf] = []
     bigger = dataclasses.replace(plan.cluster, nodes=plan.cluster.nodes + 1)
     out.append(_replanned("one more node", plan, bigger, space, calibration, time_limit_s))
     faster = dataclasses.replace(plan.cluster, nic_bytes_per_s=2 * plan.cluster.nic_bytes_per_s)
@@ -98,75 +234,77 @@ def what_ifs(plan: Plan, est: Estimate, space: SearchSpace, calibration: Calibra
                     calibration=calibration)
     entry = _replanned("2x inter-node bandwidth", plan, faster, space, calibration,
                        time_limit_s)
-    entry["same_plan_step_s"] = same.time.step_s
-    out.append(entry)
+    out.append(dataclasses.replace(entry, same_plan_step_s=same.time.step_s))
     if plan.config.zero_stage < 3 and plan.config.dp * plan.config.cp > 1:
         config: ParallelConfig = plan.config.replace(zero_stage=plan.config.zero_stage + 1)
         nxt = estimate(plan.model, plan.cluster, config, framework=plan.framework,
                        calibration=calibration)
-        out.append({"change": f"ZeRO-{config.zero_stage}", "step_s": nxt.time.step_s,
-                    "delta_s": nxt.time.step_s - est.time.step_s,
-                    "peak_reserved_bytes": int(nxt.memory.peak_reserved_bytes),
-                    "delta_peak_bytes": int(nxt.memory.peak_reserved_bytes
-                                            - est.memory.peak_reserved_bytes),
-                    "fits": nxt.fits})
-    return out
+        out.append(SamePlanChange(change=f"ZeRO-{config.zero_stage}", estimate=nxt, base=est))
+    return tuple(out)
 
 
 def _replanned(change: str, plan: Plan, cluster, space: SearchSpace,
-               calibration: Calibration, time_limit_s: float) -> dict[str, Any]:
+               calibration: Calibration, time_limit_s: float) -> Replanned:
     try:
         result = search(plan.model, cluster, space, framework=plan.framework,
                         calibration=calibration, top_k=1, time_limit_s=time_limit_s)
     except (NoPlanFits, ValueError) as err:
-        return {"change": change, "fits": False, "why": str(err)}
-    best = result.ranked[0].estimate
-    return {"change": change, "fits": True, "step_s": best.time.step_s,
-            "tokens_per_s": best.throughput.tokens_per_s,
-            "num_gpus": cluster.num_gpus, "plan": summary(best)}
+        return Replanned(change=change, best=None, why=str(err))
+    return Replanned(change=change, best=result.ranked[0].estimate)
 
 
-def render(data: dict[str, Any]) -> str:
+def _describe(est: Estimate) -> str:
+    c = est.config
+    recompute = c.recompute if isinstance(c.recompute, str) else list(c.recompute)
+    return (f"tp {c.tp} pp {c.pp} dp {c.dp} cp {c.cp} ZeRO-{c.zero_stage} {c.offload} "
+            f"{recompute} mb {c.micro_batch_size} v {c.vpp}")
+
+
+def _what_if_line(w: WhatIf) -> str:
+    if isinstance(w, SamePlanChange):
+        other, base = w.estimate, w.base
+        delta_peak = int(other.memory.peak_reserved_bytes - base.memory.peak_reserved_bytes)
+        return (f"  {w.change}: step {other.time.step_s:.3f} s "
+                f"({other.time.step_s - base.time.step_s:+.3f} s), peak "
+                f"{int(other.memory.peak_reserved_bytes) / 2**30:.1f} GiB "
+                f"({delta_peak / 2**30:+.1f} GiB)")
+    if w.best is None:
+        return f"  {w.change}: no plan fits ({w.why})"
+    extra = (f"; this plan alone: {w.same_plan_step_s:.3f} s"
+             if w.same_plan_step_s is not None else "")
+    return (f"  {w.change}: best step {w.best.time.step_s:.3f} s on "
+            f"{w.best.cluster.num_gpus} GPUs, {w.best.throughput.tokens_per_s:,.0f} "
+            f"tokens/s{extra}")
+
+
+def render(explanation: Explanation) -> str:
     """The explanation as text."""
-    p, bind = data["plan"], data["binding"]
-    mem, time = bind["memory"], bind["time"]
-    lines = [f"plan: tp {p['tp']} pp {p['pp']} dp {p['dp']} cp {p['cp']} ep {p['ep']}, "
-             f"ZeRO-{p['zero_stage']}, offload {p['offload']}, recompute {p['recompute']}, "
-             f"micro-batch {p['micro_batch_size']}, vpp {p['vpp']}, layers "
-             f"{p['layers_per_stage']}",
-             f"  step {p['step_s']:.3f} s, {p['tokens_per_s']:,.0f} tokens/s, "
-             f"MFU {p['mfu']:.1%}, {'fits' if p['fits'] else 'DOES NOT FIT'}",
+    est, mem, time = explanation.estimate, explanation.binding.memory, explanation.binding.time
+    c = est.config
+    recompute = c.recompute if isinstance(c.recompute, str) else list(c.recompute)
+    lines = [f"plan: tp {c.tp} pp {c.pp} dp {c.dp} cp {c.cp} ep {c.ep}, "
+             f"ZeRO-{c.zero_stage}, offload {c.offload}, recompute {recompute}, "
+             f"micro-batch {c.micro_batch_size}, vpp {c.vpp}, layers "
+             f"{list(c.stage_layers(est.model.num_layers))}",
+             f"  step {est.time.step_s:.3f} s, {est.throughput.tokens_per_s:,.0f} tokens/s, "
+             f"MFU {est.throughput.mfu:.1%}, {'fits' if est.fits else 'DOES NOT FIT'}",
              "",
              "what binds:",
-             f"  memory: stage {mem['stage']} reserves {mem['reserved_bytes'] / 2**30:.1f} GiB "
-             f"of {mem['capacity_bytes'] / 2**30:.1f} GiB ({mem['headroom_fraction']:.0%} "
-             f"headroom); its largest part is {mem['largest_component'].replace('_bytes', '')} "
-             f"({mem['largest_component_bytes'] / 2**30:.1f} GiB)",
-             f"  time: {time['dominant_term'].replace('_s', '')} is "
-             f"{time['dominant_fraction']:.0%} of the step; the largest communication term is "
-             f"{time['dominant_comm'].replace('_s', '')} ({time['dominant_comm_s']:.3f} s); "
-             f"bottleneck stage {time['bottleneck_stage']}"]
+             f"  memory: stage {mem.stage} reserves {mem.reserved_bytes / 2**30:.1f} GiB "
+             f"of {mem.capacity_bytes / 2**30:.1f} GiB ({mem.headroom_fraction:.0%} "
+             f"headroom); its largest part is {mem.largest_component.replace('_bytes', '')} "
+             f"({mem.largest_component_bytes / 2**30:.1f} GiB)",
+             f"  time: {time.dominant_term.replace('_s', '')} is "
+             f"{time.dominant_s / time.step_s:.0%} of the step; the largest communication "
+             f"term is {time.dominant_comm.replace('_s', '')} ({time.dominant_comm_s:.3f} s); "
+             f"bottleneck stage {time.bottleneck_stage}"]
     lines += ["", "runners-up:"]
-    for r in data["runners_up"] or []:
-        why = ", ".join(f"{d['term'].replace('_s', '')} {d['delta_s']:+.3f} s"
-                        for d in r["why"])
-        lines.append(f"  tp {r['tp']} pp {r['pp']} dp {r['dp']} cp {r['cp']} "
-                     f"ZeRO-{r['zero_stage']} {r['offload']} {r['recompute']} "
-                     f"mb {r['micro_batch_size']} v {r['vpp']}: {r['step_s']:.3f} s "
-                     f"({r['delta_s']:+.3f} s; {why or 'same terms'})")
-    if not data["runners_up"]:
+    for r in explanation.runners_up:
+        why = ", ".join(f"{d.term.replace('_s', '')} {d.delta_s:+.3f} s" for d in r.why)
+        lines.append(f"  {_describe(r.estimate)}: {r.estimate.time.step_s:.3f} s "
+                     f"({r.delta_s:+.3f} s; {why or 'same terms'})")
+    if not explanation.runners_up:
         lines.append("  (none found)")
     lines += ["", "what if:"]
-    for w in data["what_if"]:
-        if not w.get("fits", True):
-            lines.append(f"  {w['change']}: no plan fits ({w.get('why', '')})")
-        elif "delta_peak_bytes" in w:
-            lines.append(f"  {w['change']}: step {w['step_s']:.3f} s ({w['delta_s']:+.3f} s), "
-                         f"peak {w['peak_reserved_bytes'] / 2**30:.1f} GiB "
-                         f"({w['delta_peak_bytes'] / 2**30:+.1f} GiB)")
-        else:
-            extra = (f"; this plan alone: {w['same_plan_step_s']:.3f} s"
-                     if "same_plan_step_s" in w else "")
-            lines.append(f"  {w['change']}: best step {w['step_s']:.3f} s on {w['num_gpus']} "
-                         f"GPUs, {w['tokens_per_s']:,.0f} tokens/s{extra}")
+    lines += [_what_if_line(w) for w in explanation.what_if]
     return "\n".join(lines)

@@ -485,11 +485,12 @@ def _run_explain(args: argparse.Namespace) -> int:
     plan = read_plan(args.plan_file)
     calibration = _load("--calibration", args.calibration,
                         lambda: load_calibration(args.calibration))
-    data = explain_mod.explain(plan, calibration=calibration, time_limit_s=args.time_limit)
+    explanation = explain_mod.explain(plan, calibration=calibration,
+                                      time_limit_s=args.time_limit)
     if args.json:
-        _dump_json(data)
+        _dump_json(explanation.to_dict())
     else:
-        print(explain_mod.render(data))
+        print(explain_mod.render(explanation))
     return EXIT_OK
 
 
