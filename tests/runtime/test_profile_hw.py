@@ -230,13 +230,17 @@ def _profile(tmp_path: Path, name: str, *args: str, timeout_s: float = 100) -> d
     return json.loads((tmp_path / f"{name}-measurements.json").read_text())
 
 
-QUICK_COMPUTE_TOLERANCE = 1.25
+QUICK_COMPUTE_TOLERANCE = 2.0
 """Two ``--quick`` runs: largest / smallest GEMM rate, overhead and copy rate. Timed in thread
-CPU time; in three sets of six runs on this shared 2-core machine they spread by <= 1.07x."""
-QUICK_LINK_TOLERANCE = 2.0
+CPU time; in three sets of six runs on this shared 2-core machine they spread by <= 1.07x, but
+with the rest of the suite's processes competing for the cores the per-call GEMM overhead
+(a couple of microseconds, the intercept of the fit) spread 1.44x once (2.30 vs 1.60 us), so
+the suite allows 2x: enough to catch a broken fit (a unit slip is 1000x), not tripped by load."""
+QUICK_LINK_TOLERANCE = 4.0
 """Two ``--quick`` runs: largest / smallest alpha and beta. Ten rounds of wall-clock collectives
 over loopback, which other jobs' load slows: six quick runs spread alpha by 1.2x and beta by
-1.7x (two runs under heavier load at 2.7 GB/s, four at 4.0-4.5). Full runs (20 rounds) are
+1.7x (two runs under heavier load at 2.7 GB/s, four at 4.0-4.5); a busy machine doubles
+that, hence 4x. Full runs (20 rounds) are
 held to the 1.2x acceptance by benchmarks/profile_repeat.py, not here: two take over 60 s."""
 
 
