@@ -114,6 +114,9 @@ def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | No
         json_output: bool = False) -> RunResult:
     """``meshplan run``: exit code 0 (ok), 1 (a worker failed); ValueError when refused.
 
+    Every process reads the plan file once: this one (which checks it before anything starts)
+    and, when it starts torchrun, each worker (which cannot share this process's objects).
+
     The report is returned where this process can read it (the launching process, or rank 0
     under torchrun), also without a ``report`` path (a temporary file carries it). With
     ``json_output`` progress lines go to stderr.
@@ -130,8 +133,8 @@ def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | No
         path = os.path.abspath(report) if report else os.path.join(scratch, "report.json")
         job = Job(plans=(os.path.abspath(plan_path),), reports=(path,), options=options,
                   progress_to_stderr=json_output)
-        if under_torchrun():
-            code = run_job_or_exit(job)
+        if under_torchrun():  # this process is a worker: the plan it read is the job's
+            code = run_job_or_exit(job, plans=[plan])
             rank0 = os.environ["RANK"] == "0"
             return RunResult(code, _read_report(path) if code == 0 and rank0 else None)
         code = start(job, launch, nproc_per_node=nproc).returncode

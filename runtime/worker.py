@@ -68,9 +68,10 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def check_job(job: Job, world_size: int) -> list[Plan]:
-    """Read and check every plan before any work; ValueError names the first problem."""
-    plans = [read_plan(path) for path in job.plans]
+def check_job(job: Job, world_size: int, *, plans: list[Plan] | None = None) -> list[Plan]:
+    """Read (unless the caller already did: ``plans``) and check every plan before any work;
+    ValueError names the first problem."""
+    plans = [read_plan(path) for path in job.plans] if plans is None else plans
     for path, plan in zip(job.plans, plans):
         try:
             mesh_mod.check_supported(plan.config, plan.model)
@@ -97,12 +98,13 @@ def _write_report(report: dict, path: str) -> None:
         out.write("\n")
 
 
-def run_job(job: Job) -> int:
-    """Run ``job`` in this torchrun worker; returns the exit code."""
+def run_job(job: Job, *, plans: list[Plan] | None = None) -> int:
+    """Run ``job`` in this torchrun worker (its plans already read: ``plans``); returns the
+    exit code."""
     rank = int(os.environ.get("RANK", "0"))
     _configure_logging(rank, to_stderr=job.progress_to_stderr)
     try:
-        plans = check_job(job, int(os.environ["WORLD_SIZE"]))
+        plans = check_job(job, int(os.environ["WORLD_SIZE"]), plans=plans)
     except ValueError as err:
         if rank == 0:
             print(f"meshplan: error: {err}", file=sys.stderr)
@@ -116,11 +118,11 @@ def run_job(job: Job) -> int:
     return 0
 
 
-def run_job_or_exit(job: Job) -> int:
+def run_job_or_exit(job: Job, *, plans: list[Plan] | None = None) -> int:
     """``run_job``, but any error prints its traceback and ends the process at once: a rank
     that failed must not linger (its peers would wait in a collective until the timeout)."""
     try:
-        return run_job(job)
+        return run_job(job, plans=plans)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
