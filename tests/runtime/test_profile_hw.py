@@ -15,7 +15,7 @@ import pytest
 
 from meshplan.costmodel import fitting, load_calibration
 from meshplan.costmodel.calibration import default_calibration
-from meshplan.runtime import profile_hw
+from meshplan.runtime import profile_hw, topology
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,18 +67,18 @@ Legend:
 
 # ----- topology ----------------------------------------------------------------------------------
 def test_topo_parser_reads_a_dgx_matrix():
-    pairs = profile_hw.parse_topo_matrix(DGX_TOPO)
+    pairs = topology.parse_topo_matrix(DGX_TOPO)
     assert len(pairs) == 8 * 8 and set(pairs.values()) == {"NV18", "X"}
     assert pairs["GPU0", "GPU7"] == pairs["GPU7", "GPU0"] == "NV18"
     assert not any(b.startswith("NIC") for _, b in pairs)
-    line = profile_hw.summarize_topology(pairs)
+    line = topology.summarize_topology(pairs)
     assert line.startswith("8 GPUs; GPU pairs: 28 x NV18 (NVLink)")
 
 
 def test_topo_parser_reads_a_pcie_box_with_colour_codes():
-    pairs = profile_hw.parse_topo_matrix(PCIE_TOPO)
+    pairs = topology.parse_topo_matrix(PCIE_TOPO)
     assert pairs["GPU0", "GPU1"] == "PIX" and pairs["GPU1", "GPU2"] == "SYS"
-    line = profile_hw.summarize_topology(pairs)
+    line = topology.summarize_topology(pairs)
     assert "4 GPUs" in line and "4 x SYS (PCIe/host)" in line and "2 x PIX (PCIe)" in line
 
 
@@ -87,23 +87,23 @@ def test_topo_parser_reads_a_pcie_box_with_colour_codes():
                                         ("NODE", "PCIe/host"), ("SYS", "PCIe/host"),
                                         ("XYZ", "unknown")])
 def test_link_names(code, name):
-    assert profile_hw.link_name(code) == name
+    assert topology.link_name(code) == name
 
 
 def test_topo_parser_reads_one_gpu():
     one = "\tGPU0\tNIC0\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tPXB\t0-47\t0\nNIC0\tPXB\t X\n"
-    pairs = profile_hw.parse_topo_matrix(one)
+    pairs = topology.parse_topo_matrix(one)
     assert pairs == {("GPU0", "GPU0"): "X"}
-    assert profile_hw.summarize_topology(pairs).startswith("1 GPU; no GPU-to-GPU links")
+    assert topology.summarize_topology(pairs).startswith("1 GPU; no GPU-to-GPU links")
 
 
 def test_topo_parser_refuses_other_text():
     with pytest.raises(ValueError, match="GPU0"):
-        profile_hw.parse_topo_matrix("No devices were found")
+        topology.parse_topo_matrix("No devices were found")
 
 
 def test_topology_on_the_cpu_is_loopback():
-    assert profile_hw.detect_topology().startswith("loopback")
+    assert topology.detect_topology().startswith("loopback")
 
 
 # ----- groups, calls, estimator ------------------------------------------------------------------
