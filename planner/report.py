@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from meshplan.costmodel import ClusterSpec, Estimate, ModelSpec
+if TYPE_CHECKING:  # annotations only: `meshplan models` does not load the estimator
+    from meshplan.costmodel import ClusterSpec, Estimate, ModelSpec
 
 GIB = 2**30
 """Bytes per GiB."""
