@@ -19,10 +19,12 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from meshplan.costmodel.hardware import ClusterSpec
+
+if TYPE_CHECKING:  # imported in _pair_path: the plan-file type and light commands skip networkx
+    import networkx as nx
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class GroupLink:
 
 def _pair_path(graph: nx.Graph, u: int, v: int) -> tuple[float, float]:
     """(bottleneck bytes_per_s, total latency_s) of the shortest path between GPUs u and v."""
+    import networkx as nx
+
     path = nx.bidirectional_shortest_path(graph, ("gpu", u), ("gpu", v))
     bandwidth, latency = math.inf, 0.0
     for a, b in zip(path, path[1:]):

@@ -14,11 +14,12 @@ import difflib
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any
 
 from meshplan.costmodel.jsonio import read_json_object, read_package_json
+
+if TYPE_CHECKING:  # networkx is imported where a graph is built: loading a cluster stays light
+    import networkx as nx
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +127,8 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
     direction: NVLink for GPU-NVSwitch, the NIC for GPU-NIC-leaf, and the NIC divided by
     ``spine_oversubscription`` for leaf-spine.
     """
+    import networkx as nx
+
     g = nx.Graph()
     gpu = cluster.gpu
     rails = min(cluster.nics_per_node, cluster.gpus_per_node)  # NICs with a GPU on them

@@ -6,11 +6,12 @@ Formatting only (the CLI's edge, STYLE.md habit 2): bytes become GiB (2**30), ba
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import pandas as pd
-
-from meshplan.costmodel import ClusterSpec, Estimate, ModelSpec
+if TYPE_CHECKING:  # annotations only: `meshplan models` does not load the estimator
+    from meshplan.costmodel import ClusterSpec, Estimate, ModelSpec
 
 GIB = 2**30
 """Bytes per GiB."""
@@ -39,11 +40,50 @@ _TIME_ROWS = (
 
 def _table(rows: list[dict], formats: dict[str, str] | None = None,
            default_format: str = "{:.2f}") -> str:
-    """``rows`` as a text table; ``formats`` maps a column to its format (floats only)."""
-    frame = pd.DataFrame(rows)
-    formatters = {col: (formats or {}).get(col, default_format).format
-                  for col in frame.columns if frame[col].dtype.kind == "f"}
-    return frame.to_string(index=False, formatters=formatters)
+    """``rows`` as a text table; ``formats`` maps a column to its format (floats only).
+
+    The layout of pandas' ``DataFrame(rows).to_string(index=False)`` with one formatter per
+    float column, without importing pandas (``meshplan models`` stays light): columns in order
+    of first appearance, right-aligned, one space apart; an integer column's header gets one
+    leading space; a value a row lacks (or ``None`` in a numeric or text column) reads NaN.
+    Columns that mix floats with text or booleans (none of ours) print the floats with ``str``.
+    """
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    if not columns:
+        return "Empty DataFrame\nColumns: []\nIndex: []"
+    cells = []
+    for column in columns:
+        header, texts = _column_cells([row.get(column, _MISSING) for row in rows],
+                                      (formats or {}).get(column, default_format))
+        header = header + column
+        width = max(len(header), *(len(t) for t in texts))
+        cells.append([header.rjust(width)] + [t.rjust(width) for t in texts])
+    return "\n".join(" ".join(line) for line in zip(*cells))
+
+
+_MISSING = object()
+"""A key a row does not have."""
+_ESCAPES = str.maketrans({"\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def _column_cells(values: list, float_format: str) -> tuple[str, list[str]]:
+    """(header prefix, cell texts) of one column, typed as pandas infers it from the values."""
+    present = [v for v in values if v is not _MISSING and v is not None]
+    if present and all(isinstance(v, bool) for v in present) and len(present) == len(values):
+        return " ", [str(v) for v in values]
+    numeric = all(isinstance(v, (numbers.Integral, float)) and not isinstance(v, bool)
+                  for v in present)
+    if present and numeric:
+        if len(present) == len(values) and all(isinstance(v, numbers.Integral)
+                                               for v in present):
+            return " ", [str(v) for v in values]
+        return "", [float_format.format(float(v)) if v is not _MISSING and v is not None
+                    else "NaN" for v in values]
+    if present and all(isinstance(v, str) for v in present):
+        return "", [v.translate(_ESCAPES) if isinstance(v, str) else "NaN" for v in values]
+    if not present and _MISSING in values:  # only None and gaps: a column of NaN
+        return "", ["NaN"] * len(values)
+    return "", ["NaN" if v is _MISSING else str(v).translate(_ESCAPES) for v in values]
 
 
 def models_table(models: Iterable[ModelSpec]) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from meshplan.costmodel import ParallelConfig, estimate, estimate_to_dict, load_cluster, load_model
 from meshplan import cli
+from meshplan.cli import inputs as cli_inputs
 
 # ----- the estimate --json schema, copied from DESIGN.md (schema_version 1) -------------------
 TOP_KEYS = {"schema_version", "model", "framework", "fits", "plan", "memory", "time",
@@ -319,7 +320,7 @@ def test_bad_cluster_and_calibration_files(capsys, tmp_path):
 def test_unreadable_file_is_a_user_error(capsys, monkeypatch):
     def unreadable(ref, **_):
         raise PermissionError(13, "Permission denied", ref)
-    monkeypatch.setattr(cli, "load_model", unreadable)
+    monkeypatch.setattr(cli_inputs, "load_model", unreadable)
     assert "Permission denied" in run_error(capsys, "estimate", "--model", "/x/model.json",
                                             "--cluster", "cpu", "--global-batch", "2")
 

@@ -161,13 +161,13 @@ def test_with_refit_terms_round_trips():
 
 
 def test_foreign_cores_is_the_machine_busy_time_less_ours():
-    from meshplan.cli import _cpu_counters, _foreign_cores
+    from meshplan.workflows.validate import cpu_counters, foreign_cores
 
     # (wall s, busy CPU s of the machine, CPU s of this process and its children)
-    assert _foreign_cores((10.0, 100.0, 5.0), (12.0, 104.0, 7.0)) == pytest.approx(1.0)
-    assert _foreign_cores((10.0, 100.0, 5.0), (12.0, 101.0, 7.0)) == 0.0  # clock jitter
-    assert _foreign_cores(None, (12.0, 104.0, 7.0)) is None
-    counters = _cpu_counters()
+    assert foreign_cores((10.0, 100.0, 5.0), (12.0, 104.0, 7.0)) == pytest.approx(1.0)
+    assert foreign_cores((10.0, 100.0, 5.0), (12.0, 101.0, 7.0)) == 0.0  # clock jitter
+    assert foreign_cores(None, (12.0, 104.0, 7.0)) is None
+    counters = cpu_counters()
     assert counters is None or all(v >= 0 for v in counters)
 
 

@@ -1,0 +1,33 @@
+"""What the subcommands write: JSON on stdout, files named by flags."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def refuse_overwrite(flag: str, path: str | None, *, force: bool) -> None:
+    """ValueError when ``path`` exists and ``--force`` was not given."""
+    if path and not force and os.path.exists(path):
+        raise ValueError(f"{flag} {path!r} exists; pass --force to overwrite it")
+
+
+def check_folder(flag: str, path: str | None) -> None:
+    """ValueError, before any work starts, when the folder ``path`` would be written in is
+    missing."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"{flag} {path!r}: its folder does not exist")
+
+
+def write_text(flag: str, path: str, text: str) -> None:
+    """``text`` into ``path``; an OSError becomes a ValueError naming ``flag``."""
+    try:
+        with open(path, "w") as out:
+            out.write(text)
+    except OSError as err:
+        raise ValueError(f"{flag} {path!r}: cannot write: {err.strerror or err}") from None

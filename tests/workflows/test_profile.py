@@ -1,0 +1,48 @@
+"""``meshplan.workflows.profile`` as a library: its checks before measuring, and one quick
+single-process profile in this process; and ``meshplan profile``'s text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshplan.cli.profile import profile_lines
+from meshplan.costmodel import load_calibration
+from meshplan.workflows import profile as wf
+
+
+def test_measurements_file_sits_next_to_the_calibration():
+    assert wf.measurements_path("out/cal.json") == "out/cal-measurements.json"
+    assert wf.measurements_path("cal.json", "raw.json") == "raw.json"
+
+
+def test_missing_folder_and_cpu_fp16_are_refused_before_measuring(tmp_path):
+    with pytest.raises(ValueError, match="--out .*: its folder does not exist"):
+        wf.profile(out=str(tmp_path / "no" / "c.json"), quick=True)
+    with pytest.raises(ValueError, match="--measurements .*: its folder does not exist"):
+        wf.profile(out=str(tmp_path / "c.json"), measurements=str(tmp_path / "no" / "m.json"))
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("fp16 is refused on the CPU only")
+    with pytest.raises(ValueError, match="fp16 on the CPU"):
+        wf.profile(out=str(tmp_path / "c.json"), dtype="fp16", quick=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_one_process_quick_profile_writes_both_files(tmp_path):
+    out = tmp_path / "c.json"
+    result = wf.profile(out=str(out), quick=True, nproc_per_node=1)
+    assert result.out == str(out) and result.measurements == str(tmp_path / "c-measurements.json")
+    assert result.fit.matmul_flop_per_s > 0 and result.fit.links == {}  # one process
+    written = load_calibration(str(out))
+    assert written.device(result.device_key) == result.calibration.device(result.device_key)
+    raw = json.loads((tmp_path / "c-measurements.json").read_text())
+    assert raw["measurements"]["collectives"] == [] and raw["wall_s"] == result.wall_s
+    lines = profile_lines(result).splitlines()
+    assert lines[0].startswith("topology   ") and len(lines) == 6
+    assert lines[4] == "intra      not measured (one process)"
+    assert lines[5] == "inter      not measured (one node; run under torchrun --nnodes N to " \
+                       "measure it)"
