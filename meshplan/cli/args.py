@@ -33,24 +33,22 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def _number(text: str, *, accept: Callable[[float], bool], rule: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    if not accept(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _number(text, accept=lambda v: v > 0, rule="> 0")
 
 
 def nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
+    return _number(text, accept=lambda v: v >= 0, rule=">= 0")
 
 
 def _split_list(text: str) -> list[str]:
