@@ -3,7 +3,7 @@
 key and what would be accepted.
 
 One test per case per document kind (ModelSpec JSON, HF ``config.json``, cluster JSON with its
-GPU object, calibration), each through the command line. The expected lines are
+GPU object, calibration, plan file), each through the command line. The expected lines are
 written out here: they are the contract (key names, bounds such as MAX_LAYERS = 4096), not
 copied from the code. Absurd counts must fail at once rather than send the planner into a
 search that never ends, hence the timeouts.
@@ -356,6 +356,126 @@ def test_bad_calibration_file(tmp_path, case):
     document, message = CALIBRATION_CASES[case]
     path = write(tmp_path / "cal.json", document)
     assert usage_error(*estimate_args(calibration=path)) == f"meshplan: error: {path}: {message}"
+
+
+# ----- plan file ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plan_document(tmp_path_factory) -> dict:
+    """A two-stage plan of the tiny model on two CPU ranks, as ``plan -o`` writes it."""
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    result = run_cli("plan", "--model", "tiny", "--cluster", "cpu", "--gpus-per-node", "2",
+                     "--pp", "2", "--global-batch", "8", "-o", path)
+    assert result.code == 0, result.err
+    return json.loads(path.read_text())
+
+
+def _plan_edit(change) -> Any:
+    def make(document: dict) -> dict:
+        document = copy.deepcopy(document)
+        change(document)
+        return document
+    return make
+
+
+PLAN_CASES = {
+    "unknown-key": (_plan_edit(lambda d: d.update(learning_rate=3e-4)),
+                    "unknown plan file key(s) ['learning_rate']; accepted keys: tp, pp, dp, cp, "
+                    "ep, sp, zero_stage, offload, offload_device, recompute, micro_batch_size, "
+                    "global_batch_size, vpp, seq_len, layers_per_stage, mesh_order, "
+                    "flash_attention, dtype, grad_accum_steps, schema_version, framework, model, "
+                    "cluster, predicted, provenance"),
+    "missing-key": (_plan_edit(lambda d: d.pop("dtype")),
+                    "missing required plan file key(s) ['dtype']; required: tp, pp, dp, cp, ep, "
+                    "sp, zero_stage, offload, offload_device, recompute, micro_batch_size, "
+                    "global_batch_size, vpp, seq_len, layers_per_stage, mesh_order, "
+                    "flash_attention, dtype, grad_accum_steps, schema_version, framework, model, "
+                    "cluster, predicted, provenance"),
+    "string-for-int": (_plan_edit(lambda d: d.update(tp="1")),
+                       "'tp': '1' is not accepted; tp must be a positive integer up to 262144 "
+                       "(MAX_GPUS)"),
+    "float-for-int": (_plan_edit(lambda d: d.update(pp=2.0)),
+                      "'pp': 2.0 is not accepted; pp must be a positive integer up to 262144 "
+                      "(MAX_GPUS)"),
+    "int-for-bool": (_plan_edit(lambda d: d.update(sp=0)),
+                     "'sp': 0 is not accepted; sp must be true or false"),
+    "list-item": (_plan_edit(lambda d: d.update(layers_per_stage=[2, "2"])),
+                  "'layers_per_stage[1]': '2' is not accepted; layers_per_stage[1] must be a "
+                  "positive integer up to 4096 (MAX_LAYERS)"),
+    "zero": (_plan_edit(lambda d: d.update(global_batch_size=0)),
+             "'global_batch_size': 0 is not accepted; global_batch_size must be a positive "
+             "integer up to 16777216 (MAX_GLOBAL_BATCH)"),
+    "negative": (_plan_edit(lambda d: d.update(micro_batch_size=-2)),
+                 "'micro_batch_size': -2 is not accepted; micro_batch_size must be a positive "
+                 "integer up to 16777216 (MAX_GLOBAL_BATCH)"),
+    "model-string-for-int": (_plan_edit(lambda d: d["model"].update(num_layers="4")),
+                             "'num_layers': '4' is not accepted; num_layers must be a positive "
+                             "integer up to 4096 (MAX_LAYERS)"),
+    "cluster-gpu-negative": (_plan_edit(lambda d: d["cluster"]["gpu"].update(hbm_bytes=-1)),
+                             "'gpu.hbm_bytes': -1 is not accepted; gpu.hbm_bytes must be a "
+                             "positive integer"),
+    "predicted-missing-key": (_plan_edit(lambda d: d["predicted"]["time"].pop("step_s")),
+                              "missing required estimate time key(s) ['step_s'] in "
+                              "predicted.time; required: step_s, compute_s, tp_comm_s, "
+                              "cp_comm_s, ep_comm_s, pp_comm_s, pp_bubble_s, dp_comm_s, "
+                              "offload_s, optimizer_s, exposed_comm_s, dp_comm_total_s, "
+                              "bottleneck_stage"),
+    "predicted-string-for-number": (
+        _plan_edit(lambda d: d["predicted"]["time"].update(step_s="fast")),
+        "'predicted.time.step_s': 'fast' is not accepted; predicted.time.step_s must be a "
+        "number > 0"),
+    "predicted-negative": (
+        _plan_edit(lambda d: d["predicted"]["memory"]["per_stage"][1].update(peak_bytes=-5)),
+        "'predicted.memory.per_stage[1].peak_bytes': -5 is not accepted; "
+        "predicted.memory.per_stage[1].peak_bytes must be a number >= 0"),
+    "predicted-schema-version": (
+        _plan_edit(lambda d: d["predicted"].update(schema_version=2)),
+        "'predicted.schema_version': 2 is not accepted; predicted.schema_version must be one "
+        "of 1"),
+}
+"""Each edit, and the line after ``<file>`` (``<file> model:`` / ``<file> cluster:`` for the
+nested documents, see ``PLAN_ORIGIN``)."""
+PLAN_ORIGIN = {"model-string-for-int": " model", "cluster-gpu-negative": " cluster"}
+
+
+@pytest.mark.parametrize("case", list(PLAN_CASES))
+def test_bad_plan_file(plan_document, tmp_path, case):
+    make, message = PLAN_CASES[case]
+    path = write(tmp_path / "plan.json", make(plan_document))
+    origin = f"{path}{PLAN_ORIGIN.get(case, '')}"
+    assert usage_error("export", path, "--to", "megatron") == \
+        f"meshplan: error: {origin}: {message}"
+
+
+@pytest.mark.parametrize("text, message", [
+    ('"step_s": NaN', "'predicted.time.step_s': NaN is not accepted; predicted.time.step_s must "
+                      "be a finite number (JSON has no NaN or Infinity)"),
+    ('"step_s": Infinity', "'predicted.time.step_s': Infinity is not accepted; "
+                           "predicted.time.step_s must be a finite number (JSON has no NaN or "
+                           "Infinity)"),
+], ids=["nan", "infinity"])
+def test_non_finite_number_in_a_plan_file(plan_document, tmp_path, text, message):
+    document = copy.deepcopy(plan_document)
+    document["predicted"]["time"]["step_s"] = "<step>"
+    path = write(tmp_path / "plan.json", json.dumps(document).replace('"step_s": "<step>"', text))
+    assert usage_error("export", path, "--to", "megatron") == f"meshplan: error: {path}: {message}"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("where", ["model", "plan"])
+def test_absurd_counts_in_a_plan_file_fail_fast(plan_document, tmp_path, where):
+    """``explain`` searches the plan's space again: an absurd count must stop it at once."""
+    document = copy.deepcopy(plan_document)
+    if where == "model":
+        document["model"]["num_layers"] = ABSURD
+        expected = (f"{{path}} model: 'num_layers': {ABSURD} is not accepted; num_layers must "
+                    f"be a positive integer up to 4096 (MAX_LAYERS)")
+    else:
+        document["global_batch_size"] = ABSURD
+        expected = (f"{{path}}: 'global_batch_size': {ABSURD} is not accepted; "
+                    f"global_batch_size must be a positive integer up to 16777216 "
+                    f"(MAX_GLOBAL_BATCH)")
+    path = write(tmp_path / "plan.json", document)
+    assert usage_error("explain", path) == "meshplan: error: " + expected.format(path=path)
 
 
 # ----- the loader's API (for the runtime's documents too) ----------------------------------------
