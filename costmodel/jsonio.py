@@ -259,7 +259,8 @@ def _check_members(value: Mapping, rule: Rule, *, origin: str, path: str) -> Non
         return
     for key, item in value.items():
         if not isinstance(key, str) or (rule.keys and key not in rule.keys):
-            accepted = f"one of {', '.join(map(repr, rule.keys))}" if rule.keys else "a string"
+            accepted = (f"one of {', '.join(json.dumps(k) for k in rule.keys)}" if rule.keys
+                        else "a string")
             raise ValueError(f"{origin}: key {key!r} in {path} is not accepted; each key of "
                              f"{path} must be {accepted}")
         check_value(item, rule.items, origin=origin, path=f"{path}.{key}")
@@ -325,11 +326,11 @@ def _describe(rule: Rule) -> str:
     if rule.kind == "any":
         return "any JSON value"
     if rule.kind == "list":
-        return "a list" + (f", each item {_describe(rule.items)}" if rule.items else "")
+        return "a list" + (f", each item {describe(rule.items)}" if rule.items else "")
     if rule.kind == "object":
         if rule.schema is not None:
             return f"an object with the {rule.schema.name} keys"
-        return "an object" + (f", each value {_describe(rule.items)}" if rule.items else "")
+        return "an object" + (f", each value {describe(rule.items)}" if rule.items else "")
     return _describe_number(rule.kind, limit)
 
 

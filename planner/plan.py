@@ -107,8 +107,9 @@ class Plan:
     def predicted(self) -> dict[str, Any]:
         """The ``estimate --json`` document of this plan (the plan file's ``predicted``).
 
-        Made on each call by ``estimate_to_dict``. Kept while callers outside ``planner`` and
-        ``costmodel`` still index the document; new code reads the typed ``prediction``."""
+        Made on each call by ``estimate_to_dict``. Kept while callers that index the
+        document (the plans table, the run report, benchmarks) have not moved to the typed
+        ``prediction``; new code reads ``prediction``."""
         return estimate_to_dict(self.estimate)
 
     @property

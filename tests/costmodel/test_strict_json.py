@@ -335,11 +335,11 @@ CALIBRATION_CASES = {
                   "'dp_overlap': 1.5 is not accepted; dp_overlap must be a number in [0, 1]"),
     "unknown-link-kind": ({"link_latency_s": {"nvlink": 1e-6}},
                           "key 'nvlink' in link_latency_s is not accepted; each key of "
-                          "link_latency_s must be one of 'inter', 'intra'"),
+                          "link_latency_s must be one of \"inter\", \"intra\""),
     "unknown-framework": ({"framework_compute_factor": {"nemo": 1.1}},
                           "key 'nemo' in framework_compute_factor is not accepted; each key of "
-                          "framework_compute_factor must be one of 'meshplan', 'megatron', "
-                          "'deepspeed', 'torchtitan', 'ideal'"),
+                          "framework_compute_factor must be one of \"meshplan\", "
+                          "\"megatron\", \"deepspeed\", \"torchtitan\", \"ideal\""),
 }
 
 
@@ -515,6 +515,8 @@ def test_schema_of_derives_keys_types_and_required_from_the_dataclass():
                                   "null or a number > 0"),
         ({**job, "plans": "a.json"}, "job.json: 'plans': 'a.json' is not accepted; plans must "
                                      "be a list, each item a string"),
+        ({**job, "reports": {}}, "job.json: 'reports': {} is not accepted; reports must be a "
+                                 "list, each item null or a string"),
     ]
     for data, message in cases:
         with pytest.raises(ValueError) as info:
