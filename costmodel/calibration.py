@@ -11,7 +11,10 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshplan.costmodel.jsonio import read_json_object, read_package_json
+from meshplan.costmodel.config import FRAMEWORKS
+from meshplan.costmodel.jsonio import (EFFICIENCY, FRACTION, NON_NEGATIVE, POSITIVE, Rule,
+                                       check_object, load_json_document, read_package_json,
+                                       schema_of)
 
 
 LINK_KINDS = frozenset({"intra", "inter"})
@@ -119,45 +122,58 @@ class Calibration:
         return dataclasses.asdict(self)
 
 
-_TOP_KEYS = {f.name for f in dataclasses.fields(Calibration)}
-_DEVICE_KEYS = {f.name for f in dataclasses.fields(DeviceCalibration)}
+DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
+    "matmul_efficiency": EFFICIENCY, "matmul_overhead_s": NON_NEGATIVE,
+    "attention_efficiency": EFFICIENCY, "flash_attention_efficiency": EFFICIENCY,
+    "memory_efficiency": EFFICIENCY})
+"""One entry of ``devices``: every DeviceCalibration field."""
+CALIBRATION_SCHEMA = schema_of(
+    Calibration,
+    limits={"elementwise_traffic_factor": NON_NEGATIVE,
+            "attention_core_traffic_factor": NON_NEGATIVE,
+            "framework_compute_factor": POSITIVE, "nvlink_efficiency": EFFICIENCY,
+            "network_efficiency": EFFICIENCY, "tp_overlap": FRACTION, "dp_overlap": FRACTION,
+            "pp_overlap": FRACTION, "offload_overlap": FRACTION,
+            "host_adam_flop_per_param": POSITIVE, "allocator_fragmentation": NON_NEGATIVE,
+            "communicator_bytes": NON_NEGATIVE, "link_latency_s": NON_NEGATIVE,
+            "collective_call_s": NON_NEGATIVE},
+    rules={"devices": Rule(kind="object", items=Rule(kind="object", schema=DEVICE_SCHEMA)),
+           "framework_compute_factor": Rule(kind="object", keys=FRAMEWORKS,
+                                            items=Rule(kind="float")),
+           "link_latency_s": Rule(kind="object", keys=tuple(sorted(LINK_KINDS)),
+                                  items=Rule(kind="float")),
+           "about": Rule(kind="str")})
+"""A complete calibration (the built-in one, or a user file merged over it): the Calibration
+fields and an optional ``about`` note."""
+CALIBRATION_FILE_SCHEMA = CALIBRATION_SCHEMA.replace(required=frozenset())
+"""A user calibration file: any subset of the keys, each as in ``CALIBRATION_SCHEMA`` (a
+``devices`` entry is complete); ``load_calibration`` merges it over the built-in one."""
 
 
 def calibration_from_dict(data: dict[str, Any], *, origin: str) -> Calibration:
-    unknown = sorted(set(data) - _TOP_KEYS - {"about"})
-    if unknown:
-        raise ValueError(f"calibration {origin}: unknown keys {unknown}; accepted: "
-                         f"{sorted(_TOP_KEYS)}")
+    """A Calibration from a complete calibration object; ValueError naming ``origin``."""
+    check_object(data, CALIBRATION_SCHEMA, origin=origin)
     values = {k: v for k, v in data.items() if k != "about"}
-    devices = {}
-    entries = values.get("devices", {})
-    if not isinstance(entries, dict):
-        raise ValueError(f"calibration {origin}: 'devices' must be an object of GPU keys")
-    for key, entry in entries.items():
-        bad = sorted(set(entry) - _DEVICE_KEYS) if isinstance(entry, dict) else ["(not an object)"]
-        missing = sorted(_DEVICE_KEYS - set(entry)) if isinstance(entry, dict) else []
-        if bad or missing:
-            raise ValueError(f"calibration {origin}: device {key!r} has unknown keys {bad} and "
-                             f"lacks {missing}; expected exactly {sorted(_DEVICE_KEYS)}")
-        devices[key] = DeviceCalibration(**entry)
-    values["devices"] = devices
     try:
+        values["devices"] = {key: DeviceCalibration(**entry)
+                             for key, entry in values["devices"].items()}
         return Calibration(**values)
-    except TypeError as err:
-        raise ValueError(f"calibration {origin}: {err}") from None
+    except ValueError as err:
+        raise ValueError(f"{origin}: {err}") from None
 
 
 @functools.cache
 def default_calibration() -> Calibration:
-    return calibration_from_dict(read_package_json("calibration.json"), origin="(built-in)")
+    return calibration_from_dict(read_package_json("calibration.json"),
+                                 origin="costmodel/data/calibration.json")
 
 
 def load_calibration(path: str | None) -> Calibration:
-    """The built-in calibration, or the one in the JSON file ``path``."""
+    """The built-in calibration, or the one in the JSON file ``path`` merged over it."""
     if path is None:
         return default_calibration()
-    data = read_json_object(path, what="calibration")
+    data = load_json_document(path, what="calibration", schema=CALIBRATION_FILE_SCHEMA)
     merged = default_calibration().to_dict()
     merged.update({k: v for k, v in data.items() if k != "devices"})
     merged["devices"] = {**merged["devices"], **data.get("devices", {})}
-    return calibration_from_dict(merged, origin=repr(path))
+    return calibration_from_dict(merged, origin=str(path))

@@ -9,14 +9,31 @@ GPU's flow gets on that link, per direction) and ``latency_s``. Collective costs
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshplan.costmodel.jsonio import read_json_object, read_package_json
+from meshplan.costmodel.jsonio import (NON_NEGATIVE, POSITIVE, Limit, Rule, check_object, count,
+                                       load_json_document, read_package_json, schema_of)
+
+# ----- upper bounds on the cluster's counts -------------------------------------------------
+# Generous but finite: the topology graph has a vertex per GPU, the planner enumerates the
+# divisors of the GPU count and the ways to lay degrees on nodes, so ``nodes: 10**30`` would
+# never finish; each bound is far above any cluster built or announced.
+MAX_GPUS_PER_NODE = 1024
+"""GPUs in one node (one NVLink domain): above NVIDIA's 576-GPU NVL576 rack, the largest
+announced; DGX nodes have 8, GB200 NVL72 racks 72."""
+MAX_NODES = 65536
+"""Nodes: 2.5x the ~25,000 eight-GPU nodes of the largest clusters built (~200,000 GPUs)."""
+MAX_GPUS = 2**18
+"""GPUs in all: 262,144, above the largest clusters built (~200,000 GPUs)."""
+CLUSTER_COUNT_LIMITS = {"nodes": count(MAX_NODES, "MAX_NODES"),
+                        "gpus_per_node": count(MAX_GPUS_PER_NODE, "MAX_GPUS_PER_NODE"),
+                        "nics_per_node": count(MAX_GPUS_PER_NODE, "MAX_GPUS_PER_NODE"),
+                        "nodes_per_leaf": count(MAX_NODES, "MAX_NODES")}
+"""The values each count of ``ClusterSpec`` may take (``__post_init__`` and the JSON readers)."""
 
 if TYPE_CHECKING:  # networkx is imported where a graph is built: loading a cluster stays light
     import networkx as nx
@@ -90,11 +107,17 @@ class ClusterSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "nics_per_node", "nodes_per_leaf"):
+        for name, limit in CLUSTER_COUNT_LIMITS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"cluster {self.name!r}: {name} must be a positive integer, "
                                  f"got {value!r}")
+            if value > limit.maximum:
+                raise ValueError(f"cluster {self.name!r}: {name} must be at most "
+                                 f"{limit.maximum} ({limit.name}), got {value!r}")
+        if self.nodes * self.gpus_per_node > MAX_GPUS:
+            raise ValueError(f"cluster {self.name!r}: {self.nodes} nodes x {self.gpus_per_node} "
+                             f"GPUs is more than {MAX_GPUS} GPUs (MAX_GPUS)")
         for name in ("nic_bytes_per_s", "pcie_bytes_per_s", "nvme_bytes_per_s",
                      "host_flop_per_s"):
             if getattr(self, name) <= 0:
@@ -169,24 +192,45 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
 
 # ----- catalogs and loading --------------------------------------------------------------------
 
+GPU_SCHEMA = schema_of(
+    GpuSpec, limits={"peak_flop_per_s": POSITIVE, "hbm_bytes": POSITIVE,
+                     "hbm_bytes_per_s": POSITIVE, "nvlink_bytes_per_s": POSITIVE},
+    required=("name", "peak_flop_per_s", "hbm_bytes", "hbm_bytes_per_s", "nvlink_bytes_per_s"))
+"""A GPU object (``gpus.json`` entry, a cluster's ``gpu`` object): ``key`` is optional (the
+catalog's key, ``custom`` in a cluster file)."""
+CLUSTER_SCHEMA = schema_of(
+    ClusterSpec,
+    limits={**CLUSTER_COUNT_LIMITS, "nvlink_latency_s": NON_NEGATIVE,
+            "nic_bytes_per_s": POSITIVE, "nic_latency_s": NON_NEGATIVE,
+            "spine_oversubscription": Limit(minimum=1), "pcie_bytes_per_s": POSITIVE,
+            "host_bytes": POSITIVE, "nvme_bytes": NON_NEGATIVE, "nvme_bytes_per_s": POSITIVE,
+            "host_flop_per_s": POSITIVE},
+    rules={"gpu": Rule(kind="union", alternatives=(Rule(kind="str"),
+                                                   Rule(kind="object", schema=GPU_SCHEMA)))},
+    required=("gpu", "gpus_per_node", "nvlink_latency_s", "nics_per_node", "nic_bytes_per_s",
+              "nic_latency_s"))
+"""A cluster JSON object (catalog template, user file, a plan file's ``cluster``): the
+ClusterSpec fields; ``gpu`` a catalog GPU key or a GPU object; ``name`` defaults to the file
+stem, ``nodes`` to 1."""
+
+
 @functools.cache
 def gpu_catalog() -> dict[str, GpuSpec]:
+    origin = "costmodel/data/gpus.json"
     raw = read_package_json("gpus.json")["gpus"]
-    return {key: _gpu_from_dict(key, value) for key, value in raw.items()}
+    for key, value in raw.items():
+        check_object(value, GPU_SCHEMA, origin=f"{origin} gpu {key!r}")
+    return {key: _gpu_from_dict(key, value, origin=f"{origin} gpu {key!r}")
+            for key, value in raw.items()}
 
 
-def _gpu_from_dict(key: str, value: dict[str, Any]) -> GpuSpec:
-    fields = {f.name: f for f in dataclasses.fields(GpuSpec)}
-    allowed = set(fields) - {"key"}
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        raise ValueError(f"GPU {key!r}: unknown keys {unknown}; accepted: {sorted(allowed)}")
-    required = {n for n, f in fields.items() if f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING} - {"key"}
-    missing = sorted(required - set(value))
-    if missing:
-        raise ValueError(f"GPU {key!r}: missing keys {missing}")
-    return GpuSpec(key=key, **value)
+def _gpu_from_dict(key: str, value: dict[str, Any], *, origin: str) -> GpuSpec:
+    """A GpuSpec from a GPU object already checked against ``GPU_SCHEMA``."""
+    fields = {k: v for k, v in value.items() if k != "key"}
+    try:
+        return GpuSpec(key=key, **fields)
+    except ValueError as err:
+        raise ValueError(f"{origin}: {err}") from None
 
 
 @functools.cache
@@ -198,33 +242,28 @@ def cluster_names() -> list[str]:
     return sorted(_cluster_templates())
 
 
-_CLUSTER_KEYS = {f.name for f in dataclasses.fields(ClusterSpec)}
-
-
 def cluster_from_dict(data: dict[str, Any], *, name: str, nodes: int | None = None,
-                      gpus_per_node: int | None = None) -> ClusterSpec:
+                      gpus_per_node: int | None = None, origin: str | None = None) -> ClusterSpec:
     """Build a ClusterSpec from a JSON object (catalog template or user file).
 
-    ``gpu`` is a catalog GPU key or an object with the GpuSpec fields. ``nodes`` defaults to 1.
+    ``data`` is checked against ``CLUSTER_SCHEMA``; ``gpu`` is a catalog GPU key or an object
+    with the GpuSpec fields. ``nodes`` (default: the object's, else 1) and ``gpus_per_node``
+    override the object's. ``origin`` (a file; default ``cluster 'name'``) starts every
+    message.
     """
-    unknown = sorted(set(data) - _CLUSTER_KEYS)
-    if unknown:
-        raise ValueError(f"cluster {name!r}: unknown keys {unknown}; accepted: "
-                         f"{sorted(_CLUSTER_KEYS)}")
+    label = origin or f"cluster {name!r}"
+    check_object(data, CLUSTER_SCHEMA, origin=label)
     values = dict(data)
     values["name"] = values.get("name", name)
-    gpu = values.get("gpu")
+    gpu = values["gpu"]
     if isinstance(gpu, str):
         catalog = gpu_catalog()
         if gpu not in catalog:
-            raise ValueError(f"cluster {name!r}: unknown gpu {gpu!r}; known: {sorted(catalog)}")
+            raise ValueError(f"{label}: unknown gpu {gpu!r}; known: {sorted(catalog)}, or a "
+                             f"GPU object")
         values["gpu"] = catalog[gpu]
-    elif isinstance(gpu, dict):
-        values["gpu"] = _gpu_from_dict(str(gpu.get("key", "custom")),
-                                       {k: v for k, v in gpu.items() if k != "key"})
-    else:
-        raise ValueError(f"cluster {name!r}: 'gpu' must be a catalog name or an object, "
-                         f"got {gpu!r}")
+    elif not isinstance(gpu, GpuSpec):
+        values["gpu"] = _gpu_from_dict(str(gpu.get("key", "custom")), gpu, origin=label)
     if nodes is not None:
         values["nodes"] = nodes
     values.setdefault("nodes", 1)
@@ -232,8 +271,10 @@ def cluster_from_dict(data: dict[str, Any], *, name: str, nodes: int | None = No
         values["gpus_per_node"] = gpus_per_node
     try:
         return ClusterSpec(**values)
-    except TypeError as err:  # a required key is missing
-        raise ValueError(f"cluster {name!r}: {err}") from None
+    except ValueError as err:  # its messages name the cluster; add the file, if any
+        if origin is None:
+            raise
+        raise ValueError(f"{origin}: {err}") from None
 
 
 def load_cluster(ref: str, *, nodes: int | None = None,
@@ -245,8 +286,9 @@ def load_cluster(ref: str, *, nodes: int | None = None,
         return cluster_from_dict(template, name=ref, nodes=nodes, gpus_per_node=gpus_per_node)
     path = Path(ref)
     if path.suffix == ".json" or path.exists():
-        data = read_json_object(path, what="cluster")
-        return cluster_from_dict(data, name=path.stem, nodes=nodes, gpus_per_node=gpus_per_node)
+        data = load_json_document(path, what="cluster")
+        return cluster_from_dict(data, name=path.stem, nodes=nodes, gpus_per_node=gpus_per_node,
+                                 origin=str(path))
     near = difflib.get_close_matches(ref, list(templates), n=3, cutoff=0.3)
     hint = f"; did you mean {', '.join(near)}?" if near else ""
     raise ValueError(f"unknown cluster {ref!r}{hint} Known: {', '.join(sorted(templates))}, "

@@ -25,12 +25,56 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from meshplan.costmodel.jsonio import Limit, count
+
 if TYPE_CHECKING:
     import networkx as nx
 
 Activation = Literal["gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 PositionEmbedding = Literal["learned", "rope", "alibi"]
+
+# ----- upper bounds on the architecture's counts ---------------------------------------------
+# Generous but finite. The planner's work grows with these numbers (cost tables per layer and
+# stage, loops over layers, divisor enumerations), so a typo such as ``num_layers: 10**30``
+# would make it run for ever instead of failing; each bound sits far above any published
+# model, so no real architecture is refused.
+MAX_LAYERS = 4096
+"""Transformer blocks: 4x DeepNet's 1,000 layers (Wang et al. 2022, arXiv:2203.00555), the
+deepest transformer trained; LLMs stop near 128 (Llama 3.1 405B: 126)."""
+MAX_HIDDEN_SIZE = 2**20
+"""Model width (also per-head width): 1,048,576, 40x the widest published (Megatron-LM's 1T
+model, 25,600; Narayanan et al. 2021 Table 1)."""
+MAX_HEADS = 2**14
+"""Attention heads (and key/value heads): 16,384, 100x the most published (160, ibid.)."""
+MAX_FFN_HIDDEN_SIZE = 2**22
+"""MLP inner width: 4,194,304, 40x the widest (4 x 25,600 = 102,400, ibid.)."""
+MAX_VOCAB_SIZE = 2**24
+"""Vocabulary rows: 16,777,216, 64x the largest tokenizers (Gemma's 256,000; BLOOM's
+250,880)."""
+MAX_SEQ_LEN = 2**24
+"""Sequence length: 16,777,216 tokens, above the longest context claimed (10M, Llama 4
+Scout)."""
+MAX_EXPERTS = 2**20
+"""MoE experts per layer: 1,048,576, PEER's "over a million" tiny experts (He 2024,
+arXiv:2407.04153), the most published; Switch-C has 2,048."""
+MODEL_LIMITS = {
+    "num_layers": count(MAX_LAYERS, "MAX_LAYERS"),
+    "hidden_size": count(MAX_HIDDEN_SIZE, "MAX_HIDDEN_SIZE"),
+    "head_dim": count(MAX_HIDDEN_SIZE, "MAX_HIDDEN_SIZE"),
+    "num_heads": count(MAX_HEADS, "MAX_HEADS"),
+    "num_kv_heads": count(MAX_HEADS, "MAX_HEADS"),
+    "ffn_hidden_size": count(MAX_FFN_HIDDEN_SIZE, "MAX_FFN_HIDDEN_SIZE"),
+    "moe_ffn_hidden_size": count(MAX_FFN_HIDDEN_SIZE, "MAX_FFN_HIDDEN_SIZE"),
+    "vocab_size": count(MAX_VOCAB_SIZE, "MAX_VOCAB_SIZE"),
+    "padded_vocab_size": count(MAX_VOCAB_SIZE, "MAX_VOCAB_SIZE"),
+    "seq_len": count(MAX_SEQ_LEN, "MAX_SEQ_LEN"),
+    "moe_layer_freq": count(MAX_LAYERS, "MAX_LAYERS"),
+    "num_experts": Limit(minimum=0, maximum=MAX_EXPERTS, name="MAX_EXPERTS"),
+    "moe_top_k": Limit(minimum=0, maximum=MAX_EXPERTS, name="MAX_EXPERTS"),
+}
+"""The values each count field of ``ModelSpec`` may take, checked by ``__post_init__`` (the
+upper bounds) and by the JSON readers (``costmodel.models``)."""
 
 _ACTIVATIONS = ("gelu", "swiglu")
 _NORMS = ("layernorm", "rmsnorm")
@@ -141,6 +185,15 @@ class ModelSpec:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value <= 0):
                 raise ValueError(f"{field} must be a positive integer or null, got {value!r}")
+        for field in ("num_experts", "moe_top_k"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{field} must be an integer >= 0, got {value!r}")
+        for field, limit in MODEL_LIMITS.items():
+            value = getattr(self, field)
+            if value is not None and value > limit.maximum:
+                raise ValueError(f"{field} must be at most {limit.maximum} ({limit.name}), "
+                                 f"got {value!r}")
         if self.activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {self.activation!r}")
         if self.norm not in _NORMS:

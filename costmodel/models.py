@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 import logging
 import os
 import types
@@ -25,7 +24,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
-from meshplan.costmodel.model import MODEL_FIELDS, ModelSpec, TracedLayer
+from meshplan.costmodel.jsonio import (FRACTION, NON_NEGATIVE, Limit, Rule, check_object,
+                                       check_value, parse_json_document, schema_of)
+from meshplan.costmodel.model import MODEL_LIMITS, ModelSpec, TracedLayer
 from meshplan.costmodel.refs import is_factory_ref
 
 logger = logging.getLogger(__name__)
@@ -38,10 +39,17 @@ configs carry no sequence length since ALiBi has no position table."""
 GPT_FFN_MULTIPLIER = 4
 """MLP width over model width in GPT-2/GPT-3/BLOOM (Radford et al. 2019; Brown et al. 2020)."""
 
-_REQUIRED_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec)
-                         if f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING)
-_BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec) if f.type == "bool")
+TRACED_LAYER_SCHEMA = schema_of(TracedLayer, limits={
+    "kind": NON_NEGATIVE, "params": NON_NEGATIVE, "fwd_flop": NON_NEGATIVE,
+    "bwd_flop": NON_NEGATIVE, "saved_bytes": NON_NEGATIVE, "output_bytes": NON_NEGATIVE})
+"""One entry of a ModelSpec JSON's ``traced`` list: exactly the TracedLayer fields."""
+MODEL_SCHEMA = schema_of(
+    ModelSpec, limits={**MODEL_LIMITS, "traced_dtype_bytes": Limit(choices=(1, 2, 4, 8)),
+                       "reported_params": NON_NEGATIVE, "traced_extra_saved_bytes": NON_NEGATIVE},
+    rules={"traced": Rule(kind="list", item_label="traced layer",
+                          items=Rule(kind="object", schema=TRACED_LAYER_SCHEMA))})
+"""A ModelSpec JSON object: the dataclass fields (required: those without a default), their
+JSON types, sizes > 0 and the named upper bounds of ``model.MODEL_LIMITS``."""
 _HF_MARKER_KEYS = ("model_type", "architectures", "num_hidden_layers", "n_layer", "n_embd",
                    "n_embed", "n_head", "num_attention_heads")
 """Keys that only a HuggingFace config has (a ModelSpec file says num_layers, num_heads)."""
@@ -56,7 +64,7 @@ def model_catalog() -> dict[str, ModelSpec]:
 def _catalog() -> Mapping[str, ModelSpec]:
     origin = f"costmodel/data/{CATALOG_FILE}"
     text = (resources.files("meshplan.costmodel.data") / CATALOG_FILE).read_text(encoding="utf-8")
-    data = _parse_json(text, origin=origin)
+    data = parse_json_document(text, origin=origin)
     entries = data.get("models")
     if not isinstance(entries, dict):
         raise ValueError(f"{origin}: expected an object under 'models', "
@@ -122,74 +130,34 @@ def _looks_like_path(ref: str) -> bool:
 def load_model_file(path: str | Path) -> ModelSpec:
     """Load a ModelSpec JSON or a HuggingFace config.json, told apart by their keys."""
     path = Path(path)
-    data = _parse_json(path.read_text(encoding="utf-8"), origin=str(path))
+    data = parse_json_document(path.read_text(encoding="utf-8"), origin=str(path))
     if is_hf_config(data):
-        spec = from_hf_config(data, name=_hf_model_name(data, path=path))
+        spec = from_hf_config(data, name=_hf_model_name(data, path=path),
+                              origin=f"{path} (read as a HuggingFace config)")
         return dataclasses.replace(spec, source=f"{spec.source}: {path}")
     return spec_from_dict(data, origin=str(path), default_name=path.stem)
-
-
-def _parse_json(text: str, *, origin: str) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{origin}: not valid JSON: {err.msg} at line {err.lineno} column "
-                         f"{err.colno} (char {err.pos})") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{origin}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def spec_from_dict(data: Mapping[str, Any], *, origin: str,
                    default_name: str | None = None) -> ModelSpec:
     """Build a ``ModelSpec`` from a mapping keyed by its field names, naming bad or missing keys.
 
-    ``origin`` (a file, a catalog entry) prefixes every error message; ``default_name`` fills in
-    a missing ``name``.
+    The mapping is checked against ``MODEL_SCHEMA`` (unknown and missing keys, JSON types,
+    sizes and their upper bounds); ``ModelSpec`` then checks how the fields relate. ``origin``
+    (a file, a catalog entry) prefixes every error message; ``default_name`` fills in a
+    missing ``name``.
     """
-    unknown = sorted(set(data) - set(MODEL_FIELDS))
-    if unknown:
-        raise ValueError(f"{origin}: unknown ModelSpec key(s) {unknown}; accepted keys: "
-                         f"{', '.join(MODEL_FIELDS)}")
     fields = dict(data)
     if default_name is not None:
         fields.setdefault("name", default_name)
-    missing = [key for key in _REQUIRED_FIELDS if key not in fields]
-    if missing:
-        raise ValueError(f"{origin}: missing required ModelSpec key(s) {missing}; required: "
-                         f"{', '.join(_REQUIRED_FIELDS)}")
-    not_bool = {key: fields[key] for key in _BOOL_FIELDS
-                if key in fields and not isinstance(fields[key], bool)}
-    if not_bool:
-        raise ValueError(f"{origin}: {not_bool} must be true or false")
-    if "traced" in fields:
-        fields["traced"] = _traced_layers(fields["traced"], origin=origin)
+    check_object(fields, MODEL_SCHEMA, origin=origin)
     try:
+        if "traced" in fields:
+            fields["traced"] = tuple(entry if isinstance(entry, TracedLayer)
+                                     else TracedLayer(**entry) for entry in fields["traced"])
         return ModelSpec(**fields)
-    except (ValueError, TypeError) as err:
+    except ValueError as err:
         raise ValueError(f"{origin}: {err}") from err
-
-
-_TRACED_FIELDS = tuple(f.name for f in dataclasses.fields(TracedLayer))
-
-
-def _traced_layers(entries: Any, *, origin: str) -> tuple[TracedLayer, ...]:
-    """``traced`` of a ModelSpec JSON: a list of objects keyed by TracedLayer fields."""
-    if not isinstance(entries, (list, tuple)):
-        raise ValueError(f"{origin}: 'traced' must be a list of layer objects")
-    layers = []
-    for index, entry in enumerate(entries):
-        if isinstance(entry, TracedLayer):
-            layers.append(entry)
-            continue
-        if not isinstance(entry, Mapping) or set(entry) != set(_TRACED_FIELDS):
-            raise ValueError(f"{origin}: traced layer {index} must be an object with exactly "
-                             f"the keys {', '.join(_TRACED_FIELDS)}")
-        try:
-            layers.append(TracedLayer(**entry))
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"{origin}: {err}") from err
-    return tuple(layers)
 
 
 # ----- HuggingFace configs ---------------------------------------------------------------------
@@ -208,30 +176,76 @@ def _hf_model_name(config: Mapping[str, Any], *, path: Path) -> str:
     return path.stem
 
 
-def _get(config: Mapping[str, Any], *keys: str, name: str, default: Any = _MISSING) -> Any:
-    """The value of the first of ``keys`` present (and not null) in ``config``."""
+_HF_SIZE_KEYS = {
+    "num_hidden_layers": "num_layers", "n_layer": "num_layers",
+    "hidden_size": "hidden_size", "n_embd": "hidden_size", "n_embed": "hidden_size",
+    "word_embed_proj_dim": "hidden_size", "head_dim": "head_dim",
+    "num_attention_heads": "num_heads", "n_head": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "intermediate_size": "ffn_hidden_size", "n_inner": "ffn_hidden_size",
+    "ffn_dim": "ffn_hidden_size", "vocab_size": "vocab_size",
+    "max_position_embeddings": "seq_len", "n_positions": "seq_len", "n_ctx": "seq_len",
+    "seq_length": "seq_len", "num_local_experts": "num_experts",
+    "num_experts_per_tok": "moe_top_k",
+}
+"""HF keys the translators read as sizes, and the ModelSpec field each becomes."""
+_HF_RULES = {key: dataclasses.replace(MODEL_SCHEMA.rules[field], nullable=False,
+                                      limit=dataclasses.replace(MODEL_LIMITS[field],
+                                                                minimum=None))
+             for key, field in _HF_SIZE_KEYS.items()}
+"""What an HF size key may hold: an integer up to the bound of its ModelSpec field. Zero and
+negative sizes are left to ``ModelSpec``, whose message names the field they became."""
+_HF_FLAG = Rule(kind="bool")
+_HF_PROBABILITY = Rule(kind="float", limit=FRACTION)
+
+
+def _hf_value(config: Mapping[str, Any], key: str, rule: Rule | None, *, origin: str) -> Any:
+    """``config[key]`` checked against ``rule``; None when absent or null (as HF reads it)."""
+    value = config.get(key)
+    if value is not None and rule is not None:
+        check_value(value, rule, origin=origin, path=key)
+    return value
+
+
+def _get(config: Mapping[str, Any], *keys: str, origin: str, default: Any = _MISSING) -> Any:
+    """The value of the first of ``keys`` present (and not null) in ``config``, checked as a
+    size (``_HF_RULES``)."""
     for key in keys:
-        if config.get(key) is not None:
-            return config[key]
+        value = _hf_value(config, key, _HF_RULES.get(key), origin=origin)
+        if value is not None:
+            return value
     if default is _MISSING:
-        raise ValueError(f"HF config of {name!r} has none of the keys {list(keys)} "
-                         f"(model_type {config.get('model_type')!r})")
+        raise ValueError(f"{origin}: none of the keys {list(keys)} is set (model_type "
+                         f"{config.get('model_type')!r}); one of them is required")
     return default
 
 
-def _dropout(config: Mapping[str, Any], keys_defaults: Mapping[str, float]) -> bool:
+def _flag(config: Mapping[str, Any], key: str, *, default: bool, origin: str) -> bool:
+    """The boolean ``config[key]``, ``default`` when absent or null."""
+    value = _hf_value(config, key, _HF_FLAG, origin=origin)
+    return default if value is None else value
+
+
+def _dropout(config: Mapping[str, Any], keys_defaults: Mapping[str, float], *,
+             origin: str) -> bool:
     """Any dropout probability in the config (or its HF default when absent) above zero."""
-    return any(float(config.get(key) if config.get(key) is not None else default) > 0
+    values = {key: _hf_value(config, key, _HF_PROBABILITY, origin=origin)
+              for key in keys_defaults}
+    return any((default if values[key] is None else values[key]) > 0
                for key, default in keys_defaults.items())
 
 
 def _canonical_head_dim(head_dim: int | None, *, hidden_size: int, num_heads: int) -> int | None:
-    """None when ``head_dim`` is the implied ``hidden_size // num_heads`` (as in the catalog)."""
+    """None when ``head_dim`` is the implied ``hidden_size // num_heads`` (as in the catalog).
+
+    With ``num_heads`` <= 0 ``head_dim`` is returned as given: ModelSpec refuses the heads."""
+    if num_heads <= 0:
+        return head_dim
     implied = hidden_size // num_heads if hidden_size % num_heads == 0 else None
     return None if head_dim == implied else head_dim
 
 
-def _from_llama(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+def _from_llama(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """Llama / Mistral / Mixtral / Qwen2 (transformers ``LlamaConfig`` and kin).
 
     The MLP is gated (gate, up and down projections) whatever ``hidden_act`` says (``silu`` in
@@ -239,86 +253,95 @@ def _from_llama(config: Mapping[str, Any], name: str) -> dict[str, Any]:
     only (``qkv_bias``). Mixtral's ``num_local_experts`` / ``num_experts_per_tok`` become
     ``num_experts`` / ``moe_top_k`` with experts as wide as ``intermediate_size``.
     """
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError(f"HF config of {name!r}: attention_bias/mlp_bias on a Llama-style model "
-                         f"cannot be expressed by ModelSpec (all-or-Q/K/V biases only); write a "
-                         f"ModelSpec JSON instead")
-    hidden = _get(config, "hidden_size", name=name)
-    heads = _get(config, "num_attention_heads", name=name)
-    experts = _get(config, "num_local_experts", name=name, default=0)
+    if (_flag(config, "attention_bias", default=False, origin=origin)
+            or _flag(config, "mlp_bias", default=False, origin=origin)):
+        raise ValueError(f"{origin}: attention_bias/mlp_bias on a Llama-style model cannot be "
+                         f"expressed by ModelSpec (all-or-Q/K/V biases only); write a ModelSpec "
+                         f"JSON instead")
+    hidden = _get(config, "hidden_size", origin=origin)
+    heads = _get(config, "num_attention_heads", origin=origin)
+    experts = _get(config, "num_local_experts", origin=origin, default=0)
     return dict(
-        num_layers=_get(config, "num_hidden_layers", name=name), hidden_size=hidden,
-        num_heads=heads, num_kv_heads=_get(config, "num_key_value_heads", name=name, default=None),
-        head_dim=_canonical_head_dim(config.get("head_dim"), hidden_size=hidden, num_heads=heads),
-        ffn_hidden_size=_get(config, "intermediate_size", name=name),
-        vocab_size=_get(config, "vocab_size", name=name),
-        seq_len=_get(config, "max_position_embeddings", name=name),
+        num_layers=_get(config, "num_hidden_layers", origin=origin), hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=_get(config, "num_key_value_heads", origin=origin, default=None),
+        head_dim=_canonical_head_dim(_get(config, "head_dim", origin=origin, default=None),
+                                     hidden_size=hidden, num_heads=heads),
+        ffn_hidden_size=_get(config, "intermediate_size", origin=origin),
+        vocab_size=_get(config, "vocab_size", origin=origin),
+        seq_len=_get(config, "max_position_embeddings", origin=origin),
         activation="swiglu", norm="rmsnorm", position_embedding="rope", linear_bias=False,
         qkv_bias=config.get("model_type") == "qwen2",
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        dropout=_dropout(config, {"attention_dropout": 0.0}),
+        tied_embeddings=_flag(config, "tie_word_embeddings", default=False, origin=origin),
+        dropout=_dropout(config, {"attention_dropout": 0.0}, origin=origin),
         num_experts=experts,
-        moe_top_k=_get(config, "num_experts_per_tok", name=name, default=0) if experts else 0)
+        moe_top_k=_get(config, "num_experts_per_tok", origin=origin, default=0) if experts else 0)
 
 
-def _from_gpt2(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+def _from_gpt2(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """GPT-2 (``GPT2Config``): learned positions, LayerNorm, biases, tied head.
 
     ``n_inner`` null means 4 * ``n_embd``; the vocabulary is not padded (50257 rows).
     """
-    hidden = _get(config, "n_embd", name=name)
+    hidden = _get(config, "n_embd", origin=origin)
     return dict(
-        num_layers=_get(config, "n_layer", name=name), hidden_size=hidden,
-        num_heads=_get(config, "n_head", name=name),
-        ffn_hidden_size=_get(config, "n_inner", name=name, default=GPT_FFN_MULTIPLIER * hidden),
-        vocab_size=_get(config, "vocab_size", name=name),
-        seq_len=_get(config, "n_positions", "n_ctx", name=name),
+        num_layers=_get(config, "n_layer", origin=origin), hidden_size=hidden,
+        num_heads=_get(config, "n_head", origin=origin),
+        ffn_hidden_size=_get(config, "n_inner", origin=origin,
+                             default=GPT_FFN_MULTIPLIER * hidden),
+        vocab_size=_get(config, "vocab_size", origin=origin),
+        seq_len=_get(config, "n_positions", "n_ctx", origin=origin),
         activation="gelu", norm="layernorm", position_embedding="learned", linear_bias=True,
-        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
-        dropout=_dropout(config, {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}))
+        tied_embeddings=_flag(config, "tie_word_embeddings", default=True, origin=origin),
+        dropout=_dropout(config, {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1},
+                         origin=origin))
 
 
-def _from_gpt_neox(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+def _from_gpt_neox(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """GPT-NeoX / Pythia (``GPTNeoXConfig``): rotary, LayerNorm, biases, untied head.
 
     Separate attention and MLP LayerNorms (two per layer) and a final one, as ModelSpec counts;
     the parallel residual changes no parameter. ``attention_bias`` false cannot be expressed.
     """
-    if not config.get("attention_bias", True):
-        raise ValueError(f"HF config of {name!r}: GPT-NeoX without attention_bias (MLP still "
-                         f"biased) cannot be expressed by ModelSpec; write a ModelSpec JSON")
+    if not _flag(config, "attention_bias", default=True, origin=origin):
+        raise ValueError(f"{origin}: GPT-NeoX without attention_bias (MLP still biased) cannot "
+                         f"be expressed by ModelSpec; write a ModelSpec JSON")
     return dict(
-        num_layers=_get(config, "num_hidden_layers", name=name),
-        hidden_size=_get(config, "hidden_size", name=name),
-        num_heads=_get(config, "num_attention_heads", name=name),
-        ffn_hidden_size=_get(config, "intermediate_size", name=name),
-        vocab_size=_get(config, "vocab_size", name=name),
-        seq_len=_get(config, "max_position_embeddings", name=name),
+        num_layers=_get(config, "num_hidden_layers", origin=origin),
+        hidden_size=_get(config, "hidden_size", origin=origin),
+        num_heads=_get(config, "num_attention_heads", origin=origin),
+        ffn_hidden_size=_get(config, "intermediate_size", origin=origin),
+        vocab_size=_get(config, "vocab_size", origin=origin),
+        seq_len=_get(config, "max_position_embeddings", origin=origin),
         activation="gelu", norm="layernorm", position_embedding="rope", linear_bias=True,
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        dropout=_dropout(config, {"hidden_dropout": 0.0, "attention_dropout": 0.0}))
+        tied_embeddings=_flag(config, "tie_word_embeddings", default=False, origin=origin),
+        dropout=_dropout(config, {"hidden_dropout": 0.0, "attention_dropout": 0.0},
+                         origin=origin))
 
 
-def _from_bloom(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+def _from_bloom(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """BLOOM (``BloomConfig``): ALiBi, embedding LayerNorm, biases, tied head, MLP 4h.
 
     ``vocab_size`` in BLOOM configs is already the padded 250880 rows; the sequence length is
     ``seq_length`` when given, else ``BLOOM_DEFAULT_SEQ_LEN``.
     """
-    hidden = _get(config, "hidden_size", "n_embed", name=name)
+    hidden = _get(config, "hidden_size", "n_embed", origin=origin)
     return dict(
-        num_layers=_get(config, "n_layer", "num_hidden_layers", name=name), hidden_size=hidden,
-        num_heads=_get(config, "n_head", "num_attention_heads", name=name),
+        num_layers=_get(config, "n_layer", "num_hidden_layers", origin=origin),
+        hidden_size=hidden,
+        num_heads=_get(config, "n_head", "num_attention_heads", origin=origin),
         ffn_hidden_size=GPT_FFN_MULTIPLIER * hidden,
-        vocab_size=_get(config, "vocab_size", name=name),
-        seq_len=_get(config, "seq_length", "max_position_embeddings", name=name,
+        vocab_size=_get(config, "vocab_size", origin=origin),
+        seq_len=_get(config, "seq_length", "max_position_embeddings", origin=origin,
                      default=BLOOM_DEFAULT_SEQ_LEN),
         activation="gelu", norm="layernorm", position_embedding="alibi", linear_bias=True,
-        tied_embeddings=bool(config.get("tie_word_embeddings", True)), embedding_norm=True,
-        dropout=_dropout(config, {"hidden_dropout": 0.0, "attention_dropout": 0.0}))
+        tied_embeddings=_flag(config, "tie_word_embeddings", default=True, origin=origin),
+        embedding_norm=True,
+        dropout=_dropout(config, {"hidden_dropout": 0.0, "attention_dropout": 0.0},
+                         origin=origin))
 
 
-def _from_opt(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+def _from_opt(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """OPT (``OPTConfig``): learned positions, LayerNorm, biases, tied head; ReLU MLP.
 
     ReLU maps to ModelSpec's ``gelu`` (same two matrices, same parameters and FLOPs). OPT's
@@ -329,22 +352,22 @@ def _from_opt(config: Mapping[str, Any], name: str) -> dict[str, Any]:
     configs (``do_layer_norm_before`` false, OPT-350m only) lack the final LayerNorm; ModelSpec
     still counts it.
     """
-    hidden = _get(config, "hidden_size", name=name)
-    proj = _get(config, "word_embed_proj_dim", name=name, default=hidden)
+    hidden = _get(config, "hidden_size", origin=origin)
+    proj = _get(config, "word_embed_proj_dim", origin=origin, default=hidden)
     if proj != hidden:
-        raise ValueError(f"HF config of {name!r}: word_embed_proj_dim {proj} != hidden_size "
-                         f"{hidden} (projected embeddings) cannot be expressed by ModelSpec; "
-                         f"only word_embed_proj_dim == hidden_size is accepted")
+        raise ValueError(f"{origin}: word_embed_proj_dim {proj} != hidden_size {hidden} "
+                         f"(projected embeddings) cannot be expressed by ModelSpec; only "
+                         f"word_embed_proj_dim == hidden_size is accepted")
     return dict(
-        num_layers=_get(config, "num_hidden_layers", name=name), hidden_size=hidden,
-        num_heads=_get(config, "num_attention_heads", name=name),
-        ffn_hidden_size=_get(config, "ffn_dim", name=name),
-        vocab_size=_get(config, "vocab_size", name=name),
-        seq_len=_get(config, "max_position_embeddings", name=name),
+        num_layers=_get(config, "num_hidden_layers", origin=origin), hidden_size=hidden,
+        num_heads=_get(config, "num_attention_heads", origin=origin),
+        ffn_hidden_size=_get(config, "ffn_dim", origin=origin),
+        vocab_size=_get(config, "vocab_size", origin=origin),
+        seq_len=_get(config, "max_position_embeddings", origin=origin),
         activation="gelu", norm="layernorm", position_embedding="learned",
-        linear_bias=bool(config.get("enable_bias", True)),
-        tied_embeddings=bool(config.get("tie_word_embeddings", True)),
-        dropout=_dropout(config, {"dropout": 0.1, "attention_dropout": 0.0}))
+        linear_bias=_flag(config, "enable_bias", default=True, origin=origin),
+        tied_embeddings=_flag(config, "tie_word_embeddings", default=True, origin=origin),
+        dropout=_dropout(config, {"dropout": 0.1, "attention_dropout": 0.0}, origin=origin))
 
 
 _HF_STYLES: dict[str, Callable[[Mapping[str, Any], str], dict[str, Any]]] = {
@@ -356,13 +379,14 @@ _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qw
 """HuggingFace ``model_type`` to the key style that reads it."""
 
 
-def hf_config_style(config: Mapping[str, Any]) -> str:
+def hf_config_style(config: Mapping[str, Any], *, origin: str = "HF config") -> str:
     """Which key style reads ``config``: by ``model_type``, else by its distinctive keys."""
     model_type = config.get("model_type")
     if model_type is not None:
-        if model_type not in _HF_MODEL_TYPES:
-            raise ValueError(f"HF model_type {model_type!r} is not supported; supported: "
-                             f"{', '.join(_HF_MODEL_TYPES)} (or write a ModelSpec JSON)")
+        if not isinstance(model_type, str) or model_type not in _HF_MODEL_TYPES:
+            raise ValueError(f"{origin}: HF model_type {model_type!r} is not supported; "
+                             f"supported: {', '.join(_HF_MODEL_TYPES)} (or write a ModelSpec "
+                             f"JSON)")
         return _HF_MODEL_TYPES[model_type]
     if "n_embd" in config:
         return "gpt2"
@@ -374,22 +398,27 @@ def hf_config_style(config: Mapping[str, Any]) -> str:
         return "gpt_neox"
     if "num_hidden_layers" in config and "intermediate_size" in config:
         return "llama"
-    raise ValueError(f"cannot tell the HF key style of a config with keys {sorted(config)}; "
-                     f"add a model_type (one of {', '.join(_HF_MODEL_TYPES)})")
+    raise ValueError(f"{origin}: cannot tell the HF key style of a config with keys "
+                     f"{sorted(config)}; add a model_type (one of {', '.join(_HF_MODEL_TYPES)})")
 
 
-def from_hf_config(config: Mapping[str, Any], *, name: str) -> ModelSpec:
+def from_hf_config(config: Mapping[str, Any], *, name: str,
+                   origin: str | None = None) -> ModelSpec:
     """Translate a HuggingFace ``config.json`` (as a dict) into a ``ModelSpec`` called ``name``.
 
     Styles: Llama/Mistral/Mixtral/Qwen2, GPT-2, GPT-NeoX, BLOOM, OPT (see each ``_from_*``
-    for what it maps and what it leaves out). Invalid sizes surface as ModelSpec's ValueError.
+    for what it maps and what it leaves out). Unknown keys are normal in an HF config and
+    ignored; the keys read are checked (``_HF_RULES``: sizes are integers within ModelSpec's
+    bounds, flags booleans, dropouts probabilities), and invalid sizes surface as ModelSpec's
+    ValueError. ``origin`` (default ``HF config of 'name'``) starts every message.
     """
+    origin = origin or f"HF config of {name!r}"
     if not isinstance(config, Mapping):
-        raise ValueError(f"HF config of {name!r} must be a mapping, got {type(config).__name__}")
-    style = hf_config_style(config)
-    fields = _HF_STYLES[style](config, name)
+        raise ValueError(f"{origin} must be a mapping, got {type(config).__name__}")
+    style = hf_config_style(config, origin=origin)
+    fields = _HF_STYLES[style](config, origin)
     logger.debug("HF config %r read with the %s key style", name, style)
     try:
         return ModelSpec(name=name, source=f"HuggingFace config ({style} key style)", **fields)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"HF config of {name!r}: {err}") from err
+    except ValueError as err:
+        raise ValueError(f"{origin}: {err}") from err

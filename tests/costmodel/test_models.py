@@ -472,3 +472,25 @@ def test_hf_missing_key_and_unsupported_type():
 def test_seq_len_override_validated():
     with pytest.raises(ValueError, match="seq_len must be a positive integer, got 0"):
         load_model("tiny", seq_len=0)
+
+
+def test_count_bounds_hold_for_python_callers_too():
+    """The JSON readers' upper bounds are ModelSpec's own: a flag or a caller cannot pass them."""
+    with pytest.raises(ValueError) as info:
+        load_model("tiny", seq_len=2**24 + 1)
+    assert str(info.value) == "seq_len must be at most 16777216 (MAX_SEQ_LEN), got 16777217"
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(model_catalog()["tiny"], num_layers=10**30)
+    assert str(info.value) == f"num_layers must be at most 4096 (MAX_LAYERS), got {10**30}"
+
+
+def test_hf_values_read_are_type_checked():
+    with pytest.raises(ValueError) as info:
+        from_hf_config(dict(LLAMA2_7B_HF, num_hidden_layers=10**30), name="x")
+    assert str(info.value) == (f"HF config of 'x': 'num_hidden_layers': {10**30} is not "
+                               f"accepted; num_hidden_layers must be an integer up to 4096 "
+                               f"(MAX_LAYERS)")
+    with pytest.raises(ValueError) as info:
+        from_hf_config(dict(LLAMA2_7B_HF, tie_word_embeddings="false"), name="x")
+    assert str(info.value) == ("HF config of 'x': 'tie_word_embeddings': 'false' is not "
+                               "accepted; tie_word_embeddings must be true or false")

@@ -15,7 +15,7 @@ import pytest
 
 from meshplan.costmodel import estimate
 from meshplan.testing import run_cli, usage_error
-from meshplan.planner.plan import read_plan
+from meshplan.planner.plan import read_plan, write_plan
 
 # ----- the contract, copied from DESIGN.md --------------------------------------------------------
 ESTIMATE_PLAN_KEYS = {"tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload",
@@ -332,3 +332,122 @@ def test_explain_runners_up_of_the_best_plan_are_no_faster(unpinned):
     # on one node inter-node bandwidth does not matter to the plan
     faster = {w["change"]: w for w in explained["what_if"]}["2x inter-node bandwidth"]
     assert faster["same_plan_step_s"] == pytest.approx(step, rel=REL)
+
+
+# ----- the typed prediction -----------------------------------------------------------------------
+def test_read_plan_holds_the_prediction_typed(pinned):
+    path, data = pinned
+    plan = read_plan(path)
+    predicted = data["predicted"]
+    assert plan.prediction.time.step_s == predicted["time"]["step_s"]
+    assert plan.prediction.time.bottleneck_stage == predicted["time"]["bottleneck_stage"]
+    assert plan.prediction.throughput.mfu == predicted["throughput"]["mfu"]
+    assert plan.prediction.memory.peak_reserved_bytes == predicted["memory"]["peak_reserved_bytes"]
+    assert [s.peak_bytes for s in plan.prediction.memory.per_stage] == \
+        [s["peak_bytes"] for s in predicted["memory"]["per_stage"]]
+    assert [s.layers for s in plan.prediction.memory.per_stage] == [10, 14]
+    assert plan.prediction.fits is predicted["fits"] is True
+    assert plan.peak_bytes == predicted["memory"]["peak_bytes"]
+
+
+def test_a_read_plan_writes_the_same_file_again(pinned, tmp_path):
+    """Both copies of the configuration (top level and ``predicted.plan``) come back, as do
+    the model, cluster and every predicted number."""
+    path, data = pinned
+    again = tmp_path / "again.json"
+    write_plan(read_plan(path), again)
+    assert json.loads(again.read_text()) == data
+
+
+def test_extra_keys_inside_predicted_are_tolerated(unpinned, tmp_path):
+    """DESIGN.md: extra keys may be added to the estimate document (not to the top level)."""
+    path, data = unpinned
+    extended = json.loads(json.dumps(data))
+    extended["predicted"]["carbon"] = {"kg_per_step": 0.1}
+    extended["predicted"]["time"]["zero3_gather_s"] = 0.0
+    extended["predicted"]["memory"]["per_stage"][0]["fragmentation_bytes"] = 1
+    extended["predicted"]["plan"]["scheduler"] = "1f1b"
+    edited_path = tmp_path / "plan.json"
+    edited_path.write_text(json.dumps(extended))
+    assert meshplan("export", edited_path, "--to", "megatron").code == 0
+    assert read_plan(edited_path).step_s == data["predicted"]["time"]["step_s"]
+
+
+def test_a_plan_file_from_before_the_traced_fields_still_reads(unpinned, tmp_path):
+    """Plan files written before ModelSpec had its traced fields (they have defaults)."""
+    path, data = unpinned
+    older = json.loads(json.dumps(data))
+    for key in ("traced", "traced_dtype_bytes", "traced_extra_saved_bytes", "factory",
+                "traced_chain"):
+        del older["model"][key]
+    older_path = tmp_path / "plan.json"
+    older_path.write_text(json.dumps(older))
+    assert read_plan(older_path).model == read_plan(path).model
+
+
+def test_predicted_num_params_is_not_compared(unpinned, tmp_path):
+    """A derived count (a later meshplan may count differently); the plan's model is read."""
+    path, data = unpinned
+    other = json.loads(json.dumps(data))
+    other["predicted"]["model"]["num_params"] += 1
+    other_path = tmp_path / "plan.json"
+    other_path.write_text(json.dumps(other))
+    assert read_plan(other_path).model.num_params == data["predicted"]["model"]["num_params"]
+
+
+REPLAN = "the prediction must be of this plan (write the plan file again with meshplan plan -o)"
+
+
+def _disagreements(data: dict) -> dict[str, tuple]:
+    """Each edit of ``predicted`` and the message (after ``<file>: ``) it must give."""
+    tp, name = data["tp"], data["cluster"]["name"]
+    return {
+        "plan-tp": (("plan", "tp", tp + 1),
+                    f"predicted.plan.tp {tp + 1} disagrees with the plan's tp {tp}; {REPLAN}"),
+        "plan-split": (("plan", "layers_per_stage", [14, 10]),
+                       f"predicted.plan.layers_per_stage [14, 10] disagrees with the plan's "
+                       f"layers_per_stage [10, 14]; {REPLAN}"),
+        "plan-bool-for-int": (("plan", "cp", True),
+                              f"predicted.plan.cp True disagrees with the plan's cp 1; {REPLAN}"),
+        "framework": ((None, "framework", "megatron"),
+                      f"predicted.framework 'megatron' disagrees with the plan's framework "
+                      f"'{data['framework']}'; {REPLAN}"),
+        "model-name": (("model", "name", "gpt3-175b"),
+                       f"predicted.model.name 'gpt3-175b' disagrees with the plan's name "
+                       f"'megatron-1.7b'; {REPLAN}"),
+        "cluster-nodes": (("cluster", "nodes", 3),
+                          f"predicted.cluster.nodes 3 disagrees with the plan's nodes 2; {REPLAN}"),
+        "cluster-name": (("cluster", "name", "elsewhere"),
+                         f"predicted.cluster.name 'elsewhere' disagrees with the plan's name "
+                         f"'{name}'; {REPLAN}"),
+    }
+
+
+@pytest.mark.parametrize("case", ["plan-tp", "plan-split", "plan-bool-for-int", "framework",
+                                  "model-name", "cluster-nodes", "cluster-name"])
+def test_predicted_copies_must_agree_with_the_plan(pinned, tmp_path, case):
+    _, data = pinned
+    (section, key, value), message = _disagreements(data)[case]
+    changed = json.loads(json.dumps(data))
+    (changed["predicted"] if section is None else changed["predicted"][section])[key] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(changed))
+    assert usage_error("export", path, "--to", "megatron") == f"meshplan: error: {path}: {message}"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p["plan"].pop("mesh_order"),
+     "missing key 'mesh_order' in predicted.plan; it repeats the plan's mesh_order "),
+    (lambda p: p["memory"]["per_stage"].pop(),
+     "predicted.memory.per_stage lists stages [0]; the plan has pp 2, so stages [0, 1]"),
+    (lambda p: p["time"].update(bottleneck_stage=2),
+     "predicted.time.bottleneck_stage 2 is not one of the plan's stages 0..1"),
+], ids=["plan-key-missing", "stage-missing", "bottleneck-outside"])
+def test_predicted_stages_and_keys_must_match_the_plan(pinned, tmp_path, change, message):
+    _, data = pinned
+    changed = json.loads(json.dumps(data))
+    change(changed["predicted"])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(changed))
+    line = usage_error("export", path, "--to", "megatron")
+    assert line.startswith(f"meshplan: error: {path}: {message}"), line
