@@ -87,7 +87,7 @@ def main() -> int:
                      "measured_peak_bytes": rank["peak_bytes"],
                      "measured_reserved_bytes": rank["peak_reserved_bytes"],
                      "predicted_peak_bytes": rank["predicted_peak_bytes"],
-                     "predicted_reserved_bytes": plan.predicted["memory"]["peak_reserved_bytes"],
+                     "predicted_reserved_bytes": plan.prediction.memory.peak_reserved_bytes,
                      "measured_step_s": report["step_s_median"],
                      "predicted_step_s": report["predicted"]["step_s"]})
         print(f"{name}: done after {time.perf_counter() - start:.0f} s", file=sys.stderr)

@@ -104,15 +104,6 @@ class Plan:
                                         config=self.config, framework=self.framework)
 
     @property
-    def predicted(self) -> dict[str, Any]:
-        """The ``estimate --json`` document of this plan (the plan file's ``predicted``).
-
-        Made on each call by ``estimate_to_dict``. Kept while callers that index the
-        document (the plans table, the run report, benchmarks) have not moved to the typed
-        ``prediction``; new code reads ``prediction``."""
-        return estimate_to_dict(self.estimate)
-
-    @property
     def step_s(self) -> float:
         return self.prediction.step_s
 
@@ -126,7 +117,7 @@ class Plan:
         cluster["gpu"] = dataclasses.asdict(self.cluster.gpu)
         return {"schema_version": SCHEMA_VERSION, **config_to_dict(self.config, self.model),
                 "framework": self.framework, "model": self.model.to_dict(), "cluster": cluster,
-                "predicted": self.predicted, "provenance": self.provenance}
+                "predicted": estimate_to_dict(self.estimate), "provenance": self.provenance}
 
 
 def plan_from_dict(data: dict[str, Any], *, origin: str = "plan") -> Plan:

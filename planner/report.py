@@ -190,7 +190,7 @@ def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: s
     """Ranked plans of ``meshplan plan`` as a table, with the solver's status."""
     rows = []
     for plan in result.plans:
-        c, predicted = plan.config, plan.predicted
+        c, predicted = plan.config, plan.prediction
         recompute = c.recompute if isinstance(c.recompute, str) else ",".join(c.recompute)
         row = {"rank": plan.provenance.get("rank"), "gpus": plan.cluster.num_gpus,
                "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep,
@@ -199,10 +199,10 @@ def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: s
                "recompute": recompute, "mb": c.micro_batch_size, "vpp": c.vpp,
                "layers": ",".join(str(n) for n in c.stage_layers(plan.model.num_layers)),
                "mesh": "-".join(c.mesh_order),
-               "step s": predicted["time"]["step_s"],
-               "tokens/s": predicted["throughput"]["tokens_per_s"],
-               "MFU": predicted["throughput"]["mfu"],
-               "peak GiB": predicted["memory"]["peak_reserved_bytes"] / GIB}
+               "step s": predicted.time.step_s,
+               "tokens/s": predicted.throughput.tokens_per_s,
+               "MFU": predicted.throughput.mfu,
+               "peak GiB": predicted.memory.peak_reserved_bytes / GIB}
         if "train_days" in plan.provenance:
             row["days"] = plan.provenance["train_days"]
         if "train_cost" in plan.provenance:

@@ -21,18 +21,17 @@ torch APIs: ``torch.distributed.run`` (torchrun) with ``--max-restarts``.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from meshplan.planner.plan import Plan, read_plan
 from meshplan.runtime import checkpoint
 from meshplan.runtime import mesh as mesh_mod
+from meshplan.runtime.report import RunReport, read_report
 from meshplan.runtime.train import RunOptions, plan_data
 from meshplan.runtime.worker import Job, run_job_or_exit, under_torchrun
 
@@ -107,7 +106,7 @@ class RunResult:
     """Exit code of ``run`` and the report, where this process can read it (rank 0's node)."""
 
     exit_code: int
-    report: dict[str, Any] | None
+    report: RunReport | None
 
 
 def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | None = None,
@@ -150,8 +149,7 @@ def _check_checkpoint_flags(plan: Plan, options: RunOptions) -> None:
                            model=checkpoint.architecture(plan.model), steps=options.steps)
 
 
-def _read_report(path: str | None) -> dict[str, Any] | None:
+def _read_report(path: str | None) -> RunReport | None:
     if path is None or not os.path.exists(path):
         return None
-    with open(path) as handle:
-        return json.load(handle)
+    return read_report(path)

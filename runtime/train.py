@@ -21,8 +21,8 @@ rank after a step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +34,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from meshplan.costmodel import schema
 from meshplan.costmodel.estimate import config_to_dict
 from meshplan.planner.plan import Plan
 from meshplan.runtime import checkpoint
@@ -46,6 +45,7 @@ from meshplan.runtime.fault import Fault
 from meshplan.runtime.memory import PeakMemory, peak_rss_bytes
 from meshplan.runtime.chain import build_chain
 from meshplan.runtime.model import build_decoder
+from meshplan.runtime.report import RankReport, RunReport
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def _timed_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor,
     return loss, float(elapsed)
 
 
-def run_plan(plan: Plan, options: RunOptions, *, backend: str) -> dict[str, Any] | None:
+def run_plan(plan: Plan, options: RunOptions, *, backend: str) -> RunReport | None:
     """Train ``plan`` for ``options.steps`` steps; the report on global rank 0, else None.
 
     The mesh's sub-groups stay alive until the job ends: DTensor caches redistribution plans
@@ -265,9 +265,10 @@ def run_plan(plan: Plan, options: RunOptions, *, backend: str) -> dict[str, Any]
         losses, times_s = _train(rank_model, plan, data_spec, options, device, history)
     report = _report(plan, backend, rank_model, memory, losses, times_s)
     if report is not None:
-        report["compute_dtype"] = _DTYPE_NAMES[compute_dtype(plan, device)]
-        report["resumed_from_step"] = history.step if history is not None else None
-        report["restarts"] = restarts
+        report = dataclasses.replace(
+            report, compute_dtype=_DTYPE_NAMES[compute_dtype(plan, device)],
+            resumed_from_step=history.step if history is not None else None,
+            restarts=restarts)
     dist.barrier()  # every rank is done with this plan's mesh (never on an error path)
     return report
 
@@ -320,11 +321,10 @@ def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
 
 
 def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
-            losses: list[float], times_s: list[float]) -> dict[str, Any] | None:
-    """The ``run --report`` document (DESIGN.md, schema_version 1), gathered on rank 0."""
-    stage = rank_model.coords.pp
-    mine = {"rank": dist.get_rank(), "stage": stage, "peak_bytes": memory.peak_bytes,
-            "peak_reserved_bytes": memory.peak_reserved_bytes,
+            losses: list[float], times_s: list[float]) -> RunReport | None:
+    """The run report (``runtime/report.py``), gathered on rank 0 (None elsewhere)."""
+    mine = {"rank": dist.get_rank(), "stage": rank_model.coords.pp,
+            "peak_bytes": memory.peak_bytes, "peak_reserved_bytes": memory.peak_reserved_bytes,
             "rss_peak_bytes": peak_rss_bytes(), "memory_source": memory.source}
     gathered: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
@@ -334,36 +334,14 @@ def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
                         per_rank=gathered)
 
 
-def _predicted_stage_peak(plan: Plan, stage: int) -> float | None:
-    """The estimate's peak bytes for pipeline stage ``stage`` (None if the plan lacks it)."""
-    stages = plan.predicted.get("memory", {}).get("per_stage", [])
-    return next((s.get("peak_bytes") for s in stages if s.get("stage") == stage), None)
-
-
-def _ratio(measured: float | None, predicted: float | None) -> float | None:
-    return measured / predicted if measured is not None and predicted else None
-
-
 def build_report(plan: Plan, *, backend: str, losses: list[float], times_s: list[float],
-                 per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Assemble the report from measurements; ratios are measured / predicted.
-
-    ``step_s_median`` leaves out the first (warm-up) step when there are several.
-    """
-    config = plan.config
-    step_s = statistics.median(times_s[1:] if len(times_s) > 1 else times_s)
-    ranks = []
-    for entry in sorted(per_rank, key=lambda e: e["rank"]):
-        stage_peak = _predicted_stage_peak(plan, entry["stage"])
-        ranks.append({**entry, "predicted_peak_bytes": stage_peak,
-                      "peak_ratio": _ratio(entry["peak_bytes"], stage_peak)})
-    peaks = [e["peak_bytes"] for e in ranks if e["peak_bytes"] is not None]
-    peak = max(peaks) if peaks else None
-    return {"schema_version": schema.RUN_REPORT, "plan": config_to_dict(plan.config, plan.model),
-            "world_size": config.world_size, "backend": backend, "losses": losses,
-            "step_s_median": step_s,
-            "tokens_per_s": config.global_batch_size * config.seq_len / step_s,
-            "predicted": {"step_s": plan.step_s, "peak_bytes": plan.peak_bytes},
-            "ratio": {"step_s": _ratio(step_s, plan.step_s),
-                      "peak_bytes": _ratio(peak, plan.peak_bytes)},
-            "peak_bytes": peak, "step_s": times_s, "per_rank": ranks}
+                 per_rank: list[dict[str, Any]]) -> RunReport:
+    """The report of measurements ``per_rank`` (per rank a dict of the ``RankReport`` fields
+    but the prediction) next to the plan's predictions."""
+    stage_peak = {s.stage: s.peak_bytes for s in plan.prediction.memory.per_stage}
+    ranks = tuple(RankReport(**entry, predicted_peak_bytes=stage_peak.get(entry["stage"]))
+                  for entry in sorted(per_rank, key=lambda e: e["rank"]))
+    return RunReport(plan=config_to_dict(plan.config, plan.model),
+                     world_size=plan.config.world_size, backend=backend, losses=tuple(losses),
+                     step_s=tuple(times_s), predicted_step_s=plan.step_s,
+                     predicted_peak_bytes=plan.peak_bytes, per_rank=ranks)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from meshplan.planner.plan import Plan, read_plan
 from meshplan.runtime import mesh as mesh_mod
+from meshplan.runtime.report import RunReport
 from meshplan.runtime.train import RunOptions, run_plan
 
 EXIT_USAGE = 2
@@ -87,14 +88,14 @@ def _configure_logging(rank: int, *, to_stderr: bool) -> None:
                         force=True)
 
 
-def _write_report(report: dict, path: str) -> None:
+def _write_report(report: RunReport, path: str) -> None:
     """Write ``report`` as JSON; a missing folder (another node's path) only logs a warning."""
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         logging.getLogger(__name__).warning("report not written: no folder for %s on this "
                                             "node (rank 0's)", path)
         return
     with open(path, "w") as out:
-        json.dump(report, out, indent=2)
+        json.dump(report.to_dict(), out, indent=2)
         out.write("\n")
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from meshplan.cli.args import positive_float, positive_int
 from meshplan.cli.output import check_folder, print_json
+
+if TYPE_CHECKING:
+    from meshplan.runtime.report import RunReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,27 +67,27 @@ def run(args: argparse.Namespace) -> int:
                         json_output=args.json)
     if result.report is not None:
         if args.json:
-            print_json(result.report)
+            print_json(result.report.to_dict())
         else:
             print(run_summary(result.report))
     return result.exit_code
 
 
-def run_summary(report: dict[str, Any]) -> str:
+def run_summary(report: RunReport) -> str:
     """Measured against predicted, for people: step time and the largest per-rank peak."""
-    def ratio(value: float | None) -> str:
-        return f"{value:.2f}x" if value is not None else "n/a"
+    def ratio(measured: float | None, predicted: float) -> str:
+        return f"{measured / predicted:.2f}x" if measured is not None and predicted else "n/a"
 
-    predicted = report["predicted"]
-    lines = [f"ran {len(report['losses'])} steps on {report['world_size']} processes "
-             f"({report['backend']}); final loss {report['losses'][-1]:.4f}",
-             f"step time  measured {report['step_s_median']:.4f} s   predicted "
-             f"{predicted['step_s']:.4f} s   ratio {ratio(report['ratio']['step_s'])}"]
-    if report.get("resumed_from_step") is not None:
-        lines.append(f"resumed from checkpoint step-{report['resumed_from_step']} "
-                     f"({report['restarts']} torchrun restarts)")
-    if report["peak_bytes"] is not None:
-        lines.append(f"peak/rank  measured {report['peak_bytes'] / 1e6:.2f} MB   predicted "
-                     f"{predicted['peak_bytes'] / 1e6:.2f} MB   ratio "
-                     f"{ratio(report['ratio']['peak_bytes'])}")
+    lines = [f"ran {len(report.losses)} steps on {report.world_size} processes "
+             f"({report.backend}); final loss {report.losses[-1]:.4f}",
+             f"step time  measured {report.step_s_median:.4f} s   predicted "
+             f"{report.predicted_step_s:.4f} s   ratio "
+             f"{ratio(report.step_s_median, report.predicted_step_s)}"]
+    if report.resumed_from_step is not None:
+        lines.append(f"resumed from checkpoint step-{report.resumed_from_step} "
+                     f"({report.restarts} torchrun restarts)")
+    if report.peak_bytes is not None:
+        lines.append(f"peak/rank  measured {report.peak_bytes / 1e6:.2f} MB   predicted "
+                     f"{report.predicted_peak_bytes / 1e6:.2f} MB   ratio "
+                     f"{ratio(report.peak_bytes, report.predicted_peak_bytes)}")
     return "\n".join(lines)

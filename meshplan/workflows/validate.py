@@ -26,6 +26,7 @@ from meshplan.costmodel import fitting
 from meshplan.costmodel.calibration import Calibration, default_calibration
 from meshplan.costmodel.estimate import Estimate, estimate
 from meshplan.planner.plan import Plan, read_plan
+from meshplan.runtime.report import RunReport
 from meshplan.workflows.files import check_folder, write_calibration, write_json
 
 VALIDATE_MEMORY_STEPS = 3
@@ -182,21 +183,23 @@ def plan_estimate(plan: Plan, calibration: Calibration) -> Estimate:
 def measure_plan(path: str, plan: Plan, *, calibration: Calibration, steps: int,
                  timeout_s: float, nproc_per_node: int | None) -> PlanMeasurement:
     """Run the plan in ``path`` and set its measurements next to ``plan_estimate``."""
-    report = _run_plan(path, steps=steps, timeout_s=timeout_s, nproc_per_node=nproc_per_node)
+    timed, tracked, foreign = _run_plan(path, steps=steps, timeout_s=timeout_s,
+                                        nproc_per_node=nproc_per_node)
     est = plan_estimate(plan, calibration)
     stage_peak = {s.stage: s.peak_bytes for s in est.memory.per_stage}
-    ranks = tuple(RankPeak(rank=r["rank"], stage=r["stage"], measured_peak_bytes=r["peak_bytes"],
-                           predicted_peak_bytes=stage_peak.get(r["stage"]))
-                  for r in report["per_rank"])
-    return PlanMeasurement(plan=path, world_size=report["world_size"],
-                           measured_step_s=report["step_s_median"],
-                           step_s=tuple(report["step_s"]), predicted_step_s=est.time.step_s,
-                           per_rank=ranks, foreign_cpu_cores=report["foreign_cpu_cores"])
+    ranks = tuple(RankPeak(rank=r.rank, stage=r.stage, measured_peak_bytes=r.peak_bytes,
+                           predicted_peak_bytes=stage_peak.get(r.stage))
+                  for r in tracked.per_rank)
+    return PlanMeasurement(plan=path, world_size=timed.world_size,
+                           measured_step_s=timed.step_s_median, step_s=timed.step_s,
+                           predicted_step_s=est.time.step_s, per_rank=ranks,
+                           foreign_cpu_cores=foreign)
 
 
-def _run_plan(path: str, *, steps: int, timeout_s: float,
-              nproc_per_node: int | None) -> dict[str, Any]:
-    """The timed run's report with the memory run's per-rank peaks and ``foreign_cpu_cores``.
+def _run_plan(path: str, *, steps: int, timeout_s: float, nproc_per_node: int | None
+              ) -> tuple[RunReport, RunReport, float | None]:
+    """(timed run's report, memory run's report, cores other processes kept busy during the
+    timed run).
 
     On CUDA one run gives both (the allocator's counters cost nothing); on the CPU the timed
     run goes without the live-tensor tracker and a short second run measures the peaks."""
@@ -217,9 +220,7 @@ def _run_plan(path: str, *, steps: int, timeout_s: float,
             raise RunFailed(path, result.exit_code or 1)
         foreign = foreign_cores(before, cpu_counters()) if foreign is None else foreign
         reports.append(result.report)
-    timed, tracked = reports[0], reports[-1]
-    return {**timed, "per_rank": tracked["per_rank"], "peak_bytes": tracked["peak_bytes"],
-            "foreign_cpu_cores": foreign}
+    return reports[0], reports[-1], foreign
 
 
 def cpu_counters() -> tuple[float, float, float] | None:

@@ -1,0 +1,151 @@
+"""The ``run --report`` document (DESIGN.md, schema_version 1), typed, read and written here.
+
+``RunReport`` is what a run measured next to what its plan predicted; ``to_dict`` is the one
+place its JSON is produced (the keys of DESIGN.md plus the extras the runtime adds:
+``ratio``, ``peak_bytes``, ``step_s``, ``compute_dtype``, ``resumed_from_step``,
+``restarts``), and ``report_from_dict`` the one place it is read, strictly
+(``costmodel.jsonio``). Its ``plan`` object is the estimate's (``estimate.config_to_dict``).
+Derived values (median step, tokens/s, ratios, the largest peak) are computed from the
+measurements, never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshplan.costmodel import schema
+from meshplan.costmodel.jsonio import (NON_NEGATIVE, POSITIVE, Limit, Rule, Schema,
+                                       check_object, load_json_document, schema_of)
+
+
+def _ratio(measured: float | None, predicted: float | None) -> float | None:
+    return measured / predicted if measured is not None and predicted else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankReport:
+    """One rank's measured peak memory next to its stage's predicted peak."""
+
+    rank: int
+    stage: int
+    peak_bytes: int | None
+    """Peak allocated bytes (None where nothing measured them: CPU without the tracker)."""
+    peak_reserved_bytes: int | None
+    rss_peak_bytes: int | None
+    """Peak resident set size of the process."""
+    memory_source: str
+    """What measured ``peak_bytes`` (CUDA allocator, live-tensor tracker, none)."""
+    predicted_peak_bytes: float | None
+    """The plan's prediction for this rank's stage."""
+
+    @property
+    def peak_ratio(self) -> float | None:
+        return _ratio(self.peak_bytes, self.predicted_peak_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "stage": self.stage, "peak_bytes": self.peak_bytes,
+                "peak_reserved_bytes": self.peak_reserved_bytes,
+                "rss_peak_bytes": self.rss_peak_bytes, "memory_source": self.memory_source,
+                "predicted_peak_bytes": self.predicted_peak_bytes,
+                "peak_ratio": self.peak_ratio}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunReport:
+    """A run of one plan: losses, step times, per-rank peaks, and the plan's predictions."""
+
+    plan: dict[str, Any]
+    """The plan's configuration as the estimate writes it (``config_to_dict``)."""
+    world_size: int
+    backend: str
+    losses: tuple[float, ...]
+    """Global-batch loss of every step, as rank 0 logs it."""
+    step_s: tuple[float, ...]
+    """Wall time of every step."""
+    predicted_step_s: float
+    predicted_peak_bytes: float
+    per_rank: tuple[RankReport, ...]
+    compute_dtype: str | None = None
+    """The dtype the model really computed in (a CPU run of a bf16 plan uses fp32)."""
+    resumed_from_step: int | None = None
+    restarts: int = 0
+    """torchrun restarts before this report."""
+
+    @property
+    def step_s_median(self) -> float:
+        """Median step time, without the first (warm-up) step when there are several."""
+        return statistics.median(self.step_s[1:] if len(self.step_s) > 1 else self.step_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Global batch x sequence length per median step."""
+        return self.plan["global_batch_size"] * self.plan["seq_len"] / self.step_s_median
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The largest measured per-rank peak (None if no rank measured one)."""
+        peaks = [r.peak_bytes for r in self.per_rank if r.peak_bytes is not None]
+        return max(peaks) if peaks else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``run --report`` document."""
+        return {"schema_version": schema.RUN_REPORT, "plan": self.plan,
+                "world_size": self.world_size, "backend": self.backend,
+                "losses": list(self.losses), "step_s_median": self.step_s_median,
+                "tokens_per_s": self.tokens_per_s,
+                "predicted": {"step_s": self.predicted_step_s,
+                              "peak_bytes": self.predicted_peak_bytes},
+                "ratio": {"step_s": _ratio(self.step_s_median, self.predicted_step_s),
+                          "peak_bytes": _ratio(self.peak_bytes, self.predicted_peak_bytes)},
+                "peak_bytes": self.peak_bytes, "step_s": list(self.step_s),
+                "per_rank": [r.to_dict() for r in self.per_rank],
+                "compute_dtype": self.compute_dtype,
+                "resumed_from_step": self.resumed_from_step, "restarts": self.restarts}
+
+
+_RANK_SCHEMA = schema_of(RankReport, name="run report rank", extra_keys=True,
+                         rules={"peak_ratio": Rule(kind="float", nullable=True)},
+                         limits={"rank": NON_NEGATIVE, "stage": NON_NEGATIVE,
+                                 "peak_bytes": NON_NEGATIVE, "peak_reserved_bytes": NON_NEGATIVE,
+                                 "rss_peak_bytes": NON_NEGATIVE})
+_PREDICTED_SCHEMA = Schema(
+    name="run report predicted", extra_keys=True, required=frozenset({"step_s", "peak_bytes"}),
+    rules={"step_s": Rule(kind="float", limit=POSITIVE),
+           "peak_bytes": Rule(kind="float", limit=NON_NEGATIVE)})
+REPORT_SCHEMA = schema_of(
+    RunReport, name="run report", extra_keys=True,
+    exclude=("predicted_step_s", "predicted_peak_bytes"),
+    rules={"schema_version": Rule(kind="int", limit=Limit(choices=(schema.RUN_REPORT,))),
+           "plan": Rule(kind="object"),
+           "per_rank": Rule(kind="list", items=Rule(kind="object", schema=_RANK_SCHEMA)),
+           "predicted": Rule(kind="object", schema=_PREDICTED_SCHEMA),
+           "step_s_median": Rule(kind="float", limit=POSITIVE),
+           "tokens_per_s": Rule(kind="float", limit=POSITIVE)},
+    limits={"world_size": Limit(minimum=1), "step_s": POSITIVE},
+    required=("schema_version", "plan", "world_size", "backend", "losses", "step_s_median",
+              "tokens_per_s", "predicted", "per_rank", "step_s"))
+"""The document's keys: DESIGN.md's, the runtime's extras (optional, so reports of 0.1 read),
+and unknown extras tolerated, as DESIGN.md lets the report grow. Derived keys (median,
+tokens/s, ratios, the largest peak) are checked for type and recomputed, not read."""
+_RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankReport))
+_OPTIONAL_FIELDS = ("compute_dtype", "resumed_from_step", "restarts")
+
+
+def report_from_dict(data: Any, *, origin: str) -> RunReport:
+    """The RunReport in a ``run --report`` document; one-line ValueError otherwise."""
+    check_object(data, REPORT_SCHEMA, origin=origin)
+    ranks = tuple(RankReport(**{k: entry[k] for k in _RANK_FIELDS}) for entry in data["per_rank"])
+    return RunReport(plan=data["plan"], world_size=data["world_size"], backend=data["backend"],
+                     losses=tuple(data["losses"]), step_s=tuple(data["step_s"]),
+                     predicted_step_s=data["predicted"]["step_s"],
+                     predicted_peak_bytes=data["predicted"]["peak_bytes"], per_rank=ranks,
+                     **{f: data[f] for f in _OPTIONAL_FIELDS if f in data})
+
+
+def read_report(path: str | Path) -> RunReport:
+    """The run report in the file ``path`` (``report_from_dict``)."""
+    return report_from_dict(load_json_document(path, what="run report"), origin=str(path))
