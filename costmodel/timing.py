@@ -196,8 +196,8 @@ def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
         return 0.0
     chunk = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
         / config.cp * 2 * model.kv_size / config.tp
-    bandwidth = coll._effective(link, calibration.nvlink_efficiency,
-                                calibration.network_efficiency)
+    bandwidth = coll.effective_bytes_per_s(link, intra_eff=calibration.nvlink_efficiency,
+                                           inter_eff=calibration.network_efficiency)
     step = chunk / bandwidth + link.latency_s
     fwd = (config.cp - 1) * step
     bwd = 2 * fwd
@@ -465,21 +465,23 @@ LOSS_REDUCTION_CALLS = 1
 def latency_steps(op: str, n: int) -> float:
     """One-hop latency steps one call of ``op`` over ``n`` ranks pays in ``collective_call_s``.
 
-    As ``collectives.py`` charges latency: all-reduce ``min(2 (n-1), 2 log2 n)`` (ring or
-    double binary tree), all-gather ``min(n-1, 2 log2 n)``, send/recv 1; 0 for one rank. A
-    reduce-scatter pays an all-reduce's steps: gloo's costs as much as an all-reduce of the
-    same input (2 ranks, 32 KiB on this CPU: 0.31 ms against 0.28 ms, all-gather 0.21 ms).
+    The fewest steps among ``collectives.algorithms(op, n)``, whatever the message size (the
+    host cost of a call does not depend on its bytes): all-reduce ``2 log2 n`` (the double
+    binary tree; the ring's ``2 (n-1)`` is never fewer), all-gather ``min(n-1, 2 log2 n)``,
+    send/recv 1; 0 for one rank. A reduce-scatter pays an all-reduce's steps: gloo's costs as
+    much as an all-reduce of the same input (2 ranks, 32 KiB on this CPU: 0.31 ms against
+    0.28 ms, all-gather 0.21 ms).
     """
+    if op not in CALL_OPS:
+        raise ValueError(f"op must be one of {', '.join(CALL_OPS)}, got {op!r}")
     if n <= 1:
         return 0.0
-    if op in ("all_reduce", "reduce_scatter"):
-        return min(2.0 * (n - 1), 2 * math.log2(n))
-    if op == "all_gather":
-        return min(n - 1.0, 2 * math.log2(n))
-    if op == "send_recv":
-        return 1.0
-    raise ValueError(f"op must be all_reduce, all_gather, reduce_scatter or send_recv, got "
-                     f"{op!r}")
+    costed_as = "all_reduce" if op == "reduce_scatter" else op
+    return min(a.latency_steps for a in coll.algorithms(costed_as, n))
+
+
+CALL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+"""Collectives whose calls ``collective_call_s`` charges (``collective_calls_per_microbatch``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
