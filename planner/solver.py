@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from meshplan.costmodel.config import even_split
+
 from meshplan.planner.tables import (CandidateTables, TracedTables, fits, objective_ns, stage_time_ns,
                             traced_objective_ns)
 
@@ -65,14 +67,11 @@ class Solution:
 
 
 def greedy_hint(tables: CandidateTables) -> tuple[list[int], list[str]] | None:
-    """An even split (extra layers to middle stages) with, per stage, the fastest fitting
-    mode; None if some stage fits under no mode."""
-    p, total = len(tables.lo), tables.num_layers
-    base, extra = divmod(total, p)
-    middle = list(range(1, p - 1)) + [0, p - 1] if p > 2 else list(range(p))
-    layers = [base] * p
-    for i in middle[:extra]:
-        layers[i] += 1
+    """The cost model's even split (``costmodel.config.even_split``: extra layers to the
+    middle stages) with, per stage, the fastest fitting mode; None if some stage fits under
+    no mode."""
+    p = len(tables.lo)
+    layers = list(even_split(tables.num_layers, p))
     modes = []
     for i, n in enumerate(layers):
         if not tables.lo[i] <= n <= tables.hi[i]:

@@ -28,6 +28,7 @@ import numpy as np
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
 from meshplan.costmodel.estimate import stage_terms
 from meshplan.costmodel import traced
+from meshplan.costmodel.config import even_split
 from meshplan.costmodel.memory import recompute_workspace_bytes, stage_memory
 from meshplan.costmodel.timing import stage_link_signature
 
@@ -84,14 +85,15 @@ def layer_bounds(model: ModelSpec, config: ParallelConfig,
 def stage_config(config: ParallelConfig, model: ModelSpec, stage: int, layers: int,
                  mode: str) -> ParallelConfig:
     """``config`` with ``layers`` layers and recompute ``mode`` on ``stage``; the other stages
-    share the remaining layers (they do not affect this stage's terms)."""
+    share the remaining layers (``even_split``, first stages first; they do not affect this
+    stage's terms)."""
     p = config.pp
-    counts = [1] * p
-    rest = max(p - 1, model.num_layers - layers)
     others = [i for i in range(p) if i != stage]
-    for k, i in enumerate(others):
-        counts[i] = rest // len(others) + (1 if k < rest % len(others) else 0)
-    counts[stage] = layers
+    counts = [layers] * p
+    if others:
+        rest = max(p - 1, model.num_layers - layers)
+        for i, n in zip(others, even_split(rest, len(others), remainder="first")):
+            counts[i] = n
     modes = ["none"] * p
     modes[stage] = mode
     return config.replace(layers_per_stage=tuple(counts), recompute=tuple(modes))
@@ -233,14 +235,14 @@ class TracedTables:
 def range_config(config: ParallelConfig, model: ModelSpec, stage: int, start: int, stop: int,
                  mode: str) -> ParallelConfig:
     """``config`` with ``stage`` holding layers ``[start, stop)`` under ``mode``; the stages
-    before share ``start`` layers and those after the rest (one or more each)."""
+    before share ``start`` layers and those after the rest (one or more each; ``even_split``,
+    first stages first)."""
     p, total = config.pp, model.num_layers
     counts = [0] * p
-    for group, (lo, n) in ((range(stage), (0, start)),
-                           (range(stage + 1, p), (stop, total - stop))):
-        members = list(group)
-        for k, i in enumerate(members):
-            counts[i] = n // len(members) + (1 if k < n % len(members) else 0)
+    for members, n in ((range(stage), start), (range(stage + 1, p), total - stop)):
+        if members:
+            for i, share in zip(members, even_split(n, len(members), remainder="first")):
+                counts[i] = share
     counts[stage] = stop - start
     modes = ["none"] * p
     modes[stage] = mode
