@@ -7,10 +7,8 @@ run less efficiently; element-wise kernels move calibrated multiples of the acti
 through HBM. TP/SP, CP, EP and PP communication per micro-batch use the alpha-beta costs of
 ``collectives.py`` on the groups' links in the cluster graph.
 
-The pipeline (Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2): with per-micro-batch stage
-times t_i, m micro-batches and v virtual chunks, a step takes
-``m * max_i t_i + (sum_i t_i - max_i t_i) / v``; for equal stages the second term is the
-bubble ``(p - 1) / v * t``, i.e. the fraction ``(p - 1) / (v m)``.
+How a step is composed from these per-stage terms (the pipeline bubble of Narayanan et al.
+2021, exposed traffic, once-per-step terms) is written once, in ``composition.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from dataclasses import dataclass
 
 from meshplan.costmodel import activations as act
 from meshplan.costmodel import collectives as coll
+from meshplan.costmodel import composition
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.config import ParallelConfig
@@ -58,11 +57,13 @@ class StageTime:
 
     @property
     def dp_comm_s(self) -> float:
-        return exposed_s(self.zero_comm_s, self.zero_hidden_s)
+        """Exposed ZeRO-2/3 traffic (``composition.exposed``)."""
+        return composition.exposed(self.zero_comm_s, self.zero_hidden_s)
 
     @property
     def offload_s(self) -> float:
-        return exposed_s(self.offload_raw_s, self.offload_hidden_s)
+        """Exposed parameter-offload traffic (``composition.exposed``)."""
+        return composition.exposed(self.offload_raw_s, self.offload_hidden_s)
 
     @property
     def linear_s(self) -> float:
@@ -72,12 +73,11 @@ class StageTime:
 
     @property
     def total_s(self) -> float:
-        return self.linear_s + self.dp_comm_s + self.offload_s
-
-
-def exposed_s(raw_s: float, hidden_s: float) -> float:
-    """Communication left on the critical path when up to ``hidden_s`` overlaps with compute."""
-    return max(0.0, raw_s - hidden_s)
+        """Seconds per micro-batch on the stage (``composition.micro_total``)."""
+        return composition.micro_total(linear=self.linear_s, zero_comm=self.zero_comm_s,
+                                       zero_hidden=self.zero_hidden_s,
+                                       offload_raw=self.offload_raw_s,
+                                       offload_hidden=self.offload_hidden_s)
 
 
 @dataclass(frozen=True)
