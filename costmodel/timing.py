@@ -140,7 +140,7 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
     """(whole layer, attention core) forward seconds of one layer for one micro-batch."""
     device = calibration.device(cluster.gpu.key)
     peak = cluster.gpu.peak(config.dtype)
-    tokens = config.micro_batch_size * config.seq_len / config.cp
+    tokens = act.tokens_per_microbatch(config)
     t = config.tp
     h, q, kv = model.hidden_size, model.q_size, model.kv_size
     mats = 3 if model.activation == "swiglu" else 2
@@ -176,8 +176,7 @@ def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     """
     if config.tp == 1:
         return 0.0
-    size = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
-        / config.cp * model.hidden_size
+    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     one = (coll.all_gather_s(link, size, **effs) + coll.reduce_scatter_s(link, size, **effs)
            if config.sp else coll.all_reduce_s(link, size, **effs))
@@ -194,15 +193,15 @@ def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     """
     if config.cp == 1:
         return 0.0
-    chunk = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
-        / config.cp * 2 * model.kv_size / config.tp
+    chunk = (config.bytes_per_activation * act.tokens_per_microbatch(config) * 2 * model.kv_size
+             / config.tp)
     bandwidth = coll.effective_bytes_per_s(link, intra_eff=calibration.nvlink_efficiency,
                                            inter_eff=calibration.network_efficiency)
     step = chunk / bandwidth + link.latency_s
     fwd = (config.cp - 1) * step
     bwd = 2 * fwd
     hidden = (1 + BACKWARD_FACTOR) * attention_fwd_s
-    return max(0.0, fwd + bwd - hidden)
+    return composition.exposed(fwd + bwd, hidden)
 
 
 def _ep_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -210,8 +209,8 @@ def _ep_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     """Token dispatch and combine all-to-all per MoE layer: 2 forward, 2 backward."""
     if config.ep == 1:
         return 0.0
-    size = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
-        / config.cp * model.moe_top_k * model.hidden_size / config.tp
+    size = (config.bytes_per_activation * act.tokens_per_microbatch(config) * model.moe_top_k
+            * model.hidden_size / config.tp)
     one = coll.all_to_all_s(link, size, intra_eff=calibration.nvlink_efficiency,
                             inter_eff=calibration.network_efficiency)
     return 4 * one
@@ -226,8 +225,8 @@ def _pp_comm_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | 
     """
     if link is None:
         return 0.0
-    size = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
-        / config.cp * model.hidden_size / config.tp
+    size = (config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+            / config.tp)
     one = coll.send_recv_s(link, size, intra_eff=calibration.nvlink_efficiency,
                            inter_eff=calibration.network_efficiency)
     return 2 * config.vpp * one * (1 - calibration.pp_overlap)
@@ -354,7 +353,7 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                calibration: Calibration) -> float:
     """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits."""
     device = calibration.device(cluster.gpu.key)
-    tokens = config.micro_batch_size * config.seq_len / config.cp
+    tokens = act.tokens_per_microbatch(config)
     flop = tokens * lm_head_flop_per_token(model) / config.tp
     gemm = _gemm_s((1 + BACKWARD_FACTOR) * flop, 3, peak=cluster.gpu.peak(config.dtype),
                    efficiency=device.matmul_efficiency, overhead_s=device.matmul_overhead_s)
