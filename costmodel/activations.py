@@ -34,7 +34,9 @@ TOKEN_ID_BYTES = 8
 """int64 token ids kept by the embedding for its backward."""
 
 
-def _tokens(config: ParallelConfig) -> int:
+def tokens_per_microbatch(config: ParallelConfig) -> int:
+    """Tokens one rank processes per micro-batch: ``b s / cp`` (``ParallelConfig`` checks that
+    cp divides s). Activations, compute and the per-micro-batch traffic all scale with it."""
     return config.micro_batch_size * config.seq_len // config.cp
 
 
@@ -52,7 +54,7 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     layers in tests/costmodel/test_profiling.py.
     """
     t, act = config.tp, config.bytes_per_activation
-    tokens = _tokens(config)
+    tokens = tokens_per_microbatch(config)
     seq_div = t if config.sp else 1
     h = model.hidden_size
     if recompute == "full":
@@ -100,7 +102,7 @@ def attention_core_bytes(model: ModelSpec, config: ParallelConfig) -> float:
     Eager: softmax output (+ dropout mask and output) of the a x (s/cp) x s score matrix per
     sequence. Fused: the fp32 log-sum-exp per head and query.
     """
-    queries = _tokens(config)
+    queries = tokens_per_microbatch(config)
     heads = model.num_heads / config.tp
     if config.flash_attention:
         return 4.0 * heads * queries
@@ -114,7 +116,7 @@ def embedding_activation_bytes(model: ModelSpec, config: ParallelConfig) -> floa
 
     Megatron-LM's theoretical memory counts ``8 s b`` and ``s b h`` here, divided by tp.
     """
-    tokens = _tokens(config)
+    tokens = tokens_per_microbatch(config)
     mask = MASK_BYTES * tokens * model.hidden_size if model.dropout else 0
     return (TOKEN_ID_BYTES * tokens + mask) / config.tp
 
@@ -128,7 +130,7 @@ def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
     framework's loss keeps alive (1 for Megatron's fused vocab-parallel cross entropy), and
     ``vocab_parallel`` False means the logits are gathered to the full vocabulary first.
     """
-    tokens = _tokens(config)
+    tokens = tokens_per_microbatch(config)
     act = config.bytes_per_activation
     h_part = 2 * act * tokens * model.hidden_size / (config.tp if config.sp else 1)
     shards = config.tp if vocab_parallel else 1

@@ -143,13 +143,32 @@ class ParallelConfig:
         return dataclasses.replace(self, **changes)
 
 
+REMAINDER_ORDERS = ("middle", "first")
+"""Which parts of an ``even_split`` take the left-over items first."""
+
+
 @functools.cache
-def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
-    """``num_layers`` over ``stages`` as evenly as possible; the remainder goes to middle stages
-    (the first and last carry the embedding and the LM head)."""
-    base, extra = divmod(num_layers, stages)
-    order = sorted(range(stages), key=lambda i: (i in (0, stages - 1), i))
-    counts = [base] * stages
+def even_split(total: int, parts: int, *, remainder: str = "middle") -> tuple[int, ...]:
+    """``total`` items (layers) over ``parts`` as evenly as possible: each part gets
+    ``total // parts`` and the ``total % parts`` left over go one each, in this order:
+
+    * ``middle`` (pipeline stages, ``ParallelConfig.stage_layers``): the middle stages first,
+      then the first and the last, which also carry the embedding and the LM head;
+    * ``first`` (a pipeline rank's virtual chunks, ``runtime.pipeline``; the planner's filler
+      stages around a probed one): the first parts. Each chunk of a rank holds the same kind
+      of layers (the cost model charges a chunk 1/v of the rank's layers, whatever the order).
+
+    ``even_split(10, 4) == (2, 3, 3, 2)``; ``even_split(10, 4, remainder="first") ==
+    (3, 3, 2, 2)``. ValueError for fewer than one part or an unknown order.
+    """
+    if parts < 1 or remainder not in REMAINDER_ORDERS:
+        raise ValueError(f"even_split needs parts >= 1 and remainder in {REMAINDER_ORDERS}, "
+                         f"got parts={parts!r}, remainder={remainder!r}")
+    base, extra = divmod(total, parts)
+    order = list(range(parts))
+    if remainder == "middle":
+        order.sort(key=lambda i: (i in (0, parts - 1), i))
+    counts = [base] * parts
     for i in order[:extra]:
         counts[i] += 1
     return tuple(counts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshplan.costmodel import flops, schema, traced
+from meshplan.costmodel import composition, flops, schema, traced
 from meshplan.costmodel.calibration import Calibration, default_calibration
 from meshplan.costmodel.config import FRAMEWORKS, ParallelConfig
 from meshplan.costmodel.layout import check_fits_model
@@ -14,8 +14,8 @@ from meshplan.costmodel.memory import (StageMemory, host_bytes_per_node, stage_l
                               stage_params)
 from meshplan.costmodel.model import ModelSpec
 from meshplan.costmodel.timing import (BACKWARD_FACTOR, StageTime, calibrated_link, dp_step_s,
-                              exposed_s, optimizer_step_s, stage_link_signature, stage_links,
-                              stage_microbatch_time)
+                                       optimizer_step_s, stage_link_signature, stage_links,
+                                       stage_microbatch_time)
 
 SCHEMA_VERSION = schema.ESTIMATE
 
@@ -153,7 +153,7 @@ class StageTerms:
 
     @property
     def dp_exposed_s(self) -> float:
-        return exposed_s(self.dp_comm_s, self.dp_hidden_s)
+        return composition.exposed(self.dp_comm_s, self.dp_hidden_s)
 
 
 def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
@@ -173,22 +173,27 @@ def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, 
 
 
 def compose_step(terms: list[StageTerms], *, micro_batches: int, vpp: int) -> TimeEstimate:
-    """Step time from per-stage terms (Narayanan et al. 2021 Sec. 2.2, see timing.py):
-    ``m * max_i t_i + (sum_i t_i - max_i t_i) / v`` plus the largest once-per-step exposed
-    data-parallel, optimizer and offload terms over stages."""
+    """Step time from per-stage terms, composed by ``composition.scaled_step`` (Narayanan et
+    al. 2021 Sec. 2.2): ``m * max_i t_i + (sum_i t_i - max_i t_i) / v`` plus the largest
+    once-per-step exposed data-parallel, optimizer and offload terms over stages. The
+    breakdown charges the slowest stage's terms ``m`` times and the rest to the bubble; its
+    terms add up to ``step_s`` (to rounding)."""
     m, v = micro_batches, vpp
     totals = [t.micro.total_s for t in terms]
     b = max(range(len(terms)), key=lambda i: totals[i])
     top = terms[b].micro
-    bubble = (sum(totals) - totals[b]) / v
     dp_exposed = max(t.dp_exposed_s for t in terms)
     optimizer = max(t.optimizer_s for t in terms)
     offload_step = max(t.offload_s for t in terms)
+    once = composition.once_per_step(dp_exposed=dp_exposed, optimizer=optimizer,
+                                     offload_step=offload_step)
+    step = composition.scaled_step(micro_batches=m, vpp=v, top_micro=totals[b],
+                                   sum_micro=sum(totals), once=once) / v
+    bubble = composition.pipeline_bubble(vpp=v, top_micro=totals[b], sum_micro=sum(totals))
     dp_mb = m * top.dp_comm_s
     exposed = m * (top.tp_comm_s + top.cp_comm_s + top.ep_comm_s + top.pp_comm_s) \
         + dp_mb + dp_exposed
     offload = m * top.offload_s + offload_step
-    step = m * top.compute_s + bubble + exposed + offload + optimizer
     return TimeEstimate(step_s=step, compute_s=m * top.compute_s, tp_comm_s=m * top.tp_comm_s,
                         cp_comm_s=m * top.cp_comm_s, ep_comm_s=m * top.ep_comm_s,
                         pp_comm_s=m * top.pp_comm_s, pp_bubble_s=bubble,

@@ -7,10 +7,8 @@ run less efficiently; element-wise kernels move calibrated multiples of the acti
 through HBM. TP/SP, CP, EP and PP communication per micro-batch use the alpha-beta costs of
 ``collectives.py`` on the groups' links in the cluster graph.
 
-The pipeline (Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2): with per-micro-batch stage
-times t_i, m micro-batches and v virtual chunks, a step takes
-``m * max_i t_i + (sum_i t_i - max_i t_i) / v``; for equal stages the second term is the
-bubble ``(p - 1) / v * t``, i.e. the fraction ``(p - 1) / (v m)``.
+How a step is composed from these per-stage terms (the pipeline bubble of Narayanan et al.
+2021, exposed traffic, once-per-step terms) is written once, in ``composition.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from dataclasses import dataclass
 
 from meshplan.costmodel import activations as act
 from meshplan.costmodel import collectives as coll
+from meshplan.costmodel import composition
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.config import ParallelConfig
@@ -58,11 +57,13 @@ class StageTime:
 
     @property
     def dp_comm_s(self) -> float:
-        return exposed_s(self.zero_comm_s, self.zero_hidden_s)
+        """Exposed ZeRO-2/3 traffic (``composition.exposed``)."""
+        return composition.exposed(self.zero_comm_s, self.zero_hidden_s)
 
     @property
     def offload_s(self) -> float:
-        return exposed_s(self.offload_raw_s, self.offload_hidden_s)
+        """Exposed parameter-offload traffic (``composition.exposed``)."""
+        return composition.exposed(self.offload_raw_s, self.offload_hidden_s)
 
     @property
     def linear_s(self) -> float:
@@ -72,12 +73,11 @@ class StageTime:
 
     @property
     def total_s(self) -> float:
-        return self.linear_s + self.dp_comm_s + self.offload_s
-
-
-def exposed_s(raw_s: float, hidden_s: float) -> float:
-    """Communication left on the critical path when up to ``hidden_s`` overlaps with compute."""
-    return max(0.0, raw_s - hidden_s)
+        """Seconds per micro-batch on the stage (``composition.micro_total``)."""
+        return composition.micro_total(linear=self.linear_s, zero_comm=self.zero_comm_s,
+                                       zero_hidden=self.zero_hidden_s,
+                                       offload_raw=self.offload_raw_s,
+                                       offload_hidden=self.offload_hidden_s)
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
     """(whole layer, attention core) forward seconds of one layer for one micro-batch."""
     device = calibration.device(cluster.gpu.key)
     peak = cluster.gpu.peak(config.dtype)
-    tokens = config.micro_batch_size * config.seq_len / config.cp
+    tokens = act.tokens_per_microbatch(config)
     t = config.tp
     h, q, kv = model.hidden_size, model.q_size, model.kv_size
     mats = 3 if model.activation == "swiglu" else 2
@@ -176,8 +176,7 @@ def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     """
     if config.tp == 1:
         return 0.0
-    size = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
-        / config.cp * model.hidden_size
+    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     one = (coll.all_gather_s(link, size, **effs) + coll.reduce_scatter_s(link, size, **effs)
            if config.sp else coll.all_reduce_s(link, size, **effs))
@@ -194,15 +193,15 @@ def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     """
     if config.cp == 1:
         return 0.0
-    chunk = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
-        / config.cp * 2 * model.kv_size / config.tp
-    bandwidth = coll._effective(link, calibration.nvlink_efficiency,
-                                calibration.network_efficiency)
+    chunk = (config.bytes_per_activation * act.tokens_per_microbatch(config) * 2 * model.kv_size
+             / config.tp)
+    bandwidth = coll.effective_bytes_per_s(link, intra_eff=calibration.nvlink_efficiency,
+                                           inter_eff=calibration.network_efficiency)
     step = chunk / bandwidth + link.latency_s
     fwd = (config.cp - 1) * step
     bwd = 2 * fwd
     hidden = (1 + BACKWARD_FACTOR) * attention_fwd_s
-    return max(0.0, fwd + bwd - hidden)
+    return composition.exposed(fwd + bwd, hidden)
 
 
 def _ep_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -210,8 +209,8 @@ def _ep_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     """Token dispatch and combine all-to-all per MoE layer: 2 forward, 2 backward."""
     if config.ep == 1:
         return 0.0
-    size = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
-        / config.cp * model.moe_top_k * model.hidden_size / config.tp
+    size = (config.bytes_per_activation * act.tokens_per_microbatch(config) * model.moe_top_k
+            * model.hidden_size / config.tp)
     one = coll.all_to_all_s(link, size, intra_eff=calibration.nvlink_efficiency,
                             inter_eff=calibration.network_efficiency)
     return 4 * one
@@ -226,8 +225,8 @@ def _pp_comm_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | 
     """
     if link is None:
         return 0.0
-    size = config.bytes_per_activation * config.micro_batch_size * config.seq_len \
-        / config.cp * model.hidden_size / config.tp
+    size = (config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+            / config.tp)
     one = coll.send_recv_s(link, size, intra_eff=calibration.nvlink_efficiency,
                            inter_eff=calibration.network_efficiency)
     return 2 * config.vpp * one * (1 - calibration.pp_overlap)
@@ -354,7 +353,7 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                calibration: Calibration) -> float:
     """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits."""
     device = calibration.device(cluster.gpu.key)
-    tokens = config.micro_batch_size * config.seq_len / config.cp
+    tokens = act.tokens_per_microbatch(config)
     flop = tokens * lm_head_flop_per_token(model) / config.tp
     gemm = _gemm_s((1 + BACKWARD_FACTOR) * flop, 3, peak=cluster.gpu.peak(config.dtype),
                    efficiency=device.matmul_efficiency, overhead_s=device.matmul_overhead_s)
@@ -465,21 +464,23 @@ LOSS_REDUCTION_CALLS = 1
 def latency_steps(op: str, n: int) -> float:
     """One-hop latency steps one call of ``op`` over ``n`` ranks pays in ``collective_call_s``.
 
-    As ``collectives.py`` charges latency: all-reduce ``min(2 (n-1), 2 log2 n)`` (ring or
-    double binary tree), all-gather ``min(n-1, 2 log2 n)``, send/recv 1; 0 for one rank. A
-    reduce-scatter pays an all-reduce's steps: gloo's costs as much as an all-reduce of the
-    same input (2 ranks, 32 KiB on this CPU: 0.31 ms against 0.28 ms, all-gather 0.21 ms).
+    The fewest steps among ``collectives.algorithms(op, n)``, whatever the message size (the
+    host cost of a call does not depend on its bytes): all-reduce ``2 log2 n`` (the double
+    binary tree; the ring's ``2 (n-1)`` is never fewer), all-gather ``min(n-1, 2 log2 n)``,
+    send/recv 1; 0 for one rank. A reduce-scatter pays an all-reduce's steps: gloo's costs as
+    much as an all-reduce of the same input (2 ranks, 32 KiB on this CPU: 0.31 ms against
+    0.28 ms, all-gather 0.21 ms).
     """
+    if op not in CALL_OPS:
+        raise ValueError(f"op must be one of {', '.join(CALL_OPS)}, got {op!r}")
     if n <= 1:
         return 0.0
-    if op in ("all_reduce", "reduce_scatter"):
-        return min(2.0 * (n - 1), 2 * math.log2(n))
-    if op == "all_gather":
-        return min(n - 1.0, 2 * math.log2(n))
-    if op == "send_recv":
-        return 1.0
-    raise ValueError(f"op must be all_reduce, all_gather, reduce_scatter or send_recv, got "
-                     f"{op!r}")
+    costed_as = "all_reduce" if op == "reduce_scatter" else op
+    return min(a.latency_steps for a in coll.algorithms(costed_as, n))
+
+
+CALL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+"""Collectives whose calls ``collective_call_s`` charges (``collective_calls_per_microbatch``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

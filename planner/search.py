@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
+from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_terms
 from meshplan.costmodel.memory import stage_memory
 from meshplan.costmodel.timing import stage_link_signature
@@ -84,9 +85,12 @@ class Bound:
     vpp: int
 
     def value(self, extra_per_micro_s: float = 0.0) -> float:
+        """``composition.scaled_step`` over v, with the slowest stage's time bounded below
+        by the mean over stages, ``S / p``."""
         total = self.per_micro_s + extra_per_micro_s
-        m, v, p = self.micro_batches, self.vpp, self.stages
-        return ((m * v - 1) * total / p + total) / v + self.once_s
+        return composition.scaled_step(micro_batches=self.micro_batches, vpp=self.vpp,
+                                       top_micro=total / self.stages, sum_micro=total,
+                                       once=self.once_s) / self.vpp
 
 
 def lower_bound_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
@@ -141,15 +145,19 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
         return sum(at_lo[s] * counts[s] for s in classes) + slope * (total_layers - p * lo)
 
     # sum_i max(0, x_i) >= max(0, sum_i x_i) for the exposed ZeRO and parameter-offload traffic
-    total = (summed(lambda t: t.linear_s)
-             + max(0.0, summed(lambda t: t.zero_comm_s - t.zero_hidden_s))
-             + max(0.0, summed(lambda t: t.offload_raw_s - t.offload_hidden_s)))
-    m, v = config.grad_accum_steps, config.vpp
-    once = min(max(0.0, at(s, n, lambda t: t.dp_comm_s) - at(s, n, lambda t: t.dp_hidden_s))
-               for s in classes for n in (heavy, hi))
-    for getter in (lambda t: t.optimizer_s, lambda t: t.offload_s):
-        once += min(at(s, n, getter) for s in classes for n in (heavy, hi))
-    return Bound(per_micro_s=total, once_s=once, stages=p, micro_batches=m, vpp=v)
+    total = composition.micro_total(
+        linear=summed(lambda t: t.linear_s),
+        zero_comm=summed(lambda t: t.zero_comm_s), zero_hidden=summed(lambda t: t.zero_hidden_s),
+        offload_raw=summed(lambda t: t.offload_raw_s),
+        offload_hidden=summed(lambda t: t.offload_hidden_s))
+    once = composition.once_per_step(
+        dp_exposed=min(composition.exposed(at(s, n, lambda t: t.dp_comm_s),
+                                           at(s, n, lambda t: t.dp_hidden_s))
+                       for s in classes for n in (heavy, hi)),
+        optimizer=min(at(s, n, lambda t: t.optimizer_s) for s in classes for n in (heavy, hi)),
+        offload_step=min(at(s, n, lambda t: t.offload_s) for s in classes for n in (heavy, hi)))
+    return Bound(per_micro_s=total, once_s=once, stages=p, micro_batches=config.grad_accum_steps,
+                 vpp=config.vpp)
 
 
 def _stage_kinds(cluster: ClusterSpec, config: ParallelConfig,

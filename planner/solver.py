@@ -24,7 +24,8 @@ Constraints (one family each):
   t[i] = linear_i + e[i] + g[i]
   T >= t[i], D >= d[i], O >= optimizer_i, F >= offload_i
 
-Objective (v x step time in ns, as ``costmodel.estimate.compose_step`` composes it):
+Objective (v x step time in ns, ``costmodel.composition.scaled_step``, as the cost model
+composes a step; t[i] is ``composition.micro_total`` of the stage's terms):
   minimise (m v - 1) T + sum_i t[i] + v (D + O + F)
 Every term has a positive weight, so at the optimum each maximum and each max(0, .) is tight.
 """
@@ -35,6 +36,9 @@ import time
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
+
+from meshplan.costmodel import composition
+from meshplan.costmodel.config import even_split
 
 from meshplan.planner.tables import (CandidateTables, TracedTables, fits, objective_ns, stage_time_ns,
                             traced_objective_ns)
@@ -65,14 +69,11 @@ class Solution:
 
 
 def greedy_hint(tables: CandidateTables) -> tuple[list[int], list[str]] | None:
-    """An even split (extra layers to middle stages) with, per stage, the fastest fitting
-    mode; None if some stage fits under no mode."""
-    p, total = len(tables.lo), tables.num_layers
-    base, extra = divmod(total, p)
-    middle = list(range(1, p - 1)) + [0, p - 1] if p > 2 else list(range(p))
-    layers = [base] * p
-    for i in middle[:extra]:
-        layers[i] += 1
+    """The cost model's even split (``costmodel.config.even_split``: extra layers to the
+    middle stages) with, per stage, the fastest fitting mode; None if some stage fits under
+    no mode."""
+    p = len(tables.lo)
+    layers = list(even_split(tables.num_layers, p))
     modes = []
     for i, n in enumerate(layers):
         if not tables.lo[i] <= n <= tables.hi[i]:
@@ -207,24 +208,34 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
 
 
 def _stage_time(model: cp_model.CpModel, term, bound: int, i: int):
-    """Stage ``i``'s per-micro-batch time t (linear work plus exposed ZeRO and offload
-    traffic), its exposed data-parallel traffic d, and its optimizer and offload-step terms;
+    """Stage ``i``'s per-micro-batch time t, its exposed data-parallel traffic d, and its
+    optimizer and offload-step terms, composed by ``costmodel.composition`` with
+    ``max(0, raw - hidden)`` as a variable e >= raw - hidden, e >= 0 (tight at the optimum);
     ``term(name)`` is the stage's expression for a time term of ``TIME_TERMS``."""
-    exposed = []
-    for raw, hidden in (("zero_comm", "zero_hidden"), ("offload_raw", "offload_hidden"),
-                        ("dp_comm", "dp_hidden")):
-        var = model.NewIntVar(0, bound, f"{raw}_exposed{i}")
-        model.Add(var >= term(raw) - term(hidden))
-        exposed.append(var)
+    made: list[cp_model.IntVar] = []
+
+    def exposed(raw, hidden):
+        name = ("zero_comm", "offload_raw", "dp_comm")[len(made)]
+        var = model.NewIntVar(0, bound, f"{name}_exposed{i}")
+        model.Add(var >= raw - hidden)
+        made.append(var)
+        return var
+
+    micro = composition.micro_total(
+        linear=term("linear"), zero_comm=term("zero_comm"), zero_hidden=term("zero_hidden"),
+        offload_raw=term("offload_raw"), offload_hidden=term("offload_hidden"),
+        exposed=exposed)
+    d = exposed(term("dp_comm"), term("dp_hidden"))
     t = model.NewIntVar(0, 3 * bound, f"t{i}")
-    model.Add(t == term("linear") + exposed[0] + exposed[1])
-    return t, exposed[2], term("optimizer"), term("offload_step")
+    model.Add(t == micro)
+    return t, d, term("optimizer"), term("offload_step")
 
 
 def _step_objective(model: cp_model.CpModel, t_vars, d_vars, o_exprs, f_exprs, *, big: int,
                     micro_batches: int, vpp: int):
-    """v x step time: ``(m v - 1) T + sum_i t_i + v (D + O + F)`` with T, D, O, F the maxima
-    over stages (tight at the optimum: every term has a positive weight)."""
+    """v x step time, ``composition.scaled_step`` of T, sum_i t_i and D + O + F, with T, D, O,
+    F variables bounding the maxima over stages from above (tight at the optimum: every term
+    has a positive weight)."""
     top_t = model.NewIntVar(0, 3 * big, "T")
     top_d, top_o, top_f = (model.NewIntVar(0, big, name) for name in ("D", "O", "F"))
     for t, d, o, f in zip(t_vars, d_vars, o_exprs, f_exprs):
@@ -232,8 +243,9 @@ def _step_objective(model: cp_model.CpModel, t_vars, d_vars, o_exprs, f_exprs, *
         model.Add(top_d >= d)
         model.Add(top_o >= o)
         model.Add(top_f >= f)
-    m, v = micro_batches, vpp
-    return (m * v - 1) * top_t + sum(t_vars) + v * (top_d + top_o + top_f)
+    once = composition.once_per_step(dp_exposed=top_d, optimizer=top_o, offload_step=top_f)
+    return composition.scaled_step(micro_batches=micro_batches, vpp=vpp, top_micro=top_t,
+                                   sum_micro=sum(t_vars), once=once)
 
 
 def middle_groups(tables: CandidateTables) -> list[list[int]] | None:
@@ -312,9 +324,12 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
             model.Add(top >= sum(values[x][name] * var for x, var in z.items()))
     total = sum(terms[k]["micro_total"] * c[k] for k in c) + sum(
         values[x]["micro_total"] * var for z, values in ends.values() for x, var in z.items())
-    m, v = tables.micro_batches, tables.vpp
-    objective = ((m * v - 1) * tops["micro_total"] + total
-                 + v * (tops["dp_exposed"] + tops["optimizer"] + tops["offload_step"]))
+    once = composition.once_per_step(dp_exposed=tops["dp_exposed"],
+                                     optimizer=tops["optimizer"],
+                                     offload_step=tops["offload_step"])
+    objective = composition.scaled_step(micro_batches=tables.micro_batches, vpp=tables.vpp,
+                                        top_micro=tops["micro_total"], sum_micro=total,
+                                        once=once)
     model.Minimize(objective)
 
     def hint(model: cp_model.CpModel, layers: list[int], modes: list[str]) -> None:

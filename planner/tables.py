@@ -14,8 +14,8 @@ So each is ``base + slope * (n - lo)`` per stage and mode, read off two evaluati
 model (``costmodel.estimate.stage_terms`` once per kind of stage: first, middle, last, and
 stages whose communication links differ; ``costmodel.memory.stage_memory`` for every stage,
 which also differ by the micro-batches in flight). Times are integer nanoseconds, memory integer
-bytes. ``costmodel.estimate.compose_step`` combines the terms; ``solver.py`` does the same with
-CP-SAT variables.
+bytes. ``costmodel.composition`` combines the terms, for ``costmodel.estimate.compose_step``
+on float seconds, here on integer nanoseconds and in ``solver.py`` on CP-SAT expressions.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import numpy as np
 
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
 from meshplan.costmodel.estimate import stage_terms
-from meshplan.costmodel import traced
+from meshplan.costmodel import composition, traced
+from meshplan.costmodel.config import even_split
 from meshplan.costmodel.memory import recompute_workspace_bytes, stage_memory
 from meshplan.costmodel.timing import stage_link_signature
 
@@ -84,14 +85,15 @@ def layer_bounds(model: ModelSpec, config: ParallelConfig,
 def stage_config(config: ParallelConfig, model: ModelSpec, stage: int, layers: int,
                  mode: str) -> ParallelConfig:
     """``config`` with ``layers`` layers and recompute ``mode`` on ``stage``; the other stages
-    share the remaining layers (they do not affect this stage's terms)."""
+    share the remaining layers (``even_split``, first stages first; they do not affect this
+    stage's terms)."""
     p = config.pp
-    counts = [1] * p
-    rest = max(p - 1, model.num_layers - layers)
     others = [i for i in range(p) if i != stage]
-    for k, i in enumerate(others):
-        counts[i] = rest // len(others) + (1 if k < rest % len(others) else 0)
-    counts[stage] = layers
+    counts = [layers] * p
+    if others:
+        rest = max(p - 1, model.num_layers - layers)
+        for i, n in zip(others, even_split(rest, len(others), remainder="first")):
+            counts[i] = n
     modes = ["none"] * p
     modes[stage] = mode
     return config.replace(layers_per_stage=tuple(counts), recompute=tuple(modes))
@@ -163,23 +165,30 @@ def stage_time_ns(tables: CandidateTables, stage: int, layers: int, mode: str) -
 
 def _with_totals(terms: dict[str, int]) -> dict[str, int]:
     """``terms`` plus ``micro_total`` (linear work and exposed ZeRO and offload traffic) and
-    ``dp_exposed``, composed as ``costmodel.estimate.compose_step`` does."""
-    terms["micro_total"] = (terms["linear"]
-                            + max(0, terms["zero_comm"] - terms["zero_hidden"])
-                            + max(0, terms["offload_raw"] - terms["offload_hidden"]))
-    terms["dp_exposed"] = max(0, terms["dp_comm"] - terms["dp_hidden"])
+    ``dp_exposed``, composed by ``costmodel.composition`` as the cost model composes them."""
+    terms["micro_total"] = composition.micro_total(
+        linear=terms["linear"], zero_comm=terms["zero_comm"], zero_hidden=terms["zero_hidden"],
+        offload_raw=terms["offload_raw"], offload_hidden=terms["offload_hidden"])
+    terms["dp_exposed"] = composition.exposed(terms["dp_comm"], terms["dp_hidden"])
     return terms
+
+
+def scaled_step_ns(terms: list[dict[str, int]], *, micro_batches: int, vpp: int) -> int:
+    """v x step time (ns) of stages with these terms (``stage_time_ns``), by
+    ``costmodel.composition.scaled_step`` with the maxima over stages taken here."""
+    totals = [x["micro_total"] for x in terms]
+    once = composition.once_per_step(dp_exposed=max(x["dp_exposed"] for x in terms),
+                                     optimizer=max(x["optimizer"] for x in terms),
+                                     offload_step=max(x["offload_step"] for x in terms))
+    return composition.scaled_step(micro_batches=micro_batches, vpp=vpp, top_micro=max(totals),
+                                   sum_micro=sum(totals), once=once)
 
 
 def objective_ns(tables: CandidateTables, layers: list[int] | tuple[int, ...],
                  modes: list[str] | tuple[str, ...]) -> int:
-    """v x step time (ns) of a split, composed as ``compose_step`` does; for hints and checks."""
+    """v x step time (ns) of a split (``scaled_step_ns``); for hints and checks."""
     terms = [stage_time_ns(tables, i, n, r) for i, (n, r) in enumerate(zip(layers, modes))]
-    t = [x["micro_total"] for x in terms]
-    m, v = tables.micro_batches, tables.vpp
-    extra = (max(x["dp_exposed"] for x in terms) + max(x["optimizer"] for x in terms)
-             + max(x["offload_step"] for x in terms))
-    return (m * v - 1) * max(t) + sum(t) + v * extra
+    return scaled_step_ns(terms, micro_batches=tables.micro_batches, vpp=tables.vpp)
 
 
 def fits(tables: CandidateTables, stage: int, layers: int, mode: str) -> bool:
@@ -233,14 +242,14 @@ class TracedTables:
 def range_config(config: ParallelConfig, model: ModelSpec, stage: int, start: int, stop: int,
                  mode: str) -> ParallelConfig:
     """``config`` with ``stage`` holding layers ``[start, stop)`` under ``mode``; the stages
-    before share ``start`` layers and those after the rest (one or more each)."""
+    before share ``start`` layers and those after the rest (one or more each; ``even_split``,
+    first stages first)."""
     p, total = config.pp, model.num_layers
     counts = [0] * p
-    for group, (lo, n) in ((range(stage), (0, start)),
-                           (range(stage + 1, p), (stop, total - stop))):
-        members = list(group)
-        for k, i in enumerate(members):
-            counts[i] = n // len(members) + (1 if k < n % len(members) else 0)
+    for members, n in ((range(stage), start), (range(stage + 1, p), total - stop)):
+        if members:
+            for i, share in zip(members, even_split(n, len(members), remainder="first")):
+                counts[i] = share
     counts[stage] = stop - start
     modes = ["none"] * p
     modes[stage] = mode
@@ -350,15 +359,10 @@ def traced_stage_ns(tables: TracedTables, stage: int, start: int, stop: int,
 
 def traced_objective_ns(tables: TracedTables, layers: list[int] | tuple[int, ...],
                         modes: list[str] | tuple[str, ...]) -> int:
-    """Step time (ns) of a split of a traced model, composed as ``compose_step`` does."""
+    """Step time (ns) of a split of a traced model (``scaled_step_ns`` with v = 1)."""
     bounds = [0]
     for n in layers:
         bounds.append(bounds[-1] + n)
     terms = [traced_stage_ns(tables, i, bounds[i], bounds[i + 1], r)
              for i, r in enumerate(modes)]
-    t = [x["micro_total"] for x in terms]
-    m = tables.micro_batches
-    extra = (max(x["dp_exposed"] for x in terms) + max(x["optimizer"] for x in terms)
-             + max(x["offload_step"] for x in terms))
-    return (m - 1) * max(t) + sum(t) + extra
-
+    return scaled_step_ns(terms, micro_batches=tables.micro_batches, vpp=1)

@@ -5,7 +5,8 @@ virtual chunks per rank. With vpp = 1 rank r holds stage r. With vpp = v the mod
 p v virtual stages and rank r holds stages r, r + p, ..., r + (v - 1) p (the looped placement of
 Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2.1, which ``ScheduleInterleaved1F1B``
 expects); rank r's ``layers_per_stage[r]`` layers are divided over its v chunks as evenly as
-possible, the first chunks taking the remainder. Layers are then numbered along the virtual
+possible, the first chunks taking the remainder (``costmodel.config.even_split`` with
+``remainder="first"``). Layers are then numbered along the virtual
 stage order. Worked example, 8 layers, layers_per_stage (3, 5), p = v = 2:
 
     virtual stage  0 (rank 0)  1 (rank 1)  2 (rank 0)  3 (rank 1)
@@ -33,19 +34,13 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                           ScheduleInterleaved1F1B)
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from meshplan.costmodel.config import ParallelConfig
-
-
-def chunk_counts(layers: int, chunks: int) -> list[int]:
-    """``layers`` split into ``chunks`` near-equal counts, the first ones taking the remainder."""
-    base, extra = divmod(layers, chunks)
-    return [base + (1 if i < extra else 0) for i in range(chunks)]
+from meshplan.costmodel.config import ParallelConfig, even_split
 
 
 def virtual_stage_layers(config: ParallelConfig, num_layers: int) -> list[list[int]]:
     """Global layer ids of each virtual stage, in pipeline order (module docstring)."""
     per_rank = config.stage_layers(num_layers)
-    counts = [chunk_counts(n, config.vpp) for n in per_rank]
+    counts = [even_split(n, config.vpp, remainder="first") for n in per_rank]
     stages, next_layer = [], 0
     for index in range(config.pp * config.vpp):
         rank, chunk = index % config.pp, index // config.pp

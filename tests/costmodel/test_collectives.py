@@ -4,6 +4,8 @@ Hand-computed values use the link numbers of the catalog JSON files themselves
 (``costmodel/data/clusters.json`` and ``gpus.json``), read here with ``json``, and the formulas
 of Thakur et al. 2005 (ring all-reduce ``2 (n-1)/n S/B + 2 (n-1) alpha``, all-gather
 ``(n-1)/n S/B + (n-1) alpha``) and of the double binary tree (``2 S/B + 2 log2(n) alpha``).
+The profile fit (``fitting.fit_alpha_beta``) must give back the link behind samples made by
+these very functions, for every group size.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from importlib import resources
 import pytest
 
 from meshplan.costmodel import collectives as coll
+from meshplan.costmodel import fitting
 from meshplan.costmodel.calibration import default_calibration
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.layout import axis_group
@@ -191,3 +194,80 @@ def test_crossing_the_spine_costs_oversubscription_and_two_more_hops(links):
     ours = coll.send_recv_s(link, size_bytes, intra_eff=RAW, inter_eff=RAW)
     assert ours == pytest.approx(size_bytes / link.inter_bytes_per_s + link.latency_s,
                                  rel=EXACT)
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+def test_all_reduce_switches_from_tree_to_ring_at_the_crossover(n):
+    """tree < ring <=> (2/n) S/B < 2 (n - 1 - log2 n) alpha <=> S < n (n - 1 - log2 n) alpha B."""
+    bandwidth, alpha = 100e9, 5e-6
+    crossover = n * (n - 1 - math.log2(n)) * alpha * bandwidth
+    pick = {size: coll.fastest("all_reduce", n, size, bytes_per_s=bandwidth, latency_s=alpha).name
+            for size in (0.99 * crossover, 1.01 * crossover)}
+    assert pick == {0.99 * crossover: "double_binary_tree", 1.01 * crossover: "ring"}
+
+
+def test_coefficients_without_a_size_only_where_one_algorithm_always_wins():
+    assert fitting.collective_coefficients("all_reduce", 2) == (1.0, 2.0)  # ring: fewer bytes
+    assert fitting.collective_coefficients("all_gather", 8) == (7 / 8, 6.0)  # 2 log2 8 < 7
+    with pytest.raises(ValueError, match="depending on the message size"):
+        fitting.collective_coefficients("all_reduce", 8)
+    assert fitting.collective_coefficients("all_reduce", 8, 1024.0, bytes_per_s=1e11,
+                                           latency_s=5e-6) == (2.0, 6.0)
+
+
+# ----- the profile fit charges what the estimator charges -----------------------------------------
+FIT_REL = 0.01
+"""The fit must recover alpha and B, and reproduce its samples, within 1 %."""
+FIT_BYTES_PER_S = 150e9
+"""Bandwidth of the synthetic link (NVLink-like)."""
+FIT_LATENCY_S = 8e-6
+"""One-hop latency of the synthetic link."""
+FIT_SIZES_BYTES = tuple(4.0 ** k for k in range(5, 15))
+"""1 KiB to 256 MiB: below and above the ring/tree crossover of every group size."""
+ESTIMATOR_OPS = {"all_reduce": coll.all_reduce_s, "all_gather": coll.all_gather_s,
+                 "reduce_scatter": coll.reduce_scatter_s, "all_to_all": coll.all_to_all_s,
+                 "send_recv": coll.send_recv_s}
+
+
+def _node_link(n: int, *, bytes_per_s: float, latency_s: float) -> coll.GroupLink:
+    """``n`` ranks of one node on links of ``bytes_per_s`` and ``latency_s``."""
+    return coll.GroupLink(size=n, nodes=1, intra_bytes_per_s=bytes_per_s,
+                          inter_bytes_per_s=math.inf, per_node=n, latency_s=latency_s)
+
+
+def _estimator_samples(n: int, ops) -> list[tuple[str, int, float, float]]:
+    """``(op, n, size_bytes, seconds)`` as the estimator's own functions charge them."""
+    link = _node_link(n, bytes_per_s=FIT_BYTES_PER_S, latency_s=FIT_LATENCY_S)
+    return [(op, n, size, ESTIMATOR_OPS[op](link, size, intra_eff=RAW, inter_eff=RAW))
+            for op in ops for size in FIT_SIZES_BYTES]
+
+
+@pytest.mark.parametrize("ops", [("all_reduce",),
+                                 ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")],
+                         ids=["all_reduce", "all_ops"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_fit_alpha_beta_recovers_the_link_the_estimator_charges(n, ops):
+    """Samples made by the estimator's collective functions (small all-reduces take the
+    double binary tree: 2 log2 n latency steps, not the ring's 2 (n - 1)) give back the link's
+    alpha and B, and the estimator with the fitted link reproduces every sample."""
+    samples = _estimator_samples(n, ops)
+    assert any(t < ring_all_reduce_s(n, size, FIT_BYTES_PER_S, FIT_LATENCY_S)
+               for op, _, size, t in samples if op == "all_reduce") == (n > 2)  # tree used
+    bytes_per_s, latency_s = fitting.fit_alpha_beta(samples)
+    assert bytes_per_s == pytest.approx(FIT_BYTES_PER_S, rel=FIT_REL)
+    assert latency_s == pytest.approx(FIT_LATENCY_S, rel=FIT_REL)
+    fitted = _node_link(n, bytes_per_s=bytes_per_s, latency_s=latency_s)
+    for op, _, size, seconds in samples:
+        predicted = ESTIMATOR_OPS[op](fitted, size, intra_eff=RAW, inter_eff=RAW)
+        assert predicted == pytest.approx(seconds, rel=FIT_REL), (op, size)
+
+
+def test_fit_profile_of_a_node_recovers_its_link_from_groups_of_two_four_and_eight():
+    """What ``meshplan profile`` measures on one 8-GPU node: every op on groups of 2, 4, 8."""
+    samples = (_estimator_samples(2, ESTIMATOR_OPS) + _estimator_samples(4, ESTIMATOR_OPS)
+               + _estimator_samples(8, ESTIMATOR_OPS))
+    samples = [s for s in samples if s[0] != "send_recv" or s[1] == 2]
+    fit = fitting.fit_profile(gemm=[(1e6, 1e-5), (1e9, 1e-2)], copy=(2e9, 0.05),
+                              collectives=[("intra", *s) for s in samples])
+    assert fit.links["intra"].bytes_per_s == pytest.approx(FIT_BYTES_PER_S, rel=FIT_REL)
+    assert fit.links["intra"].latency_s == pytest.approx(FIT_LATENCY_S, rel=FIT_REL)

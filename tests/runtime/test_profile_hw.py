@@ -174,8 +174,10 @@ def _samples(link, bandwidth, alpha, n=2, sizes=(4e3, 1e6, 1.6e7)):
     for op in profile_hw.COLLECTIVES:
         if op == "send_recv" and n != 2:
             continue
-        factor, steps = fitting.collective_coefficients(op, n)
-        out += [(link, op, n, s, factor * s / bandwidth + steps * alpha) for s in sizes]
+        for s in sizes:  # the algorithm the cost model runs at this size (ring or tree)
+            factor, steps = fitting.collective_coefficients(op, n, s, bytes_per_s=bandwidth,
+                                                            latency_s=alpha)
+            out.append((link, op, n, s, factor * s / bandwidth + steps * alpha))
     return out
 
 

@@ -78,6 +78,13 @@ def test_interleaved_split_follows_the_worked_example():
     assert pipeline.rank_stage_indices(config, 1) == [1, 3]
 
 
+def test_virtual_chunks_of_a_rank_give_the_remainder_to_the_first_chunks():
+    # 4 layers per rank over 3 chunks: (2, 1, 1) each; virtual stages alternate ranks 0, 1
+    config = ParallelConfig(pp=2, vpp=3, layers_per_stage=(4, 4), global_batch_size=8,
+                            seq_len=64)
+    assert pipeline.virtual_stage_layers(config, 8) == [[0, 1], [2, 3], [4], [5], [6], [7]]
+
+
 def test_plain_split_uses_layers_per_stage():
     config = ParallelConfig(pp=2, layers_per_stage=(1, 3), global_batch_size=8, seq_len=64)
     assert pipeline.virtual_stage_layers(config, 4) == [[0], [1, 2, 3]]
