@@ -2,7 +2,7 @@
 
 Builds GPT-2 124M, Llama-2-7B and Llama-3-70B with ``transformers`` from their published
 ``config.json`` (no download, no weights) and profiles one training step with
-``meshplan.costmodel.hf.profile_hf``. Per model: traced parameters against the published count and
+``meshplan.costmodel.hf.trace_hf``. Per model: traced parameters against the published count and
 ``costmodel.models.from_hf_config``, per-block forward FLOPs against ``costmodel.flops``
 (non-causal, as the FLOP counter counts), the trace wall time and the growth of peak RSS.
 Each model runs in a fresh process that first traces a tiny model of the same type, so imports
@@ -59,12 +59,12 @@ def _peak_rss_bytes() -> int:
 
 def trace_case(config: dict, micro_batch: int, seq_len: int) -> dict:
     """Runs in a fresh process: warm up on a tiny model, then trace ``config`` once."""
-    from meshplan.costmodel.hf import profile_hf
+    from meshplan.costmodel.hf import trace_hf
 
-    profile_hf({**config, **TINY[config["model_type"]]}, micro_batch=1, seq_len=8)
+    trace_hf({**config, **TINY[config["model_type"]]}, micro_batch=1, seq_len=8)
     rss_before = _peak_rss_bytes()
     start = time.perf_counter()
-    lg = profile_hf(config, micro_batch=micro_batch, seq_len=seq_len)
+    lg = trace_hf(config, micro_batch=micro_batch, seq_len=seq_len)
     trace_s = time.perf_counter() - start
     blocks = [n for n in lg.layers if n.rpartition(".")[2].isdigit()]
     return {"params": lg.total_params, "trace_s": trace_s, "rss_before_bytes": rss_before,

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
 from meshplan.costmodel.hf import hf_config
-from meshplan.costmodel.profiled import spec_from_graph
-from meshplan.costmodel.profiling import profile_module
+from meshplan.costmodel.factory import spec_from_graph
+from meshplan.costmodel.tracing import trace_module
 from meshplan.planner.space import SearchSpace
 from meshplan.planner.search import search
 from meshplan.costmodel.calibration import default_calibration
@@ -50,7 +50,7 @@ def traced_llama() -> tuple:
 
     config = hf_config(LLAMA3_8B)
     start = time.perf_counter()
-    graph = profile_module(lambda: AutoModelForCausalLM.from_config(
+    graph = trace_module(lambda: AutoModelForCausalLM.from_config(
                                config, attn_implementation="sdpa"),
                            example_inputs=lambda: {"input_ids": torch.zeros((1, SEQ),
                                                                             dtype=torch.long)},

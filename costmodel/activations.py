@@ -51,7 +51,7 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     sin tables, and with eager (unfused) attention a second copy of the attention output (the
     head-merging reshape copies it for the output projection; a fused kernel returns it laid
     out so that the reshape is a view). Reconciled term by term with a trace of the runtime's
-    layers in tests/costmodel/test_profiling.py.
+    layers in tests/costmodel/test_tracing.py.
     """
     t, act = config.tp, config.bytes_per_activation
     tokens = tokens_per_microbatch(config)

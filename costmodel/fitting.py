@@ -1,6 +1,6 @@
 """Turn measurements into a ``Calibration``: ``meshplan profile`` and ``validate --refit``.
 
-Pure functions, no torch: the measurements come from ``runtime/profile_hw.py`` (profile) or a
+Pure functions, no torch: the measurements come from ``runtime/measure.py`` (profile) or a
 run report (validate) as plain numbers.
 
 * GEMM: ``t = flop / (peak * eff) + overhead`` (the cost model's ``_gemm_s`` for one call), a
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 

@@ -8,9 +8,9 @@ with ``AutoModelForCausalLM.from_config`` on the meta device, and ``HF_HUB_OFFLI
 (unless the caller set it) before this module imports ``transformers`` (it cannot take effect
 if the caller imported ``transformers`` first; nothing here needs the hub anyway).
 
-``profile_hf`` runs one training step's forward and backward through
-``costmodel.profiling.profile_module``. Its layers are the model's own modules, found by the
-automatic descent of ``costmodel.profiling.top_level_layers``: for Llama ``model.embed_tokens``,
+``trace_hf`` runs one training step's forward and backward through
+``costmodel.tracing.trace_module``. Its layers are the model's own modules, found by the
+automatic descent of ``costmodel.tracing.top_level_layers``: for Llama ``model.embed_tokens``,
 ``model.rotary_emb``, ``model.layers.0`` ... ``model.norm``, ``lm_head``; for GPT-2
 ``transformer.wte``, ``transformer.wpe``, ``transformer.drop``, ``transformer.h.0`` ...
 ``transformer.ln_f``, ``lm_head``.
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from meshplan.costmodel.profiling import LayerGraph, profile_module
+from meshplan.costmodel.tracing import LayerGraph, trace_module
 
 if TYPE_CHECKING:
     import transformers
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "sdpa"
-"""HF attention backend used for profiling: the same ``scaled_dot_product_attention`` kernels
+"""HF attention backend used for tracing: the same ``scaled_dot_product_attention`` kernels
 the runtime calls (flash on CPU when there is no dropout, the math path with dropout)."""
 
 
@@ -90,7 +90,7 @@ def hf_config(data: Mapping[str, Any] | str | os.PathLike[str]) -> transformers.
 def hf_factory(config: transformers.PretrainedConfig) -> Callable[[], nn.Module]:
     """A zero-argument factory of ``AutoModelForCausalLM.from_config(config)`` in train mode.
 
-    Attention is ``ATTN_IMPLEMENTATION``. ``profile_module`` calls the factory under
+    Attention is ``ATTN_IMPLEMENTATION``. ``trace_module`` calls the factory under
     ``torch.device("meta")``, so no weight is allocated.
     """
     transformers = _transformers()
@@ -107,7 +107,7 @@ def _causal_lm_loss(output: Any) -> torch.Tensor:
     return output.loss
 
 
-def profile_hf(config: transformers.PretrainedConfig | Mapping[str, Any] | str
+def trace_hf(config: transformers.PretrainedConfig | Mapping[str, Any] | str
                | os.PathLike[str], *, micro_batch: int, seq_len: int,
                dtype: torch.dtype = torch.bfloat16) -> LayerGraph:
     """Layer graph of one training step of a HF causal LM on ``micro_batch`` x ``seq_len`` tokens.
@@ -130,7 +130,7 @@ def profile_hf(config: transformers.PretrainedConfig | Mapping[str, Any] | str
         ids = torch.zeros((micro_batch, seq_len), dtype=torch.long)
         return {"input_ids": ids, "labels": ids, "use_cache": False}
 
-    logger.debug("profiling %s with %d x %d tokens in %s", type(config).__name__, micro_batch,
+    logger.debug("tracing %s with %d x %d tokens in %s", type(config).__name__, micro_batch,
                  seq_len, dtype)
-    return profile_module(hf_factory(config), example_inputs=inputs, dtype=dtype,
+    return trace_module(hf_factory(config), example_inputs=inputs, dtype=dtype,
                           loss_fn=_causal_lm_loss)

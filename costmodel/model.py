@@ -12,7 +12,7 @@ Narayanan et al. 2021 (arXiv:2104.04473) Eq. 2, ``P = 12 l h^2 (1 + 13/(12h) + (
 is this count for a GPT model with biases, LayerNorm and learned positions, less the final
 LayerNorm (2h parameters) which Eq. 2 leaves out.
 
-A *traced* model (``ModelSpec.traced`` non-empty, built by ``costmodel.profiled`` from any
+A *traced* model (``ModelSpec.traced`` non-empty, built by ``costmodel.factory`` from any
 ``nn.Module``) is described layer by layer instead: every top-level layer of the module
 (embedding, blocks, head, or a vision encoder in front) is one pipeline unit with its own
 parameters, FLOPs and saved bytes, so layers need not be alike. Its architecture numbers are

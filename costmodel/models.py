@@ -88,14 +88,14 @@ def load_model(ref: str | os.PathLike[str], *, seq_len: int | None = None,
     ModelSpec JSON (keys are ModelSpec fields), a HuggingFace ``config.json``, or a folder that
     holds a ``config.json`` (a downloaded HF snapshot). ``package.module:callable`` names a
     user's ``nn.Module`` factory, traced without weights into per-layer costs
-    (``costmodel.profiled``; needs torch) in ``dtype`` (default bf16; trace in the dtype the
+    (``costmodel.factory``; needs torch) in ``dtype`` (default bf16; trace in the dtype the
     plans will use: other dtypes scale the traced bytes, which misjudges tensors kept in fp32). ``seq_len`` replaces the model's default
     sequence length; for learned positions that also resizes the counted position table, as
     ``ModelSpec.embedding_params`` counts ``seq_len`` rows.
     """
     ref = os.fspath(ref)
     if is_factory_ref(ref):
-        from meshplan.costmodel.profiled import model_from_factory  # imports torch
+        from meshplan.costmodel.factory import model_from_factory  # imports torch
         return model_from_factory(ref, seq_len=seq_len, dtype=dtype or "bf16")
     spec = _resolve(ref)
     if seq_len is not None:

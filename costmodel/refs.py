@@ -1,6 +1,6 @@
 """What a ``--model`` reference names: a user's ``nn.Module`` factory, or something to load.
 
-Its own module so that the loader (``models.py``) and the tracer (``profiled.py``) both read
+Its own module so that the loader (``models.py``) and the tracer (``factory.py``) both read
 the rule without importing each other.
 """
 

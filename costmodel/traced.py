@@ -1,7 +1,7 @@
 """Per-layer costs of a traced model (``ModelSpec.traced``) for the memory and time terms.
 
 A traced layer records, per sequence of the traced length and at the traced dtype, what
-``costmodel.profiling`` measured without weights: parameters, forward and backward FLOPs, bytes
+``costmodel.tracing`` measured without weights: parameters, forward and backward FLOPs, bytes
 saved for backward and output bytes. Here they become one micro-batch's numbers under a
 configuration: FLOPs and bytes scale with the micro-batch size (every sequence costs the same),
 bytes also with the plan's bytes per activation over the traced dtype's.

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from meshplan.costmodel.model import ModelSpec
-from meshplan.costmodel.profiled import load_factory
-from meshplan.costmodel.profiling import top_level_layers
+from meshplan.costmodel.factory import load_factory
+from meshplan.costmodel.tracing import top_level_layers
 
 
 class Chain(nn.Module):

@@ -1,11 +1,11 @@
-"""Example user modules for ``--model package.module:callable`` (``costmodel.profiled``).
+"""Example user modules for ``--model package.module:callable`` (``costmodel.factory``).
 
 ``hybrid`` is a small model whose layers are not alike, the case a per-layer trace exists for:
 an embedding, a wide first block (4x the MLP width), then blocks that alternate between a full
 transformer block and an MLP-only block, a final norm and an LM head. Its top-level layers form
 a chain (each takes the previous one's output), so the runtime can cut it into pipeline stages
 anywhere (``runtime.chain``). ``meshplan_inputs`` and ``meshplan_loss`` follow the protocol of
-``costmodel.profiled``.
+``costmodel.factory``.
 
 Try: ``meshplan plan --model meshplan.runtime.examples:hybrid --cluster cpu --global-batch 8``.
 """

@@ -1,7 +1,7 @@
 """How the devices of this machine are linked, as one line for a calibration's provenance.
 
 ``nvidia-smi topo -m`` where the binary exists (``parse_topo_matrix``), else pynvml's NVLink
-count, else loopback on the CPU. Used by ``meshplan profile`` (``profile_hw.py``).
+count, else loopback on the CPU. Used by ``meshplan profile`` (``measure.py``).
 """
 
 from __future__ import annotations

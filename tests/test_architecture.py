@@ -40,8 +40,8 @@ ALLOWED_EDGES = {
 LAZY_ONLY = {("cli", "runtime"), ("cli", "workflows")}
 """Edges that only function bodies may take: ``meshplan --help`` must not import torch."""
 
-TORCH_IN_COSTMODEL = {"profiling.py", "profiled.py", "hf.py"}
-"""The cost model's profiling code, the only part of it that imports torch."""
+TORCH_IN_COSTMODEL = {"tracing.py", "factory.py", "hf.py"}
+"""The cost model's tracing code, the only part of it that imports torch."""
 
 
 def _module_name(path: Path) -> str:

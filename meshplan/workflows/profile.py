@@ -1,6 +1,6 @@
 """``profile``: measure this machine's compute, memory and links, and fit a calibration.
 
-The measurement is ``meshplan.runtime.profile_hw``, the fit ``meshplan.costmodel.fitting``;
+The measurement is ``meshplan.runtime.measure``, the fit ``meshplan.costmodel.fitting``;
 this writes the calibration (``out``) and the raw timings with the fits (``measurements``).
 Under torchrun every process joins the collectives; rank 0 fits and writes, the other ranks
 get None. ``meshplan profile`` is this function plus printing::
@@ -24,7 +24,7 @@ from meshplan.costmodel.hardware import ClusterSpec, cluster_names, gpu_catalog,
 from meshplan.workflows.files import check_folder, write_calibration, write_json
 
 if TYPE_CHECKING:
-    from meshplan.runtime.profile_hw import Measurements
+    from meshplan.runtime.measure import Measurements
 
 PROFILE_TIMEOUT_S = 150.0
 """Limit on the collective measurement (the whole profile stays under 3 min)."""
@@ -71,10 +71,10 @@ def profile(*, out: str = "calibration.json", measurements: str | None = None,
     expressed against (default: the first catalog cluster with this device). ValueError,
     before anything is measured, for a missing folder or fp16 on the CPU.
     """
-    from meshplan.runtime import profile_hw
+    from meshplan.runtime import measure
 
     start = time.perf_counter()
-    key = profile_hw.device_key()
+    key = measure.device_key()
     gpu = gpu_catalog()[FALLBACK_GPU if key == "default" else key]
     cluster = cluster or load_cluster(next(
         (name for name in cluster_names() if load_cluster(name).gpu.key == gpu.key),
@@ -117,20 +117,20 @@ def _measure(*, dtype: str, quick: bool, cuda: bool,
              nproc_per_node: int | None) -> Measurements | None:
     """This process's device and the collectives: over local processes, or under torchrun
     over every process of the job (rank 0 gets the measurements, the others None)."""
-    from meshplan.runtime import profile_hw
+    from meshplan.runtime import measure
 
-    sizes = profile_hw.sizes_for(quick=quick, cuda=cuda)
-    distributed = profile_hw.under_torchrun()
-    nproc = 1 if distributed else profile_hw.local_processes(nproc_per_node)
-    progress = profile_hw.Progress(
-        profile_hw.steps_of(sizes, collectives=distributed or nproc > 1),
+    sizes = measure.sizes_for(quick=quick, cuda=cuda)
+    distributed = measure.under_torchrun()
+    nproc = 1 if distributed else measure.local_processes(nproc_per_node)
+    progress = measure.Progress(
+        measure.steps_of(sizes, collectives=distributed or nproc > 1),
         shown=not distributed or os.environ["RANK"] == "0")
     try:
         if distributed:
-            return profile_hw.measure_distributed(dtype=dtype, sizes=sizes,
+            return measure.measure_distributed(dtype=dtype, sizes=sizes,
                                                   timeout_s=PROFILE_TIMEOUT_S,
                                                   progress=progress)
-        return profile_hw.measure(dtype=dtype, sizes=sizes, nproc=nproc,
+        return measure.measure(dtype=dtype, sizes=sizes, nproc=nproc,
                                   timeout_s=PROFILE_TIMEOUT_S, progress=progress)
     finally:
         progress.close()

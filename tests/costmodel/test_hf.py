@@ -7,7 +7,7 @@ Expected numbers are published or independently counted, never taken from the co
   Team 2024 arXiv:2407.21783); GPT-2 124,439,808 (the released ``gpt2`` checkpoint, Radford et
   al. 2019). ``costmodel.models.from_hf_config`` (the analytic count) must agree as well;
 * FLOPs: ``FlopCounterMode`` run here over a training step of the same model built directly in
-  a ``FakeTensorMode`` (not through ``profile_module``); CPU flash attention, which has no
+  a ``FakeTensorMode`` (not through ``trace_module``); CPU flash attention, which has no
   upstream formula, is counted with upstream's formula for the CUDA flash kernel;
 * per-block forward FLOPs against ``costmodel.flops`` with ``causal=False`` (the counter
   ignores causality): measured equal for both models (0.0% off), asserted within 1%.
@@ -34,9 +34,9 @@ from torch.utils import flop_counter
 transformers = pytest.importorskip("transformers")
 
 from meshplan.costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token  # noqa: E402
-from meshplan.costmodel.hf import hf_config, profile_hf  # noqa: E402
+from meshplan.costmodel.hf import hf_config, trace_hf  # noqa: E402
 from meshplan.costmodel.models import from_hf_config  # noqa: E402
-from meshplan.costmodel.profiling import top_level_layers  # noqa: E402
+from meshplan.costmodel.tracing import top_level_layers  # noqa: E402
 
 GPT2_CONFIG = {
     "model_type": "gpt2", "activation_function": "gelu_new", "attn_pdrop": 0.1,
@@ -99,7 +99,7 @@ def _blocks(lg) -> list[str]:
 def traced(request):
     name = request.param
     config = hf_config(CONFIGS[name])
-    return name, config, profile_hf(config, micro_batch=BATCH, seq_len=SEQ)
+    return name, config, trace_hf(config, micro_batch=BATCH, seq_len=SEQ)
 
 
 def test_parameters_match_published_and_analytic_counts(traced):
@@ -200,7 +200,7 @@ def refuse(*args, **kwargs):
 socket.socket.connect = refuse
 socket.create_connection = refuse
 socket.getaddrinfo = refuse
-from meshplan.costmodel.hf import hf_config, profile_hf
+from meshplan.costmodel.hf import hf_config, trace_hf
 """
 
 
@@ -217,7 +217,7 @@ def _run_child(body: str, tmp_path: Path) -> dict:
 
 def test_profiling_is_offline(tmp_path):
     report = _run_child(f"""
-        lg = profile_hf(hf_config({GPT2_CONFIG!r}), micro_batch=1, seq_len=16)
+        lg = trace_hf(hf_config({GPT2_CONFIG!r}), micro_batch=1, seq_len=16)
         import os, huggingface_hub.constants as hub
         print(json.dumps({{"params": lg.total_params, "attempts": attempts,
                           "env": os.environ.get("HF_HUB_OFFLINE"), "hub": hub.HF_HUB_OFFLINE}}))
@@ -236,10 +236,10 @@ def test_llama3_70b_traces_fast_without_weight_memory(tmp_path):
     report = _run_child(f"""
         tiny = dict({LLAMA3_70B_CONFIG!r}, hidden_size=64, intermediate_size=128,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-        profile_hf(tiny, micro_batch=1, seq_len=8)
+        trace_hf(tiny, micro_batch=1, seq_len=8)
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         start = time.perf_counter()
-        lg = profile_hf({LLAMA3_70B_CONFIG!r}, micro_batch=1, seq_len=128)
+        lg = trace_hf({LLAMA3_70B_CONFIG!r}, micro_batch=1, seq_len=128)
         elapsed_s = time.perf_counter() - start
         rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(json.dumps({{"elapsed_s": elapsed_s, "rss_growth": rss_after - rss_before,

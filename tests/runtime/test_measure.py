@@ -1,4 +1,4 @@
-"""``meshplan profile``: the pure parts of runtime/profile_hw.py (groups, call counts, the
+"""``meshplan profile``: the pure parts of runtime/measure.py (groups, call counts, the
 timing estimator, the ``nvidia-smi topo -m`` parser), the profile fits of costmodel/fitting.py,
 and the command itself: repeatability, groups of 4, and two simulated nodes under torchrun."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from meshplan.costmodel import fitting, load_calibration
 from meshplan.costmodel.calibration import default_calibration
-from meshplan.runtime import profile_hw, topology
+from meshplan.runtime import measure, topology
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,36 +107,36 @@ def test_topology_on_the_cpu_is_loopback():
 
 # ----- groups, calls, estimator ------------------------------------------------------------------
 def test_groups_of_two_nodes_of_two():
-    assert profile_hw.measured_groups((0, 0, 1, 1)) == [("intra", (0, 1)), ("inter", (0, 2))]
+    assert measure.measured_groups((0, 0, 1, 1)) == [("intra", (0, 1)), ("inter", (0, 2))]
 
 
 def test_groups_grow_by_powers_of_two_and_include_the_full_count():
-    assert profile_hw.measured_groups((0,) * 6) == [
+    assert measure.measured_groups((0,) * 6) == [
         ("intra", (0, 1)), ("intra", (0, 1, 2, 3)), ("intra", (0, 1, 2, 3, 4, 5))]
-    assert profile_hw.measured_groups((0, 0, 1, 1, 2, 2, 3, 3)) == [
+    assert measure.measured_groups((0, 0, 1, 1, 2, 2, 3, 3)) == [
         ("intra", (0, 1)), ("inter", (0, 2)), ("inter", (0, 2, 4, 6))]
-    assert profile_hw.measured_groups((0,)) == []
+    assert measure.measured_groups((0,)) == []
 
 
 def test_send_recv_only_on_pairs_and_every_other_op_on_every_group():
-    cases = profile_hw.collective_cases([("intra", (0, 1)), ("intra", (0, 1, 2, 3))], (4096,))
+    cases = measure.collective_cases([("intra", (0, 1)), ("intra", (0, 1, 2, 3))], (4096,))
     ops = [(op, len(ranks)) for _, op, ranks, _ in cases]
     assert ("send_recv", 2) in ops and ("send_recv", 4) not in ops
-    assert {op for op, n in ops if n == 4} == set(profile_hw.COLLECTIVES) - {"send_recv"}
+    assert {op for op, n in ops if n == 4} == set(measure.COLLECTIVES) - {"send_recv"}
 
 
 def test_small_collectives_get_more_calls():
-    small = profile_hw.SMALL_MESSAGE_BYTES
-    assert profile_hw.calls_for(small, 3) == profile_hw.calls_for(16 * small, 3) == 3
-    assert profile_hw.calls_for(small // 2, 3) == 6
-    assert profile_hw.calls_for(1, 3) == 3 * profile_hw.MAX_CALL_FACTOR
+    small = measure.SMALL_MESSAGE_BYTES
+    assert measure.calls_for(small, 3) == measure.calls_for(16 * small, 3) == 3
+    assert measure.calls_for(small // 2, 3) == 6
+    assert measure.calls_for(1, 3) == 3 * measure.MAX_CALL_FACTOR
 
 
 def test_median_of_minima_ignores_slow_calls_and_one_lucky_round():
     rounds = [[5.0, 1.0, 9.0], [1.1, 7.0], [0.1, 3.0], [1.2], [1.05, 50.0]]
-    assert profile_hw.median_of_minima(rounds) == 1.05
+    assert measure.median_of_minima(rounds) == 1.05
     with pytest.raises(ValueError):
-        profile_hw.median_of_minima([[], []])
+        measure.median_of_minima([[], []])
 
 
 def test_cpu_time_sampling_needs_one_thread():
@@ -146,7 +145,7 @@ def test_cpu_time_sampling_needs_one_thread():
     torch.set_num_threads(2)
     try:
         with pytest.raises(ValueError, match="set_num_threads"):
-            profile_hw.time_interleaved({"x": lambda: None}, rounds=1, calls=1,
+            measure.time_interleaved({"x": lambda: None}, rounds=1, calls=1,
                                         device=torch.device("cpu"))
     finally:
         torch.set_num_threads(before)
@@ -171,7 +170,7 @@ def test_gemm_rate_recovers_rate_and_overhead_despite_a_noisy_large_gemm():
 
 def _samples(link, bandwidth, alpha, n=2, sizes=(4e3, 1e6, 1.6e7)):
     out = []
-    for op in profile_hw.COLLECTIVES:
+    for op in measure.COLLECTIVES:
         if op == "send_recv" and n != 2:
             continue
         for s in sizes:  # the algorithm the cost model runs at this size (ring or tree)
@@ -270,18 +269,12 @@ def test_four_processes_measure_groups_of_two_and_four_with_all_to_all(tmp_path)
     assert "loopback" in cal.source["topology"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_two_simulated_nodes_under_torchrun_fit_intra_and_inter(tmp_path):
+def test_two_simulated_nodes_under_torchrun_fit_intra_and_inter(tmp_path, free_port):
     """Two torchrun agents on this machine (static rendezvous, --node-rank 0 and 1), two
     processes each, all running ``meshplan profile --quick``; rank 0 writes."""
-    port, out = _free_port(), tmp_path / "nodes.json"
+    port, out = free_port, tmp_path / "nodes.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     agents = [subprocess.Popen(

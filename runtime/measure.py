@@ -1,4 +1,5 @@
-"""``meshplan profile``: time GEMMs, memory and host-device copies, and collectives here.
+"""Measure this machine for ``meshplan profile``: GEMMs, memory and host-device copies,
+and collectives.
 
 Only measures; ``costmodel/fitting.py`` turns the numbers into a calibration.
 

@@ -1,9 +1,9 @@
-"""Profile any ``torch.nn.Module`` into a layer graph, without allocating weights.
+"""Trace any ``torch.nn.Module`` into a layer graph, without allocating weights.
 
 The module is built on (or copied from) the meta device, its parameters and buffers are
 replaced by fake CPU tensors (``torch._subclasses.fake_tensor.FakeTensorMode``), and one forward
 and backward run inside the fake mode. Nothing is computed and no weight or activation memory is
-allocated, so a 70B-parameter model profiles in seconds on a laptop. Fake *CPU* tensors (not
+allocated, so a 70B-parameter model traces in seconds on a laptop. Fake *CPU* tensors (not
 meta) matter: scaled-dot-product attention then takes the fused (flash) path, which saves the
 fp32 log-sum-exp instead of the s x s score matrix the math path keeps on meta
 (shared/notes/torch-distributed-on-cpu.md, "Memory on meta tensors").
@@ -56,7 +56,7 @@ _ATEN = torch.ops.aten
 
 @dataclass(frozen=True, kw_only=True)
 class LayerGraph:
-    """A profiled module: its layer graph and whole-model totals."""
+    """A traced module: its layer graph and whole-model totals."""
 
     graph: nx.DiGraph
     """Layers (node names are module paths) in execution order, with per-layer attributes."""
@@ -241,7 +241,7 @@ def _module_flop(counts: dict[str, dict[Any, int]], key: str) -> int:
     return sum(counts.get(key, {}).values())
 
 
-def profile_module(module_or_factory: nn.Module | Callable[[], nn.Module], *,
+def trace_module(module_or_factory: nn.Module | Callable[[], nn.Module], *,
                    example_input_shape: Sequence[int] | None = None,
                    example_inputs: Callable[[], tuple[Any, ...] | Mapping[str, Any]]
                    | None = None,

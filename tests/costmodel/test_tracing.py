@@ -1,4 +1,4 @@
-"""costmodel.profiling: the traced layer graph of the runtime's decoder against the analytic model.
+"""costmodel.tracing: the traced layer graph of the runtime's decoder against the analytic model.
 
 FLOPs: ``FlopCounterMode`` counts the full s x s attention even with ``is_causal=True``, so the
 comparison is with ``attention_flop_per_token(causal=False)``; it matches exactly. Backward is
@@ -26,8 +26,8 @@ from meshplan.costmodel.activations import layer_activation_bytes
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.flops import attention_flop_per_token, layer_matmul_flop_per_token
 from meshplan.costmodel.models import load_model
-from meshplan.costmodel.profiling import profile_module
-from meshplan.runtime.profile_model import profile_decoder
+from meshplan.costmodel.tracing import trace_module
+from meshplan.runtime.decoder_trace import trace_decoder
 
 TINY = load_model("tiny")
 TINY_GPT = dataclasses.replace(TINY, name="tiny-gpt", activation="gelu", norm="layernorm",
@@ -43,7 +43,7 @@ MAX_RSS_GROWTH_BYTES = 2e9
 @pytest.fixture(scope="module", params=[TINY, TINY_GPT], ids=lambda s: s.name)
 def traced(request):
     spec = request.param
-    return spec, profile_decoder(spec, batch_size=BATCH, seq_len=SEQ, dtype=torch.float32)
+    return spec, trace_decoder(spec, batch_size=BATCH, seq_len=SEQ, dtype=torch.float32)
 
 
 def _blocks(graph):
@@ -144,7 +144,7 @@ def test_generic_module_on_meta_is_left_untouched():
     with torch.device("meta"):
         net = _Net()
     weight = net.proj.weight
-    lg = profile_module(net, example_input_shape=(3, 8))
+    lg = trace_module(net, example_input_shape=(3, 8))
     assert net.proj.weight is weight and weight.is_meta
     assert lg.layers == ["first", "proj", "blocks.0", "blocks.1"]
     nodes = lg.graph.nodes
@@ -158,16 +158,16 @@ def test_generic_module_on_meta_is_left_untouched():
 
 def test_identical_structure_outside_a_container_is_repeated():
     factory = lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))  # noqa: E731
-    lg = profile_module(factory, example_inputs=lambda: (torch.zeros(2, 4),))
+    lg = trace_module(factory, example_inputs=lambda: (torch.zeros(2, 4),))
     nodes = lg.graph.nodes
     assert nodes["0"]["repeated"] == nodes["2"]["repeated"] is not None
 
 
 def test_inputs_must_be_given_once():
     with pytest.raises(ValueError, match="exactly one"):
-        profile_module(lambda: nn.Linear(2, 2))
+        trace_module(lambda: nn.Linear(2, 2))
     with pytest.raises(ValueError, match="exactly one"):
-        profile_module(lambda: nn.Linear(2, 2), example_input_shape=(1, 2),
+        trace_module(lambda: nn.Linear(2, 2), example_input_shape=(1, 2),
                        example_inputs=lambda: (torch.zeros(1, 2),))
 
 
@@ -176,7 +176,7 @@ def test_llama3_70b_profiles_fast_without_weight_memory():
     spec = load_model("llama3-70b")
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    lg = profile_decoder(spec, batch_size=1, seq_len=4096, dtype=torch.bfloat16)
+    lg = trace_decoder(spec, batch_size=1, seq_len=4096, dtype=torch.bfloat16)
     elapsed_s = time.perf_counter() - start
     rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     assert elapsed_s < 60

@@ -1,4 +1,4 @@
-"""A ``ModelSpec`` from any ``torch.nn.Module``: trace it (``costmodel.profiling``) and keep
+"""A ``ModelSpec`` from any ``torch.nn.Module``: trace it (``costmodel.tracing``) and keep
 its per-layer costs (``ModelSpec.traced``), so the cost model, the planner and the runtime can
 work with layers that are not alike (a different first block, a vision encoder in front, MoE
 every other block).
@@ -32,7 +32,7 @@ from torch import nn
 
 from meshplan.costmodel.model import ModelSpec, TracedLayer
 from meshplan.costmodel.refs import is_factory_ref
-from meshplan.costmodel.profiling import LayerGraph, profile_module
+from meshplan.costmodel.tracing import LayerGraph, trace_module
 
 LEGACY_FACTORY_MODULES = {"runtime.examples": "meshplan.runtime.examples"}
 """Factory modules of meshplan 0.1 (top-level ``runtime``), as older plan files name them."""
@@ -149,7 +149,7 @@ def model_from_factory(ref: str, *, seq_len: int | None = None,
     torch_dtype = DTYPES[dtype]
     inputs = example_inputs(module, batch_size=1, seq_len=length, ref=ref)
     try:
-        graph = profile_module(module, example_inputs=inputs, dtype=torch_dtype,
+        graph = trace_module(module, example_inputs=inputs, dtype=torch_dtype,
                                loss_fn=_loss_fn(module))
     except Exception as err:  # the user's code failed under the fake mode: say so in a line
         raise ValueError(f"--model {ref!r}: tracing one forward and backward failed: "
