@@ -22,6 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model  # noqa: E402
+from common import save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -84,9 +85,7 @@ def main() -> None:
            title="meshplan estimate() speed on this CPU")
     ax.tick_params(axis="x", labelsize=7)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / f"{stem}.png", dpi=120)
-    plt.close(fig)
+    save_png(fig, args.out / f"{stem}.png")
 
 
 if __name__ == "__main__":

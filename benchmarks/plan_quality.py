@@ -27,6 +27,7 @@ from meshplan.costmodel import default_calibration  # noqa: E402
 from meshplan.costmodel.reference import predict, reference_runs  # noqa: E402
 from meshplan.planner.search import search  # noqa: E402
 from meshplan.planner.space import SearchSpace  # noqa: E402
+from common import print_table, save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -67,10 +68,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     table = pd.DataFrame(quality_rows(args.time_limit, args.top))
-    pd.set_option("display.width", 220)
-    print(table.to_string(index=False, formatters={
-        "published_tokens_per_s": "{:,.0f}".format, "planner_tokens_per_s": "{:,.0f}".format,
-        "ratio": "{:.3f}".format, "solver_wall_s": "{:.2f}".format}))
+    print_table(table, {"published_tokens_per_s": "{:,.0f}", "planner_tokens_per_s": "{:,.0f}",
+                        "ratio": "{:.3f}", "solver_wall_s": "{:.2f}"}, width=220)
     print(f"\nplanner >= published on {int((table.ratio >= 1 - 1e-9).sum())} of {len(table)} "
           f"runs; mean ratio {table.ratio.mean():.3f}, min {table.ratio.min():.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -84,9 +83,7 @@ def main() -> None:
     ax.set(xlabel="planner's best / published configuration (predicted tokens/s, ratio)",
            ylabel="published run", title="meshplan planner vs published configurations")
     ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(args.out / f"{stem}.png", dpi=120)
-    plt.close(fig)
+    save_png(fig, args.out / f"{stem}.png")
 
 
 if __name__ == "__main__":

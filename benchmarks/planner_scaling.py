@@ -26,6 +26,7 @@ import pandas as pd  # noqa: E402
 from meshplan.costmodel import default_calibration, load_cluster, load_model  # noqa: E402
 from meshplan.planner.search import search  # noqa: E402
 from meshplan.planner.space import SearchSpace  # noqa: E402
+from common import print_table, save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -71,10 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     table = pd.DataFrame([time_case(*case, runs=runs) for case in CASES])
-    pd.set_option("display.width", 200)
-    print(table.to_string(index=False, formatters={"median_s": "{:.2f}".format,
-                                                   "max_s": "{:.2f}".format,
-                                                   "best_step_s": "{:.3f}".format}))
+    print_table(table, {"median_s": "{:.2f}", "max_s": "{:.2f}", "best_step_s": "{:.3f}"})
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"planner-scaling-a100-h100-{dt.date.today().isoformat()}"
     (args.out / f"{stem}.md").write_text(
@@ -89,9 +87,7 @@ def main() -> None:
                     textcoords="offset points", xytext=(3, 3))
     ax.set(xscale="log", xlabel="GPUs", ylabel="planner wall time (s, median)",
            title="meshplan planner: full joint search, one CP-SAT worker")
-    fig.tight_layout()
-    fig.savefig(args.out / f"{stem}.png", dpi=120)
-    plt.close(fig)
+    save_png(fig, args.out / f"{stem}.png")
 
 
 if __name__ == "__main__":

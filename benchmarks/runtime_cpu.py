@@ -26,6 +26,7 @@ import pandas as pd  # noqa: E402
 
 from meshplan.costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model  # noqa: E402
 from meshplan.planner.plan import Plan, write_plan  # noqa: E402
+from common import print_table, save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -88,10 +89,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     table = pd.DataFrame(rows(args.steps, args.calibration))
-    pd.set_option("display.width", 200)
-    print(table.to_string(index=False, formatters={
-        "peak_ratio": "{:.3f}".format, "step_ratio": "{:.2f}".format,
-        "measured_step_s": "{:.4f}".format, "predicted_step_s": "{:.4f}".format}))
+    print_table(table, {"peak_ratio": "{:.3f}", "step_ratio": "{:.2f}",
+                        "measured_step_s": "{:.4f}", "predicted_step_s": "{:.4f}"})
     within = table.groupby("plan").peak_ratio.apply(lambda r: (abs(r - 1) <= 0.10).all())
     print(f"\nplans whose every rank is within 10% of the predicted peak: "
           f"{int(within.sum())} of {len(within)} ({', '.join(within[within].index)})")
@@ -112,9 +111,7 @@ def main() -> None:
     ax.set(xlabel="predicted peak per rank (MB)", ylabel="measured peak per rank (MB)",
            title="meshplan runtime on CPU: per-rank peak memory")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / f"{stem}.png", dpi=120)
-    plt.close(fig)
+    save_png(fig, args.out / f"{stem}.png")
 
 
 if __name__ == "__main__":

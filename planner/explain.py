@@ -43,11 +43,7 @@ class MemoryBinding:
     """1 - reserved / capacity (from the unrounded bytes)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "reserved_bytes": self.reserved_bytes,
-                "capacity_bytes": self.capacity_bytes,
-                "headroom_fraction": self.headroom_fraction,
-                "largest_component": self.largest_component,
-                "largest_component_bytes": self.largest_component_bytes}
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)

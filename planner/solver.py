@@ -160,7 +160,7 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
     """Variables per stage (see the module docstring)."""
     p = len(tables.lo)
     big = 0
-    t_vars, d_vars, o_exprs, f_exprs, y_all, n_all = [], [], [], [], [], []
+    stages, y_all, n_all = [], [], []
     for i in range(p):
         lo, hi = tables.lo[i], tables.hi[i]
         modes = tables.allowed[i]
@@ -181,15 +181,11 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
         bound = max(abs(f.base) + abs(f.slope) * (hi - lo)
                     for forms in tables.time_ns[i].values() for f in forms.values())
         big = max(big, bound)
-        t, d, o, f = _stage_time(model, term, bound, i)
-        t_vars.append(t)
-        d_vars.append(d)
-        o_exprs.append(o)
-        f_exprs.append(f)
+        stages.append(_stage_time(model, term, bound, i))
         y_all.append(y)
         n_all.append(n)
     model.Add(sum(sum(n.values()) for n in n_all) == tables.num_layers)
-    objective = _step_objective(model, t_vars, d_vars, o_exprs, f_exprs, big=big,
+    objective = _step_objective(model, stages, big=big,
                                 micro_batches=tables.micro_batches, vpp=tables.vpp)
     model.Minimize(objective)
 
@@ -231,21 +227,21 @@ def _stage_time(model: cp_model.CpModel, term, bound: int, i: int):
     return t, d, term("optimizer"), term("offload_step")
 
 
-def _step_objective(model: cp_model.CpModel, t_vars, d_vars, o_exprs, f_exprs, *, big: int,
-                    micro_batches: int, vpp: int):
+def _step_objective(model: cp_model.CpModel, stages, *, big: int, micro_batches: int,
+                    vpp: int):
     """v x step time, ``composition.scaled_step`` of T, sum_i t_i and D + O + F, with T, D, O,
     F variables bounding the maxima over stages from above (tight at the optimum: every term
-    has a positive weight)."""
+    has a positive weight). ``stages``: each stage's (t, d, o, f) of ``_stage_time``."""
     top_t = model.NewIntVar(0, 3 * big, "T")
     top_d, top_o, top_f = (model.NewIntVar(0, big, name) for name in ("D", "O", "F"))
-    for t, d, o, f in zip(t_vars, d_vars, o_exprs, f_exprs):
+    for t, d, o, f in stages:
         model.Add(top_t >= t)
         model.Add(top_d >= d)
         model.Add(top_o >= o)
         model.Add(top_f >= f)
     once = composition.once_per_step(dp_exposed=top_d, optimizer=top_o, offload_step=top_f)
     return composition.scaled_step(micro_batches=micro_batches, vpp=vpp, top_micro=top_t,
-                                   sum_micro=sum(t_vars), once=once)
+                                   sum_micro=sum(t for t, _, _, _ in stages), once=once)
 
 
 def middle_groups(tables: CandidateTables) -> list[list[int]] | None:
@@ -389,7 +385,7 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
     for i in range(p + 1):
         for k in range(kinds):
             model.AddElement(b[i], list(tables.prefix[k]), at[i][k])
-    y_all, x_all, t_vars, d_vars, o_exprs, f_exprs = [], [], [], [], [], []
+    y_all, x_all, stages = [], [], []
     big = 1
     for i in range(p):
         counts = [at[i + 1][k] - at[i][k] for k in range(kinds)]
@@ -424,14 +420,10 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
         bound = max(abs(f.base) + sum(abs(s) for s in f.slopes) * total
                     for forms in tables.time_ns[i].values() for f in forms.values())
         big = max(big, bound)
-        t, d, o, f = _stage_time(model, term, bound, i)
-        t_vars.append(t)
-        d_vars.append(d)
-        o_exprs.append(o)
-        f_exprs.append(f)
+        stages.append(_stage_time(model, term, bound, i))
         y_all.append(y)
         x_all.append(x)
-    objective = _step_objective(model, t_vars, d_vars, o_exprs, f_exprs, big=big,
+    objective = _step_objective(model, stages, big=big,
                                 micro_batches=tables.micro_batches, vpp=1)
     if cutoff_s is not None:
         model.Add(objective < int(cutoff_s * 1e9))

@@ -220,24 +220,16 @@ INCONSISTENT = {
 }
 
 
+@pytest.mark.parametrize("command", [("explain",), ("export", "--to", "megatron")],
+                         ids=["explain", "export"])
 @pytest.mark.parametrize("case", list(INCONSISTENT))
-def test_explain_rejects_a_plan_inconsistent_with_its_model_and_cluster(unpinned, tmp_path,
-                                                                         case):
+def test_explain_and_export_reject_a_plan_inconsistent_with_its_model_and_cluster(
+        unpinned, tmp_path, case, command):
     _, data = unpinned
     change, word = INCONSISTENT[case]
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(_edit(data, **change)))
-    assert word in usage_error("explain", path)
-
-
-@pytest.mark.parametrize("case", list(INCONSISTENT))
-def test_export_rejects_a_plan_inconsistent_with_its_model_and_cluster(unpinned, tmp_path,
-                                                                        case):
-    _, data = unpinned
-    change, word = INCONSISTENT[case]
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(_edit(data, **change)))
-    assert word in usage_error("export", path, "--to", "megatron")
+    assert word in usage_error(command[0], path, *command[1:])
 
 
 # ----- 7. explain -------------------------------------------------------------------------------

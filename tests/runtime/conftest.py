@@ -9,6 +9,7 @@ per rank on a 2-core machine -- to one launch per world size.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -83,3 +84,11 @@ def run_meshplan(*argv: str, timeout_s: float = LAUNCH_TIMEOUT_S,
 @pytest.fixture(scope="session")
 def meshplan() -> Callable[..., subprocess.CompletedProcess]:
     return run_meshplan
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous endpoint)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

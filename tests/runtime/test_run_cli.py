@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -93,17 +92,11 @@ def test_negative_seed_is_refused(capsys, dp2_plan):
     assert "seed must be >= 0" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_two_nodes_meet_at_the_rendezvous(dp2_plan, tmp_path):
+def test_two_nodes_meet_at_the_rendezvous(dp2_plan, tmp_path, free_port):
     """Two launchers of one process each (as on two nodes) form one dp2 job on 127.0.0.1."""
-    endpoint, report = f"127.0.0.1:{_free_port()}", tmp_path / "report.json"
+    endpoint, report = f"127.0.0.1:{free_port}", tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     argv = [sys.executable, "-m", "meshplan", "run", str(dp2_plan), "--steps", "2",
             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
