@@ -86,9 +86,9 @@ class Calibration:
     """Fixed seconds per latency step of every collective call the runtime issues, on top of
     the alpha-beta time of the traffic the model charges: Python and c10d bookkeeping, DTensor
     redistribution, and the wait for the peer process to reach the call (gloo ranks sharing
-    CPU cores). A call pays it once per one-hop step (``timing.latency_steps``: 2 for an
+    CPU cores). A call pays it once per one-hop step (``calls.latency_steps``: 2 for an
     all-reduce of two ranks, 1 for a send or an all-gather), for every call
-    ``timing.collective_calls_per_microbatch`` counts. 0 (the default, right for NCCL, whose
+    ``calls.collective_calls_per_microbatch`` counts. 0 (the default, right for NCCL, whose
     launches run ahead of the GPU); fitted by ``meshplan validate --refit`` over several plans
     (``fitting.refit_plans``)."""
     source: dict[str, str] = field(default_factory=dict, hash=False)

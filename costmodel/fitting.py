@@ -23,6 +23,10 @@ run report (validate) as plain numbers.
   call and per GEMM call (``RefitTerms``), by non-negative least squares of relative residuals
   over the plans. The estimator's step is piecewise linear in these terms, so slopes taken by
   finite differences on the estimator make each round an exact linear solve.
+
+Why one module of ~500 lines: the profile fits and the refits are one job (numbers in, a
+Calibration out) and share the relative weighting, the clamping of efficiencies and the
+calibration builders; the solver of the several-plan refit is the last ~150 lines.
 """
 
 from __future__ import annotations

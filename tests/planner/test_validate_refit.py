@@ -21,8 +21,8 @@ import pytest
 from meshplan.costmodel import ParallelConfig, estimate, load_calibration, load_cluster, load_model
 from meshplan.costmodel import fitting
 from meshplan.costmodel.calibration import default_calibration
-from meshplan.costmodel.timing import (CollectiveCalls, collective_calls_per_microbatch,
-                              latency_steps, tp_calls_per_layer)
+from meshplan.costmodel.calls import (CollectiveCalls, collective_calls_per_microbatch,
+                                      latency_steps, tp_calls_per_layer)
 from meshplan.planner.plan import Plan, write_plan
 
 ROOT = Path(__file__).resolve().parents[2]
