@@ -396,7 +396,7 @@ def traced_bound(tables: TracedTables) -> Bound:
     and modes; summed over stages this holds for every split (exposed traffic and the
     once-per-step terms are at least 0)."""
     p = len(tables.allowed)
-    forms = [[tables.time_ns[i][r]["linear"] for r in tables.allowed[i]] for i in range(p)]
+    forms = [[tables.time_ns[i][r].linear for r in tables.allowed[i]] for i in range(p)]
     total = sum(min(f.base for f in stage) for stage in forms)
     for kind, row in enumerate(tables.prefix):
         total += row[-1] * min(f.slopes[kind] for stage in forms for f in stage)

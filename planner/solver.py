@@ -40,8 +40,8 @@ from ortools.sat.python import cp_model
 from meshplan.costmodel import composition
 from meshplan.costmodel.config import even_split
 
-from meshplan.planner.tables import (CandidateTables, TracedTables, fits, objective_ns, stage_time_ns,
-                            traced_objective_ns)
+from meshplan.planner.tables import (CandidateTables, StageTerms, StageTime, TracedTables, fits,
+                            map_terms, objective_ns, stage_time_ns, traced_objective_ns)
 
 
 class Infeasible(Exception):
@@ -175,13 +175,13 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
         model.Add(sum(_affine(tables.memory_bytes[i][r], y[r], n[r], lo) for r in modes)
                   <= tables.capacity_bytes)
 
-        def term(name: str, i=i, y=y, n=n, lo=lo, modes=modes):
-            return sum(_affine(tables.time_ns[i][r][name], y[r], n[r], lo) for r in modes)
-
+        terms = map_terms(lambda *forms: sum(_affine(f, y[r], n[r], lo)
+                                             for f, r in zip(forms, modes)),
+                          *(tables.time_ns[i][r] for r in modes))
         bound = max(abs(f.base) + abs(f.slope) * (hi - lo)
                     for forms in tables.time_ns[i].values() for f in forms.values())
         big = max(big, bound)
-        stages.append(_stage_time(model, term, bound, i))
+        stages.append(_stage_time(model, terms, bound, i))
         y_all.append(y)
         n_all.append(n)
     model.Add(sum(sum(n.values()) for n in n_all) == tables.num_layers)
@@ -203,11 +203,11 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
     return _Decoder(read, hint, objective)
 
 
-def _stage_time(model: cp_model.CpModel, term, bound: int, i: int):
+def _stage_time(model: cp_model.CpModel, terms: StageTerms, bound: int, i: int):
     """Stage ``i``'s per-micro-batch time t, its exposed data-parallel traffic d, and its
     optimizer and offload-step terms, composed by ``costmodel.composition`` with
     ``max(0, raw - hidden)`` as a variable e >= raw - hidden, e >= 0 (tight at the optimum);
-    ``term(name)`` is the stage's expression for a time term of ``TIME_TERMS``."""
+    ``terms`` holds the stage's expression for every time term."""
     made: list[cp_model.IntVar] = []
 
     def exposed(raw, hidden):
@@ -218,13 +218,12 @@ def _stage_time(model: cp_model.CpModel, term, bound: int, i: int):
         return var
 
     micro = composition.micro_total(
-        linear=term("linear"), zero_comm=term("zero_comm"), zero_hidden=term("zero_hidden"),
-        offload_raw=term("offload_raw"), offload_hidden=term("offload_hidden"),
-        exposed=exposed)
-    d = exposed(term("dp_comm"), term("dp_hidden"))
+        linear=terms.linear, zero_comm=terms.zero_comm, zero_hidden=terms.zero_hidden,
+        offload_raw=terms.offload_raw, offload_hidden=terms.offload_hidden, exposed=exposed)
+    d = exposed(terms.dp_comm, terms.dp_hidden)
     t = model.NewIntVar(0, 3 * bound, f"t{i}")
     model.Add(t == micro)
-    return t, d, term("optimizer"), term("offload_step")
+    return t, d, terms.optimizer, terms.offload_step
 
 
 def _step_objective(model: cp_model.CpModel, stages, *, big: int, micro_batches: int,
@@ -273,7 +272,7 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
     p = len(tables.lo)
     c: dict[tuple, cp_model.IntVar] = {}
     u: dict[tuple, cp_model.IntVar] = {}
-    terms: dict[tuple, dict[str, int]] = {}
+    terms: dict[tuple, StageTime] = {}
     first_g: dict[tuple, int] = {}
     for gi, group in enumerate(groups):
         head = group[0]
@@ -305,21 +304,21 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
     layers_used = sum(k[1] * c[k] for k in c) + sum(
         x[0] * var for stage in ends for x, var in ends[stage][0].items())
     model.Add(layers_used == tables.num_layers)
-    bound = max([t["micro_total"] for t in terms.values()] + [
-        t["micro_total"] for stage in ends for t in ends[stage][1].values()] + [0])
+    bound = max([t.micro_total for t in terms.values()] + [
+        t.micro_total for stage in ends for t in ends[stage][1].values()] + [0])
     tops = {name: model.NewIntVar(0, 10 * bound + 10**12, name)
             for name in ("micro_total", "dp_exposed", "optimizer", "offload_step")}
     middle_count = sum(len(g) for g in groups)
     for name, top in tops.items():
         for k in c:
-            model.Add(top >= terms[k][name] * u[k])
+            model.Add(top >= getattr(terms[k], name) * u[k])
         # the largest is at least the mean over middle stages (tightens the LP relaxation)
-        model.Add(middle_count * top >= sum(terms[k][name] * c[k] for k in c))
+        model.Add(middle_count * top >= sum(getattr(terms[k], name) * c[k] for k in c))
         for stage in ends:
             z, values = ends[stage]
-            model.Add(top >= sum(values[x][name] * var for x, var in z.items()))
-    total = sum(terms[k]["micro_total"] * c[k] for k in c) + sum(
-        values[x]["micro_total"] * var for z, values in ends.values() for x, var in z.items())
+            model.Add(top >= sum(getattr(values[x], name) * var for x, var in z.items()))
+    total = sum(terms[k].micro_total * c[k] for k in c) + sum(
+        values[x].micro_total * var for z, values in ends.values() for x, var in z.items())
     once = composition.once_per_step(dp_exposed=tops["dp_exposed"],
                                      optimizer=tops["optimizer"],
                                      offload_step=tops["offload_step"])
@@ -414,13 +413,12 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
         model.Add(sum(form(tables.memory_bytes[i][r], r) for r in modes) + workspace
                   <= tables.capacity_bytes)
 
-        def term(name: str, modes=modes, i=i, form=form):
-            return sum(form(tables.time_ns[i][r][name], r) for r in modes)
-
+        terms = map_terms(lambda *forms: sum(form(f, r) for f, r in zip(forms, modes)),
+                          *(tables.time_ns[i][r] for r in modes))
         bound = max(abs(f.base) + sum(abs(s) for s in f.slopes) * total
                     for forms in tables.time_ns[i].values() for f in forms.values())
         big = max(big, bound)
-        stages.append(_stage_time(model, term, bound, i))
+        stages.append(_stage_time(model, terms, bound, i))
         y_all.append(y)
         x_all.append(x)
     objective = _step_objective(model, stages, big=big,

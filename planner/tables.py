@@ -21,7 +21,9 @@ on float seconds, here on integer nanoseconds and in ``solver.py`` on CP-SAT exp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -35,8 +37,59 @@ from meshplan.costmodel.timing import stage_link_signature
 NS_PER_S = 1e9
 WINDOW_LAYERS = 32
 """Models with more layers than this limit a stage to ``2 * ceil(L / p) + 4`` layers."""
-TIME_TERMS = ("linear", "zero_comm", "zero_hidden", "offload_raw", "offload_hidden",
-              "dp_comm", "dp_hidden", "optimizer", "offload_step")
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTerms(Generic[T]):
+    """Every time term the cost model adds up for one stage under one recompute mode, each a
+    ``T``: a ``Linear`` or ``KindForm`` in the tables, integer ns once evaluated, float seconds
+    from ``costmodel.estimate.stage_terms``, a CP-SAT expression in ``solver.py``."""
+
+    linear: T
+    """Per micro-batch: the terms that simply add (compute, TP/CP/EP/PP communication)."""
+    zero_comm: T
+    """Per micro-batch: ZeRO-2/3 traffic."""
+    zero_hidden: T
+    """Per micro-batch: how much of ``zero_comm`` compute can hide."""
+    offload_raw: T
+    """Per micro-batch: parameter-offload traffic."""
+    offload_hidden: T
+    """Per micro-batch: how much of ``offload_raw`` compute can hide."""
+    dp_comm: T
+    """Once per step: data-parallel gradient traffic."""
+    dp_hidden: T
+    """Once per step: how much of ``dp_comm`` the last backward hides."""
+    optimizer: T
+    """Once per step: the optimizer step."""
+    offload_step: T
+    """Once per step: the offload step (moving optimizer states and gradients)."""
+
+    def values(self) -> tuple[T, ...]:
+        """The terms in ``TIME_TERMS`` order."""
+        return tuple(getattr(self, name) for name in TIME_TERMS)
+
+
+TIME_TERMS = tuple(field.name for field in fields(StageTerms))
+"""Names of the fields of ``StageTerms``, in order."""
+
+
+def map_terms(fn: Callable[..., U], *terms: StageTerms) -> StageTerms[U]:
+    """``StageTerms`` of ``fn`` applied term by term to ``terms`` (one argument each)."""
+    return StageTerms(**{name: fn(*(getattr(t, name) for t in terms)) for name in TIME_TERMS})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTime(StageTerms[int]):
+    """A stage's time terms in integer ns with the totals ``costmodel.composition`` makes of
+    them (``_with_totals``)."""
+
+    micro_total: int
+    """Per micro-batch: ``linear`` plus the exposed ZeRO and offload traffic."""
+    dp_exposed: int
+    """Once per step: the exposed part of ``dp_comm``."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +112,8 @@ class CandidateTables:
     """Recompute modes each stage may use."""
     lo: tuple[int, ...]
     hi: tuple[int, ...]
-    time_ns: tuple[dict[str, dict[str, Linear]], ...]
-    """Per stage, per mode, per term in ``TIME_TERMS``."""
+    time_ns: tuple[dict[str, StageTerms[Linear]], ...]
+    """Per stage, per mode: every time term."""
     memory_bytes: tuple[dict[str, Linear], ...]
     """Per stage, per mode: reserved bytes of one rank."""
     capacity_bytes: int
@@ -101,7 +154,7 @@ def stage_config(config: ParallelConfig, model: ModelSpec, stage: int, layers: i
 
 def _time_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
                 layers: int, mode: str, framework: str,
-                calibration: Calibration) -> dict[str, float]:
+                calibration: Calibration) -> StageTerms[float]:
     return _terms_of(stage_terms(model, cluster,
                                  stage_config(config, model, stage, layers, mode), stage,
                                  framework=framework, calibration=calibration))
@@ -120,7 +173,7 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     p = config.pp
     lo, hi = layer_bounds(model, config, pinned_layers)
     allowed = tuple((pinned_modes[i],) for i in range(p)) if pinned_modes else (modes,) * p
-    by_class: dict[tuple[int, int, str], dict[str, Linear]] = {}
+    by_class: dict[tuple, StageTerms[Linear]] = {}
     times, memories = [], []
     for stage in range(p):
         cls = (stage == 0, stage == p - 1, lo[stage], hi[stage],
@@ -133,7 +186,7 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                                 calibration)
                 b = (_time_terms(model, cluster, config, stage, lo[stage] + 1, mode, framework,
                                  calibration) if hi[stage] > lo[stage] else a)
-                by_class[key] = {name: _linear(a[name], b[name], NS_PER_S) for name in a}
+                by_class[key] = map_terms(lambda x, y: _linear(x, y, NS_PER_S), a, b)
             stage_times[mode] = by_class[key]
             first = _reserved(model, cluster, config, stage, lo[stage], mode, framework,
                               calibration)
@@ -156,30 +209,30 @@ def _reserved(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, st
                         calibration=calibration).reserved_bytes
 
 
-def stage_time_ns(tables: CandidateTables, stage: int, layers: int, mode: str) -> dict[str, int]:
+def stage_time_ns(tables: CandidateTables, stage: int, layers: int, mode: str) -> StageTime:
     """Every time term of ``stage`` with ``layers`` layers under ``mode`` (ns)."""
     offset = layers - tables.lo[stage]
-    return _with_totals({name: form.at(offset)
-                         for name, form in tables.time_ns[stage][mode].items()})
+    return _with_totals(map_terms(lambda form: form.at(offset), tables.time_ns[stage][mode]))
 
 
-def _with_totals(terms: dict[str, int]) -> dict[str, int]:
+def _with_totals(terms: StageTerms[int]) -> StageTime:
     """``terms`` plus ``micro_total`` (linear work and exposed ZeRO and offload traffic) and
     ``dp_exposed``, composed by ``costmodel.composition`` as the cost model composes them."""
-    terms["micro_total"] = composition.micro_total(
-        linear=terms["linear"], zero_comm=terms["zero_comm"], zero_hidden=terms["zero_hidden"],
-        offload_raw=terms["offload_raw"], offload_hidden=terms["offload_hidden"])
-    terms["dp_exposed"] = composition.exposed(terms["dp_comm"], terms["dp_hidden"])
-    return terms
+    micro_total = composition.micro_total(
+        linear=terms.linear, zero_comm=terms.zero_comm, zero_hidden=terms.zero_hidden,
+        offload_raw=terms.offload_raw, offload_hidden=terms.offload_hidden)
+    dp_exposed = composition.exposed(terms.dp_comm, terms.dp_hidden)
+    return StageTime(**dict(zip(TIME_TERMS, terms.values())), micro_total=micro_total,
+                     dp_exposed=dp_exposed)
 
 
-def scaled_step_ns(terms: list[dict[str, int]], *, micro_batches: int, vpp: int) -> int:
+def scaled_step_ns(terms: list[StageTime], *, micro_batches: int, vpp: int) -> int:
     """v x step time (ns) of stages with these terms (``stage_time_ns``), by
     ``costmodel.composition.scaled_step`` with the maxima over stages taken here."""
-    totals = [x["micro_total"] for x in terms]
-    once = composition.once_per_step(dp_exposed=max(x["dp_exposed"] for x in terms),
-                                     optimizer=max(x["optimizer"] for x in terms),
-                                     offload_step=max(x["offload_step"] for x in terms))
+    totals = [x.micro_total for x in terms]
+    once = composition.once_per_step(dp_exposed=max(x.dp_exposed for x in terms),
+                                     optimizer=max(x.optimizer for x in terms),
+                                     offload_step=max(x.offload_step for x in terms))
     return composition.scaled_step(micro_batches=micro_batches, vpp=vpp, top_micro=max(totals),
                                    sum_micro=sum(totals), once=once)
 
@@ -223,7 +276,8 @@ class TracedTables:
     kinds: tuple[int, ...]
     """Kind of every layer, in order."""
     prefix: tuple[tuple[int, ...], ...]
-    time_ns: tuple[dict[str, dict[str, KindForm]], ...]
+    time_ns: tuple[dict[str, StageTerms[KindForm]], ...]
+    """Per stage, per mode: every time term."""
     memory_bytes: tuple[dict[str, KindForm], ...]
     """Reserved bytes without the full-recompute workspace (see ``workspace_bytes``)."""
     capacity_bytes: int
@@ -323,8 +377,8 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
                                              framework=framework,
                                              calibration=calibration).reserved_bytes
                                 - workspace * (1 + calibration.allocator_fragmentation))
-            stage_times[mode] = {name: _solve_forms(rows, [t[name] for t in terms], NS_PER_S)
-                                 for name in TIME_TERMS}
+            stage_times[mode] = map_terms(
+                lambda *values: _solve_forms(rows, list(values), NS_PER_S), *terms)
             stage_memory_forms[mode] = _solve_forms(rows, reserved, 1.0, round_up=True)
         times.append(stage_times)
         memories.append(stage_memory_forms)
@@ -340,21 +394,20 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
                         pinned_layers=pinned_layers, workspace_bytes=tuple(workspace))
 
 
-def _terms_of(terms) -> dict[str, float]:
+def _terms_of(terms) -> StageTerms[float]:
     micro = terms.micro
-    return {"linear": micro.linear_s, "zero_comm": micro.zero_comm_s,
-            "zero_hidden": micro.zero_hidden_s, "offload_raw": micro.offload_raw_s,
-            "offload_hidden": micro.offload_hidden_s, "dp_comm": terms.dp_comm_s,
-            "dp_hidden": terms.dp_hidden_s, "optimizer": terms.optimizer_s,
-            "offload_step": terms.offload_s}
+    return StageTerms(linear=micro.linear_s, zero_comm=micro.zero_comm_s,
+                      zero_hidden=micro.zero_hidden_s, offload_raw=micro.offload_raw_s,
+                      offload_hidden=micro.offload_hidden_s, dp_comm=terms.dp_comm_s,
+                      dp_hidden=terms.dp_hidden_s, optimizer=terms.optimizer_s,
+                      offload_step=terms.offload_s)
 
 
 def traced_stage_ns(tables: TracedTables, stage: int, start: int, stop: int,
-                    mode: str) -> dict[str, int]:
+                    mode: str) -> StageTime:
     """Every time term of ``stage`` holding ``[start, stop)`` under ``mode`` (ns)."""
     counts = tables.counts(start, stop)
-    return _with_totals({name: form.at(counts)
-                         for name, form in tables.time_ns[stage][mode].items()})
+    return _with_totals(map_terms(lambda form: form.at(counts), tables.time_ns[stage][mode]))
 
 
 def traced_objective_ns(tables: TracedTables, layers: list[int] | tuple[int, ...],

@@ -30,16 +30,16 @@ from meshplan.costmodel import (ModelSpec, ParallelConfig, default_calibration, 
                        load_model)
 from meshplan.costmodel.config import RECOMPUTE_MODES
 from meshplan.planner import solver
-from meshplan.planner.tables import (TIME_TERMS, CandidateTables, Linear, build_tables, fits,
-                            objective_ns)
+from meshplan.planner.tables import (TIME_TERMS, CandidateTables, Linear, StageTerms, build_tables,
+                            fits, objective_ns)
 
 CAL = default_calibration()
 
 
 # ----- helpers ------------------------------------------------------------------------------------
-def time_forms(**terms: Linear) -> dict[str, Linear]:
+def time_forms(**terms: Linear) -> StageTerms[Linear]:
     """Every term of TIME_TERMS, zero unless given."""
-    return {name: terms.get(name, Linear(0, 0)) for name in TIME_TERMS}
+    return StageTerms(**{name: terms.get(name, Linear(0, 0)) for name in TIME_TERMS})
 
 
 def hand_tables(*, lo, hi, layers, time_ns, memory_bytes, capacity, micro_batches,
@@ -235,7 +235,7 @@ def random_tables(rng: random.Random) -> CandidateTables:
     dp_ns = rng.choice([0, rng.randint(0, 4 * layer_ns)])
     opt_ns = rng.randint(0, layer_ns)
 
-    def stage_forms(first: bool, last: bool) -> dict[str, dict[str, Linear]]:
+    def stage_forms(first: bool, last: bool) -> dict[str, StageTerms[Linear]]:
         head = (rng.randint(0, 3 * layer_ns) if first else 0) + (
             rng.randint(0, 5 * layer_ns) if last else 0)
         out = {}
