@@ -23,7 +23,6 @@ import pandas as pd  # noqa: E402
 
 from meshplan.costmodel import load_calibration  # noqa: E402
 from meshplan.costmodel.reference import predict, reference_runs  # noqa: E402
-from common import print_table, save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -72,7 +71,9 @@ def plot(table: pd.DataFrame, path: Path) -> None:
            ylabel="predicted step time (s)",
            title="meshplan step-time prediction vs published runs")
     ax.legend()
-    save_png(fig, path)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -83,7 +84,9 @@ def main() -> None:
     args = parser.parse_args()
     table = accuracy_table(args.calibration)
     stats = summary(table)
-    print_table(table, {"error": "{:+.1%}", "predicted_mfu": "{:.1%}"})
+    pd.set_option("display.width", 200)
+    print(table.to_string(index=False, formatters={"error": "{:+.1%}".format,
+                                                   "predicted_mfu": "{:.1%}".format}))
     print()
     print(stats.to_string(index=False, formatters={"mean_abs_error": "{:.1%}".format,
                                                    "max_abs_error": "{:.1%}".format}))
