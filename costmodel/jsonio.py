@@ -469,11 +469,6 @@ def load_json_document(path: str | Path, *, what: str,
                                schema=schema)
 
 
-def read_json_object(path: str | Path, *, what: str) -> dict[str, Any]:
-    """The JSON object in the file ``path``, strictly parsed (``load_json_document``)."""
-    return load_json_document(path, what=what)
-
-
 def read_package_json(name: str) -> dict[str, Any]:
     """A data file shipped in ``costmodel/data``, strictly parsed."""
     text = resources.files("meshplan.costmodel.data").joinpath(name).read_text(encoding="utf-8")

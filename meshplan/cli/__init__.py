@@ -109,17 +109,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
 
 
-_MOVED = {"add_config_arguments": "args", "add_target_arguments": "args",
-          "config_kwargs_from_args": "args", "load_inputs": "inputs", "default_dp": "inputs",
-          "fill_config_defaults": "inputs", "search_space_from_args": "plan"}
-"""Helpers the one-module CLI of 0.1 defined here, and the module that has them now."""
-
-
-def __getattr__(name: str) -> Any:  # PEP 562: the helpers above, imported on first use
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_MOVED[name]}"), name)
-
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,6 +11,7 @@ import pytest
 
 from meshplan.costmodel import ParallelConfig, estimate, estimate_to_dict, load_cluster, load_model
 from meshplan import cli
+from meshplan.cli import args as cli_args
 from meshplan.cli import inputs as cli_inputs
 
 # ----- the estimate --json schema, copied from DESIGN.md (schema_version 1) -------------------
@@ -188,20 +189,20 @@ def test_model_and_cluster_json_files(capsys, tmp_path):
 def test_config_kwargs_only_holds_flags_given():
     args, _ = cli.build_parser().parse_known_args(
         [*BASE, "--tp", "8", "--global-batch", "16", "--recompute", "full,none", "--sp"])
-    assert cli.config_kwargs_from_args(args) == {
+    assert cli_args.config_kwargs_from_args(args) == {
         "tp": 8, "global_batch_size": 16, "recompute": ("full", "none"), "sp": True}
 
 
 def test_fill_config_defaults():
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=2)
-    config = cli.fill_config_defaults({"tp": 4, "global_batch_size": 16}, model=model,
+    config = cli_inputs.fill_config_defaults({"tp": 4, "global_batch_size": 16}, model=model,
                                       cluster=cluster)
     assert (config.tp, config.pp, config.cp, config.dp) == (4, 1, 1, 4)
     assert (config.seq_len, config.dtype, config.zero_stage, config.recompute) == \
         (8192, "bf16", 0, "none")
     assert config.micro_batch_size == 1 and config.global_batch_size == 16
     with pytest.raises(ValueError, match="does not divide"):
-        cli.fill_config_defaults({"tp": 3, "global_batch_size": 16}, model=model,
+        cli_inputs.fill_config_defaults({"tp": 3, "global_batch_size": 16}, model=model,
                                  cluster=cluster)
 
 

@@ -77,7 +77,7 @@ def test_flag_kinds_values_and_metavars():
         ["estimate", "--model", "tiny", "--cluster", "cpu", "--global-batch", "8",
          "--no-flash-attention", "--mesh-order", "dp,tp,cp,pp", "--layers-per-stage", "2,2",
          "--zero", "3"])
-    assert cli.config_kwargs_from_args(args) == {
+    assert cli_args.config_kwargs_from_args(args) == {
         "global_batch_size": 8, "flash_attention": False, "mesh_order": ("dp", "tp", "cp", "pp"),
         "layers_per_stage": (2, 2), "zero_stage": 3}
 
