@@ -19,9 +19,11 @@ def refuse_overwrite(flag: str, path: str | None, *, force: bool) -> None:
 
 def check_folder(flag: str, path: str | None) -> None:
     """ValueError, before any work starts, when the folder ``path`` would be written in is
-    missing."""
-    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise ValueError(f"{flag} {path!r}: its folder does not exist")
+    missing (the workflows' rule, ``workflows.files.check_folder``; imported here, not at
+    module level, as the CLI takes workflows only inside functions)."""
+    from meshplan.workflows.files import check_folder as check
+
+    check(flag, path)
 
 
 def write_text(flag: str, path: str, text: str) -> None:
