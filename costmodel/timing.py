@@ -119,7 +119,7 @@ def _pp_link(cluster: ClusterSpec, config: ParallelConfig, stage: int,
 def _stage_links(cluster: ClusterSpec, tp: int, cp: int, dp: int, pp: int, ep: int,
                  mesh_order: tuple[str, ...], stage: int) -> Links:
     layout = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, mesh_order=mesh_order,
-                            global_batch_size=dp)
+                            global_batch_size=dp, seq_len=cp)
     pp_next = None
     if stage + 1 < pp:
         pp_next = coll.group_link(cluster, (rank_of(layout, {"pp": stage}),

@@ -19,7 +19,9 @@ from typing import Any
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec
 from meshplan.costmodel.estimate import Estimate
 from meshplan.planner.plan import Plan
-from meshplan.planner.search import NoPlanFits, SearchResult, SearchTimeout, Solved, search
+from meshplan.planner.search import (EmptySpace, NoPlanFits, SearchResult, SearchTimeout, Solved,
+                                     empty_space_message, nearest_feasible, search,
+                                     space_is_empty)
 from meshplan.planner.space import SearchSpace, pins_of
 
 SECONDS_PER_DAY = 86400.0
@@ -68,6 +70,8 @@ class PlanningResult:
     wall_s: float
     candidates: int
     pareto: tuple[dict[str, Any], ...]
+    gap: float = 0.0
+    """With status FEASIBLE: the best plan is at most this fraction slower than the optimum."""
 
 
 def node_counts(nodes: int) -> list[int]:
@@ -82,8 +86,26 @@ def node_counts(nodes: int) -> list[int]:
 def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framework: str,
          calibration: Calibration, calibration_name: str, objective: str = "time",
          budget: Budget = Budget(), top_k: int = 5, time_limit_s: float = 60.0, seed: int = 0,
-         workers: int = 1) -> PlanningResult:
-    """Search and rank plans for ``objective``; raises NoPlanFits (and ValueError)."""
+         workers: int = 1, deterministic: bool = False, batch_tolerance: float = 0.0,
+         allow_fewer_gpus: bool = False) -> PlanningResult:
+    """Search and rank plans for ``objective``; raises NoPlanFits (and ValueError).
+
+    When the space is empty (no configuration divides the GPUs and the global batch):
+    ``batch_tolerance`` F lets the planner take the nearest global batches within F of the
+    requested one (below and above), and ``allow_fewer_gpus`` the nearest smaller node count
+    (leaving GPUs idle); plans are then ranked by tokens per second, since steps of different
+    batches are not comparable. Without them an empty space raises ``EmptySpace`` naming the
+    nearest batches and node counts that work.
+    """
+    if not 0 <= batch_tolerance < 1:
+        raise ValueError(f"--global-batch-tolerance must be in [0, 1), got {batch_tolerance}")
+    if space_is_empty(model, cluster, space) and (batch_tolerance or allow_fewer_gpus):
+        return _plan_nearby(model, cluster, space, framework=framework,
+                            calibration=calibration, calibration_name=calibration_name,
+                            objective=objective, budget=budget, top_k=top_k,
+                            time_limit_s=time_limit_s, seed=seed, workers=workers,
+                            deterministic=deterministic, batch_tolerance=batch_tolerance,
+                            allow_fewer_gpus=allow_fewer_gpus)
     if objective not in ("time", "cost"):
         raise ValueError(f"--objective must be time or cost, got {objective!r}")
     if objective == "cost" and (budget.train_tokens is None or budget.gpu_hour_price is None):
@@ -100,7 +122,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
             results.append(search(model, option, space, framework=framework,
                                   calibration=calibration, top_k=top_k,
                                   time_limit_s=time_limit_s / len(clusters), seed=seed,
-                                  workers=workers))
+                                  workers=workers, deterministic=deterministic))
         except (NoPlanFits, SearchTimeout) as err:
             if objective == "time":
                 raise
@@ -134,9 +156,36 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
         provenance.update(budget_summary(budget, s.estimate))
         plans.append(Plan.from_estimate(s.estimate, provenance=provenance))
     explored = tuple(x for r in results for x in r.explored)
+    gap = max((r.stats.get("gap", 0.0) for r in results), default=0.0)
     return PlanningResult(plans=tuple(plans), explored=explored, status=status, wall_s=wall,
-                          candidates=candidates,
+                          candidates=candidates, gap=gap,
                           pareto=pareto_front(explored, by_gpus=objective == "cost"))
+
+
+def _plan_nearby(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
+                 batch_tolerance: float, allow_fewer_gpus: bool, **kwargs) -> PlanningResult:
+    """``plan`` on the nearest non-empty spaces the flags allow, best tokens/s first."""
+    batch = space.global_batch_size
+    options = []
+    if batch_tolerance:
+        low, high = math.ceil(batch * (1 - batch_tolerance)), math.floor(
+            batch * (1 + batch_tolerance))
+        batches = nearest_feasible(set(range(max(1, low), high + 1)), lambda b: not space_is_empty(
+            model, cluster, dataclasses.replace(space, global_batch_size=b)), want=batch, count=1)
+        options += [(cluster, dataclasses.replace(space, global_batch_size=b)) for b in batches]
+    if allow_fewer_gpus:
+        for n in range(cluster.nodes - 1, 0, -1):
+            smaller = dataclasses.replace(cluster, nodes=n)
+            if not space_is_empty(model, smaller, space):
+                options.append((smaller, space))
+                break
+    if not options:
+        raise EmptySpace(empty_space_message(model, cluster, space) + (
+            f" (nothing within --global-batch-tolerance {batch_tolerance:g})"
+            if batch_tolerance else ""))
+    results = [plan(model, c, s, **kwargs) for c, s in options]
+    results.sort(key=lambda r: -r.plans[0].prediction.throughput.tokens_per_s)
+    return results[0]
 
 
 def budget_summary(budget: Budget, est: Estimate) -> dict[str, Any]:

@@ -186,33 +186,78 @@ def estimate_report(est: Estimate) -> str:
     ])
 
 
-def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: str) -> str:
+def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: str,
+                 memory_margin: float = 0.0, seq_source: str | None = None) -> str:
     """Ranked plans of ``meshplan plan`` as a table, with the solver's status."""
     rows = []
     for plan in result.plans:
         c, predicted = plan.config, plan.prediction
         recompute = c.recompute if isinstance(c.recompute, str) else ",".join(c.recompute)
-        row = {"rank": plan.provenance.get("rank"), "gpus": plan.cluster.num_gpus,
+        row = {"rank": plan.provenance.get("rank"),
                "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep,
                "sp": "on" if c.sp else "off", "zero": c.zero_stage,
                "offload": c.offload if c.offload == "none" else f"{c.offload}:{c.offload_device}",
                "recompute": recompute, "mb": c.micro_batch_size, "vpp": c.vpp,
-               "layers": ",".join(str(n) for n in c.stage_layers(plan.model.num_layers)),
-               "mesh": "-".join(c.mesh_order),
+               "layers": layers_summary(c.stage_layers(plan.model.num_layers)),
+               "mesh": "".join(axis[0] for axis in c.mesh_order),
                "step s": predicted.time.step_s,
                "tokens/s": predicted.throughput.tokens_per_s,
                "MFU": predicted.throughput.mfu,
-               "peak GiB": predicted.memory.peak_reserved_bytes / GIB}
+               "peak GiB": predicted.memory.peak_reserved_bytes / GIB,
+               "free GiB": plan.cluster.gpu.hbm_bytes / GIB
+               - predicted.memory.peak_reserved_bytes / GIB}
         if "train_days" in plan.provenance:
             row["days"] = plan.provenance["train_days"]
         if "train_cost" in plan.provenance:
             row["cost"] = plan.provenance["train_cost"]
         rows.append(row)
+    _mark_differences(rows)
     table = _table(rows, {"step s": "{:.3f}", "tokens/s": "{:,.0f}", "MFU": "{:.1%}",
-                          "peak GiB": "{:.1f}", "days": "{:.1f}", "cost": "{:,.0f}"})
+                          "peak GiB": "{:.1f}", "free GiB": "{:.1f}", "days": "{:.1f}",
+                          "cost": "{:,.0f}"})
+    best = result.plans[0].config if result.plans else None
     header = (f"{model.name} ({_params_text(model.num_params)} params) on {cluster.name}: "
               f"up to {cluster.num_gpus} {cluster.gpu.key}; objective {objective}")
-    footer = (f"solver {result.status}: {result.candidates} candidates, "
+    if best is not None:
+        header += (f"\nglobal batch {best.global_batch_size} x sequence {best.seq_len} "
+                   f"({seq_source or 'given'}); memory margin {memory_margin:.0%} of "
+                   f"{cluster.gpu.hbm_bytes / GIB:.1f} GiB kept free for the CUDA context, "
+                   f"NCCL and the allocator")
+    gap = getattr(result, "gap", 0.0)
+    status = result.status if result.status == "OPTIMAL" else (
+        f"{result.status} (the best plan is at most {gap:.1%} slower than the optimum)")
+    footer = (f"solver {status}: {result.candidates} candidates, "
               f"{result.wall_s:.2f} s; Pareto front (step time vs memory): "
               f"{len(result.pareto)} plans")
     return "\n".join([header, "", table, "", footer])
+
+
+def layers_summary(layers) -> str:
+    """Stage layer counts run-length encoded: ``(12, 12, 13, 13)`` -> ``2x12 + 2x13``."""
+    parts, runs = [], []
+    for n in layers:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    for n, count in runs:
+        parts.append(str(n) if count == 1 else f"{count}x{n}")
+    return " + ".join(parts)
+
+
+_IDENTITY = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "offload", "recompute", "mb", "vpp",
+             "layers", "mesh")
+
+
+def _mark_differences(rows: list[dict]) -> None:
+    """Runner-ups show only what differs from the best plan ('=' where a choice is the same),
+    so plans that differ in one choice read apart at a glance."""
+    if len(rows) < 2:
+        return
+    if len({r.get("gpus") for r in rows}) > 1:  # the cost objective: GPU counts differ
+        pass
+    first = rows[0]
+    for row in rows[1:]:
+        for key in _IDENTITY:
+            if key in row and row[key] == first[key]:
+                row[key] = "="

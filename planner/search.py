@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -20,13 +21,14 @@ from dataclasses import dataclass, field
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
 from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_terms
-from meshplan.costmodel.memory import stage_memory
+from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.timing import stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
-from meshplan.planner.space import SearchSpace, candidates
-from meshplan.planner.tables import (TracedTables, build_tables, build_traced_tables, layer_bounds,
-                            stage_config)
+from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, degree_tuples,
+                                    divisors, offload_choices, pick, vpp_choices, zero_choices)
+from meshplan.planner.tables import (CandidateTables, TracedTables, build_tables,
+                                     build_traced_tables, layer_bounds, stage_config)
 
 SOLVE_TIME_CAP_S = 10.0
 """No single candidate's CP-SAT solve gets more than this."""
@@ -59,6 +61,58 @@ class SearchResult:
     infeasible: int
     pruned: int
     stats: dict = field(default_factory=dict, hash=False)
+
+
+class EmptySpace(ValueError):
+    """No configuration of the space exists (not "none fits": none can even be formed)."""
+
+
+def space_is_empty(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> bool:
+    """True when no (degrees, micro-batch, sp, layout) of ``space`` forms a configuration."""
+    refiner = _Refiner(model, cluster, space, framework="ideal", calibration=None)
+    for degrees in degree_tuples(model, cluster, space):
+        if refiner.layouts(degrees):
+            return False
+    return True
+
+
+def nearest_feasible(values, feasible, *, want: int, count: int = 2) -> list[int]:
+    """Up to ``count`` values nearest to ``want`` (below and above) for which ``feasible``."""
+    below = [v for v in range(want - 1, 0, -1) if v in values]
+    above = [v for v in range(want + 1, 2 * want + 1) if v in values]
+    out = []
+    for side in (below, above):
+        found = 0
+        for v in side:
+            if feasible(v):
+                out.append(v)
+                found += 1
+                if found == count:
+                    break
+    return sorted(out)
+
+
+def empty_space_message(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> str:
+    """Why the space is empty and what would make it non-empty: the nearest global batches on
+    these GPUs, and the nearest node counts at this batch."""
+    batch = space.global_batch_size
+    batches = nearest_feasible(set(range(1, 2 * batch + 1)), lambda b: not space_is_empty(
+        model, cluster, dataclasses.replace(space, global_batch_size=b)), want=batch)
+    nodes = nearest_feasible(set(range(1, 2 * cluster.nodes + 1)), lambda n: not space_is_empty(
+        model, dataclasses.replace(cluster, nodes=n), space), want=cluster.nodes) \
+        if cluster.nodes > 1 else []
+    hints = []
+    if batches:
+        hints.append("--global-batch " + " or ".join(map(str, batches)) +
+                     " (or --global-batch-tolerance)")
+    if nodes:
+        hints.append("--nodes " + " or ".join(
+            f"{n} ({n * cluster.gpus_per_node} GPUs)" for n in nodes) +
+            (" (or --allow-fewer-gpus)" if any(n < cluster.nodes for n in nodes) else ""))
+    return (f"the search space is empty: no tp/pp/cp/dp combination divides the "
+            f"{cluster.num_gpus} GPUs, the heads ({model.num_heads}), the layers "
+            f"({model.num_layers}) and the global batch {batch} with the pinned choices; try "
+            + ("; ".join(hints) if hints else "fewer pinned choices"))
 
 
 class SearchTimeout(Exception):
@@ -233,6 +287,31 @@ def _reserved(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, st
                         framework=framework, calibration=calibration).reserved_bytes
 
 
+def offload_capacity(cluster: ClusterSpec, config: ParallelConfig) -> float:
+    """Bytes per node the offloaded states may take: host memory, or NVMe."""
+    if config.offload == "none":
+        return float("inf")
+    return cluster.nvme_bytes if config.offload_device == "nvme" else cluster.host_bytes
+
+
+def offload_need(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+                 framework: str, calibration: Calibration) -> tuple[float, str]:
+    """A lower bound, valid for every layer split, of the offloaded bytes per node, and where
+    they go ("host memory" or "NVMe"). Offloaded bytes per stage are linear in its layer
+    count, so the largest stage holds at least the mean over stages of the even split's;
+    DeepSpeed's estimator does not depend on the split (its largest layer is the model's)."""
+    if config.offload == "none":
+        return 0.0, "host memory"
+    where = "NVMe" if config.offload_device == "nvme" else "host memory"
+    even = config.replace(layers_per_stage=None, recompute="full")
+    stages = [stage_memory(model, cluster, even, i, framework=framework,
+                           calibration=calibration) for i in range(config.pp)]
+    if framework == "deepspeed":
+        return host_bytes_per_node(model, cluster, even, stages, framework=framework), where
+    mean = sum(x.offloaded_bytes for x in stages) / len(stages)
+    return mean * min(cluster.gpus_per_node, cluster.num_gpus), where
+
+
 def surely_infeasible(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                       framework: str, calibration: Calibration, lo: int, capacity: float,
                       modes: tuple[str, ...]) -> bool:
@@ -247,115 +326,583 @@ def surely_infeasible(model: ModelSpec, cluster: ClusterSpec, config: ParallelCo
     return False
 
 
+SOLVE_DETERMINISTIC_CAP = 20.0
+"""CP-SAT deterministic-time budget of one candidate's solve under ``deterministic=True``."""
+
+
+@dataclass(order=True)
+class _Node:
+    """A node of the best-first search: a set of candidates and a step time none of them can
+    beat. ``kind`` is how far the node is refined (``_refine``)."""
+
+    bound: float
+    seq: int
+    kind: str = field(compare=False)
+    data: object = field(compare=False)
+
+
 def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framework: str,
            calibration: Calibration, top_k: int = 5, time_limit_s: float = 60.0,
-           seed: int = 0, workers: int = 1) -> SearchResult:
-    """The ``top_k`` fastest plans of ``space``; raises NoPlanFits when none fits."""
+           seed: int = 0, workers: int = 1, deterministic: bool = False,
+           max_nodes: int | None = None) -> SearchResult:
+    """The ``top_k`` fastest plans of ``space``; raises NoPlanFits when none fits.
+
+    Two passes of one best-first branch and bound (``_Refiner``), sharing their incumbents:
+
+    1. the core space (``space.candidates(core=True)``: where fast plans usually are), solved
+       to completion: every candidate whose bound is below the k-th best plan gets its
+       memory-aware bounds, a greedy split (an incumbent at once) and, if the bound leaves room,
+       a CP-SAT solve;
+    2. the rest of the whole space, as a tree of candidate sets with bounds valid for all their
+       members (degree tuples; then micro-batch, sp and rank layout; then vpp; then ZeRO and
+       offload), pruned against the incumbents of pass 1.
+
+    ``status`` is ``OPTIMAL`` when both passes complete: no configuration of the whole space is
+    faster, within the cost model. When the budget runs out it is ``FEASIBLE`` and
+    ``stats["gap"]`` is the proven gap: the best plan is at most that fraction slower than the
+    optimum. ``stats["core_status"]`` says whether pass 1 completed.
+
+    Budget: ``time_limit_s`` of wall-clock time; or, with ``deterministic``, a budget that does
+    not depend on the machine's load: each CP-SAT solve gets ``SOLVE_DETERMINISTIC_CAP`` of
+    CP-SAT's deterministic time and the search refines at most ``max_nodes`` nodes
+    (``DETERMINISTIC_NODES`` if None). Either way the search runs until it holds one plan, so
+    every budget gives an answer when a plan fits.
+    """
     start = time.perf_counter()
-    configs = candidates(model, cluster, space)
-    if not configs:
-        raise ValueError("the search space is empty: no tp/pp/cp/dp combination divides the "
-                         f"{cluster.num_gpus} GPUs, the heads, the layers and the global batch "
-                         f"{space.global_batch_size}; check the pinned choices")
-    capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
-    cache: dict = {}
-    bounds, pieces = [], []
-    traced_modes = tuple(m for m in space.recompute_modes if m in TRACED_RECOMPUTE)
-    if model.is_traced and not traced_modes:
-        raise ValueError(f"{model.name} is a traced module: recompute must include none or "
-                         f"full")
-    for index, config in enumerate(configs):
-        if index % 256 == 0 and time.perf_counter() - start > time_limit_s:
-            raise SearchTimeout(f"the time limit of {time_limit_s:g} s passed while bounding "
-                                f"{len(configs)} candidates, before any plan was found; "
-                                f"raise --time-limit or pin more choices")
-        if model.is_traced:  # tables now, the bound from them; the solve reuses them
-            tables = _traced_tables(model, cluster, config, space, traced_modes,
-                                    framework=framework, calibration=calibration)
-            cache[("traced", index)] = tables
-            piece = traced_bound(tables)
-            pieces.append(piece)
-            bounds.append(piece.value())
-            continue
-        if space.layers_per_stage is None:
-            lows, highs = layer_bounds(model, config, None)
+    refiner = _Refiner(model, cluster, space, framework=framework, calibration=calibration)
+    core = candidates(model, cluster, space, core=True)
+    best = _Best(top_k)
+    if deterministic and max_nodes is None:
+        max_nodes = DETERMINISTIC_NODES
+    budget = _Budget(start=start, time_limit_s=time_limit_s, deterministic=deterministic,
+                     max_nodes=max_nodes)
+    first = _Pass(refiner, refiner.flat_roots(core), best, budget, model=model, cluster=cluster,
+                  space=space, framework=framework, calibration=calibration, seed=seed,
+                  workers=workers)
+    first.run()
+    core_wall_s = time.perf_counter() - start
+    refiner.skip = set(core)
+    second_roots = refiner.roots()
+    if not core and not second_roots:
+        raise EmptySpace(empty_space_message(model, cluster, space))
+    second = _Pass(refiner, second_roots, best, budget, model=model, cluster=cluster,
+                   space=space, framework=framework, calibration=calibration, seed=seed,
+                   workers=workers)
+    if not first.stopped:
+        second.run()
+    else:
+        second.stopped = True
+    stopped = first.stopped or second.stopped
+    status = "FEASIBLE" if stopped or first.incomplete or second.incomplete else "OPTIMAL"
+    if not best and (first.incomplete or second.incomplete):
+        raise SearchTimeout(f"no plan found: {first.solves + second.solves} CP-SAT solves ran "
+                            f"out of time before finding a split; raise --time-limit or pin "
+                            f"more choices")
+    if not best:
+        message, least = _no_fit_message(model, cluster, core or refiner.sample(), space,
+                                         framework=framework, calibration=calibration)
+        if stopped:
+            message += ("; the search stopped at its budget before covering the whole space "
+                        "(raise --time-limit to search the rest)")
+        raise NoPlanFits(message, least=least)
+    top = min(x.step_s for x in best.values())
+    floor = min(first.floor(), second.floor())
+    gap = max(0.0, (top - floor) / top) if stopped else 0.0
+    ranked = tuple(sorted(best.values(), key=lambda x: x.step_s)[:top_k])
+    return SearchResult(
+        ranked=ranked, explored=tuple(best.values()), status=status,
+        wall_s=time.perf_counter() - start, candidates=refiner.counted,
+        solves=first.solves + second.solves,
+        infeasible=first.infeasible + second.infeasible,
+        pruned=first.pruned + second.pruned,
+        stats={"gap": gap, "core_status": "FEASIBLE" if first.stopped or first.incomplete
+               else "OPTIMAL", "core_candidates": len(core), "core_wall_s": core_wall_s, "nodes": budget.nodes,
+               "evaluated": refiner.evaluated})
+
+
+NO_PLAN_GRACE_S = 5.0
+DETERMINISTIC_NODES = 5000
+"""Nodes a ``deterministic`` search refines at most (each is a handful of cost-model calls)."""
+
+
+@dataclass
+class _Budget:
+    start: float
+    time_limit_s: float
+    deterministic: bool
+    max_nodes: int | None
+    nodes: int = 0
+
+    def spent(self) -> bool:
+        if self.deterministic:
+            return self.max_nodes is not None and self.nodes >= self.max_nodes
+        return time.perf_counter() - self.start > self.time_limit_s
+
+    def past_grace(self) -> bool:
+        """Past the budget with no plan: the search gives up (``SearchTimeout``) when it has
+        spent four times its budget plus ``NO_PLAN_GRACE_S`` (or four times its nodes)."""
+        if self.deterministic:
+            return self.max_nodes is not None and self.nodes >= 4 * self.max_nodes
+        return time.perf_counter() - self.start > 4 * self.time_limit_s + NO_PLAN_GRACE_S
+
+    def remaining_s(self) -> float:
+        return max(self.time_limit_s - (time.perf_counter() - self.start), 0.05)
+
+
+class _Pass:
+    """One best-first pass over a heap of nodes, sharing ``best`` with the other pass."""
+
+    def __init__(self, refiner: "_Refiner", roots: list, best: "_Best", budget: _Budget,
+                 **solve_args):
+        self.refiner, self.best, self.budget = refiner, best, budget
+        self.heap = list(roots)
+        heapq.heapify(self.heap)
+        self.solve_args = solve_args
+        self.solves = self.infeasible = self.pruned = 0
+        self.stopped = False
+        self.incomplete = False  # some CP-SAT solve ended without proving its optimum
+
+    def floor(self) -> float:
+        return self.heap[0].bound if self.heap else float("inf")
+
+    def run(self) -> None:
+        heap, best = self.heap, self.best
+        while heap:
+            if heap[0].bound >= best.kth():
+                self.pruned += len(heap)
+                heap.clear()
+                return
+            if self.budget.spent() and (best or self.budget.past_grace()):
+                self.stopped = True
+                return
+            node = heapq.heappop(heap)
+            self.budget.nodes += 1
+            if node.kind != "solve":
+                children, dropped = self.refiner.refine(node, best)
+                self.infeasible += dropped
+                for child in children:
+                    heapq.heappush(heap, child)
+                continue
+            self.solve(node)
+
+    def solve(self, node: "_Node") -> None:
+        index, config, tables, _ = node.data
+        args = self.solve_args
+        best = self.best
+        solved = _solve_one(args["model"], args["cluster"], config, args["space"],
+                            framework=args["framework"], calibration=args["calibration"],
+                            seed=args["seed"], workers=args["workers"],
+                            time_limit_s=min(self.budget.remaining_s(), SOLVE_TIME_CAP_S),
+                            bound=node.bound, cutoff_s=_cutoff(best.kth(), best.get(index)),
+                            tables=tables, deterministic=self.budget.deterministic)
+        self.solves += 1
+        if solved == "timeout":
+            self.incomplete = True  # this candidate's optimum is unknown
+            return
+        if solved is None:
+            if index in best:  # nothing beats its greedy split (or the k-th best plan)
+                best[index] = dataclasses.replace(best[index], status="OPTIMAL")
+            else:
+                self.infeasible += 1
+            return
+        if solved.status != "OPTIMAL":
+            self.incomplete = True
+        if index not in best or solved.step_s <= best[index].step_s:
+            best[index] = solved
+
+
+class _Best(dict):
+    """Best known plan per candidate index, with the k-th best step time kept current."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+        self._kth = float("inf")
+
+    def __setitem__(self, index: int, solved: Solved) -> None:
+        super().__setitem__(index, solved)
+        if len(self) >= self.k:
+            self._kth = heapq.nsmallest(self.k, (s.step_s for s in self.values()))[-1]
+
+    def kth(self) -> float:
+        return self._kth
+
+
+def _cutoff(kth_s: float, incumbent: Solved | None) -> float | None:
+    """Only splits faster than the k-th best plan, and than this candidate's own greedy split,
+    are wanted from its solve."""
+    values = [v for v in (kth_s, incumbent.step_s if incumbent else None)
+              if v is not None and v != float("inf")]
+    return min(values) if values else None
+
+
+class _Refiner:
+    """The search tree (``search``), refined one node at a time.
+
+    Levels and their bounds, each valid for every candidate below it:
+
+    ``degrees`` (tp, cp, pp, dp, ep)
+        ``m * S / p`` with the per-sample linear work at the largest allowed micro-batch:
+        per-micro-batch linear work per sample does not grow with the micro-batch
+        (``INVARIANTS`` 3), so no micro-batch does better; the bubble, the added ZeRO and
+        offload traffic and the once-per-step terms are at least 0.
+    ``layout`` (+ micro-batch, sequence parallelism, rank layout)
+        the v = 1 candidate's linear-only bound, and ``m * S / p`` for v >= 2 (linear work does
+        not fall with v, ``INVARIANTS`` 2, and the bubble is at least 0).
+    ``chunks`` (+ vpp)
+        the linear-only bound at this v (linear work does not depend on ZeRO or offload,
+        ``INVARIANTS`` 1, which only add terms that are at least 0).
+    ``candidate`` (+ ZeRO stage, offload)
+        ``bound`` (every term, split-free).
+    ``memory``
+        plus the recomputation memory forces (``recompute_deficit``); candidates no split fits
+        are dropped (``surely_infeasible``).
+    ``tables``
+        the split-aware bound of the CP-SAT tables (``tables_bound``); the even split with the
+        fastest fitting modes (``solver.greedy_hint``) becomes an incumbent plan at once, and
+        the node goes on to ``solve`` only if the bound leaves room below it.
+    """
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
+                 framework: str, calibration: Calibration):
+        self.model, self.cluster, self.space = model, cluster, space
+        self.framework, self.calibration = framework, calibration
+        self.capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
+        self.cache: dict = {}
+        self.seq = 0
+        self.nodes = 0
+        self.evaluated = 0
+        self.counted = 0
+        self.indices: dict[ParallelConfig, int] = {}
+        self.skip: set[ParallelConfig] = set()
+        self.flat = (model.is_traced or space.layers_per_stage is not None
+                     or space.recompute_pinned is not None)
+        self.traced_modes = tuple(m for m in space.recompute_modes if m in TRACED_RECOMPUTE)
+        if model.is_traced and not self.traced_modes:
+            raise ValueError(f"{model.name} is a traced module: recompute must include none "
+                             f"or full")
+
+    def node(self, bound: float, kind: str, data: object) -> _Node:
+        self.seq += 1
+        self.nodes += 1
+        return _Node(bound, self.seq, kind, data)
+
+    def sample(self) -> list[ParallelConfig]:
+        """Some candidates of the whole space (for the "no plan fits" message when the core
+        space is empty): the first of each degree tuple."""
+        out = []
+        for degrees in degree_tuples(self.model, self.cluster, self.space):
+            for b, sp, order in self.layouts(degrees)[:1]:
+                config = self.leanest(degrees, b, sp, order, 1)
+                if config is not None:
+                    out.append(config)
+        return out
+
+    # ----- roots ----------------------------------------------------------------------------
+
+    def flat_roots(self, configs: list[ParallelConfig]) -> list[_Node]:
+        return [n for n in (self.candidate_node(c) for c in configs) if n is not None]
+
+    def roots(self) -> list[_Node]:
+        """Roots of the whole space, less ``skip``."""
+        if self.flat:
+            configs = [c for c in candidates(self.model, self.cluster, self.space)
+                       if c not in self.skip]
+            return self.flat_roots(configs)
+        out = []
+        for degrees in degree_tuples(self.model, self.cluster, self.space):
+            layouts = self.layouts(degrees)
+            if not layouts:
+                continue
+            out.append(self.node(self.degrees_bound(degrees, layouts), "degrees",
+                                 (degrees, layouts)))
+        return out
+
+    def layouts(self, degrees) -> list[tuple[int, bool, tuple[str, ...]]]:
+        """(micro-batch, sp, rank layout) choices of a degree tuple, largest micro-batch
+        first; the ones ``ParallelConfig`` refuses are left out."""
+        tp, cp, pp, dp, ep = degrees
+        space = self.space
+        per_replica = space.global_batch_size // dp
+        mbs = pick(space.micro_batch_size, divisors(per_replica))
+        sps = [tp > 1] if space.sp is None else [s for s in space.sp if tp > 1 or not s]
+        orders = pick(space.mesh_order, list(MESH_ORDERS))
+        if space.mesh_order is None and (pp == 1 or dp == 1):
+            orders = orders[:1]
+        out = []
+        for b in sorted(mbs, reverse=True):
+            for sp in sps:
+                for order in orders:
+                    if self.config(degrees, b, sp, order, 1, 0, "none", "cpu") is not None:
+                        out.append((b, sp, order))
+        return out
+
+    def config(self, degrees, mb, sp, order, vpp, zero, offload, device) -> ParallelConfig | None:
+        tp, cp, pp, dp, ep = degrees
+        space = self.space
+        try:
+            return ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=sp, zero_stage=zero,
+                                  offload=offload, offload_device=device, micro_batch_size=mb,
+                                  global_batch_size=space.global_batch_size, vpp=vpp,
+                                  seq_len=space.seq_len, mesh_order=order, dtype=space.dtype,
+                                  flash_attention=space.flash_attention)
+        except ValueError:
+            return None
+
+    def linear_bound(self, config: ParallelConfig) -> Bound:
+        """``bound`` of ``config`` (ZeRO-0, no offload: linear work only per micro-batch)."""
+        self.evaluated += 1
+        lo, hi = layer_bounds(self.model, config, None)
+        return bound(self.model, self.cluster, config, framework=self.framework,
+                     calibration=self.calibration, lo=lo[0], hi=max(hi[0], lo[0] + 1),
+                     cache=self.cache)
+
+    def degrees_bound(self, degrees, layouts) -> float:
+        largest = layouts[0][0]
+        values = []
+        for b, sp, order in layouts:
+            if b != largest:
+                break
+            piece = self.linear_bound(self.config(degrees, b, sp, order, 1, 0, "none", "cpu"))
+            values.append(piece.micro_batches * piece.per_micro_s / piece.stages)
+        return min(values)
+
+    # ----- refinement -----------------------------------------------------------------------
+
+    def refine(self, node: _Node, best: dict) -> tuple[list[_Node], int]:
+        """The children of ``node`` and how many candidates it dropped as not fitting."""
+        kind = node.kind
+        if kind == "degrees":
+            degrees, layouts = node.data
+            out, dropped = [], 0
+            for b, sp, order in layouts:
+                vpps = self.vpps(degrees, b)
+                value = self.family_bound(degrees, b, sp, order, 1, flat=len(vpps) > 1)
+                if value is None:  # the leanest sibling fits no split: none does
+                    dropped += 1
+                    continue
+                out.append(self.node(max(value, node.bound), "layout",
+                                     (degrees, b, sp, order, vpps)))
+            return out, dropped
+        if kind == "layout":
+            degrees, b, sp, order, vpps = node.data
+            out, dropped = [], 0
+            for v in vpps:
+                value = self.family_bound(degrees, b, sp, order, v)
+                if value is None:
+                    dropped += 1
+                    continue
+                out.append(self.node(max(value, node.bound), "chunks",
+                                     (degrees, b, sp, order, v)))
+            return out, dropped
+        if kind == "chunks":
+            degrees, b, sp, order, v = node.data
+            out = []
+            tp, cp, pp, dp, ep = degrees
+            for zero in zero_choices(self.space, dp * cp):
+                for offload, device in offload_choices(self.space, zero, self.model,
+                                                       self.cluster):
+                    config = self.config(degrees, b, sp, order, v, zero, offload, device)
+                    if config is None or config in self.skip:
+                        continue
+                    child = self.candidate_node(config, floor=node.bound)
+                    if child is not None:
+                        out.append(child)
+            return out, 0
+        if kind == "candidate":
+            return self.memory_node(node)
+        if kind == "memory":
+            return self.tables_node(node, best)
+        raise AssertionError(kind)
+
+    def leanest(self, degrees, b, sp, order, v) -> ParallelConfig | None:
+        """The member of a (degrees, micro-batch, sp, layout, vpp) family that holds the least
+        device memory: the highest allowed ZeRO stage with the most offload
+        (``INVARIANTS`` 4)."""
+        tp, cp, pp, dp, ep = degrees
+        for zero in sorted(zero_choices(self.space, dp * cp), reverse=True):
+            choices = offload_choices(self.space, zero, self.model, self.cluster)
+            order_of = {"optimizer+params": 0, "optimizer": 1, "none": 2}
+            for offload, device in sorted(choices, key=lambda c: order_of[c[0]]):
+                config = self.config(degrees, b, sp, order, v, zero, offload, device)
+                if config is not None:
+                    return config
+        return None
+
+    def family_bound(self, degrees, b, sp, order, v, flat: bool = False) -> float | None:
+        """Bound of every ZeRO / offload choice at (degrees, b, sp, order, v), from the
+        linear work (ZeRO-0, no offload) plus the recomputation the leanest member's memory
+        forces; None if even the leanest fits no split. ``flat``: also bound every vpp >= 2
+        (``m * (S + X) / p``: linear work and memory do not fall with v)."""
+        base = self.config(degrees, b, sp, order, v, 0, "none", "cpu")
+        lean = self.leanest(degrees, b, sp, order, v)
+        if base is None or lean is None:
+            return None
+        piece = self.linear_bound(base)
+        extra = 0.0
+        if not self.flat:
+            lo = max(1, v)
+            args = dict(framework=self.framework, calibration=self.calibration, lo=lo,
+                        capacity=self.capacity, modes=self.space.recompute_modes)
+            if surely_infeasible(self.model, self.cluster, lean, **args):
+                return None
+            extra = recompute_deficit(self.model, self.cluster, lean, **args)
+            if extra is None:
+                return None
+        value = Bound(per_micro_s=piece.per_micro_s, once_s=0.0, stages=piece.stages,
+                      micro_batches=piece.micro_batches, vpp=v).value(extra)
+        if flat:
+            value = min(value, piece.micro_batches * (piece.per_micro_s + extra) / piece.stages)
+        return value
+
+    def vpps(self, degrees, b) -> list[int]:
+        tp, cp, pp, dp, ep = degrees
+        m = self.space.global_batch_size // (dp * b)
+        return vpp_choices(self.space, self.model, pp, m)
+
+    def candidate_node(self, config: ParallelConfig, floor: float = 0.0) -> _Node | None:
+        index = self.indices.setdefault(config, len(self.indices))
+        self.counted += 1
+        if self.model.is_traced:
+            tables = _traced_tables(self.model, self.cluster, config, self.space,
+                                    self.traced_modes, framework=self.framework,
+                                    calibration=self.calibration)
+            return self.node(max(floor, traced_bound(tables).value()), "solve",
+                             (index, config, tables, None))
+        if self.space.layers_per_stage is None:
+            lows, highs = layer_bounds(self.model, config, None)
             lo, hi = lows[0], highs[0]
         else:
-            lo, hi = 1, model.num_layers
-        piece = bound(model, cluster, config, framework=framework, calibration=calibration,
-                      lo=lo, hi=max(hi, lo + 1), cache=cache)
-        pieces.append(piece)
-        bounds.append(piece.value())
-    order = sorted(range(len(configs)), key=lambda i: bounds[i])
-    best: list[tuple[float, int, Solved]] = []  # max-heap by step time via negation
-    explored: list[Solved] = []
-    status, solves, infeasible, pruned = "OPTIMAL", 0, 0, 0
-    for rank, i in enumerate(order):
-        if len(best) == top_k and bounds[i] >= -best[0][0]:
-            pruned += len(order) - rank
-            break
-        remaining = time_limit_s - (time.perf_counter() - start)
-        if remaining <= 0:
-            status = "FEASIBLE"
-            pruned += len(order) - rank
-            break
-        config = configs[i]
-        modes = space.recompute_modes
+            lo, hi = 1, self.model.num_layers
+        self.evaluated += 1
+        piece = bound(self.model, self.cluster, config, framework=self.framework,
+                      calibration=self.calibration, lo=lo, hi=max(hi, lo + 1), cache=self.cache)
+        return self.node(max(floor, piece.value()), "candidate", (index, config, piece))
+
+    def memory_node(self, node: _Node) -> tuple[list[_Node], int]:
+        index, config, piece = node.data
+        if self.flat:
+            return [self.node(node.bound, "memory", (index, config, node.bound))], 0
+        modes = self.space.recompute_modes
         lo = max(1, config.vpp)
-        if (space.layers_per_stage is None and space.recompute_pinned is None
-                and not model.is_traced):
-            if surely_infeasible(model, cluster, config, framework=framework,
-                                 calibration=calibration, lo=lo, capacity=capacity, modes=modes):
-                infeasible += 1
+        args = dict(framework=self.framework, calibration=self.calibration, lo=lo,
+                    capacity=self.capacity, modes=modes)
+        if surely_infeasible(self.model, self.cluster, config, **args):
+            return [], 1
+        if offload_need(self.model, self.cluster, config, framework=self.framework,
+                        calibration=self.calibration)[0] > offload_capacity(self.cluster,
+                                                                            config):
+            return [], 1
+        extra = recompute_deficit(self.model, self.cluster, config, **args)
+        if extra is None:
+            return [], 1
+        value = max(node.bound, piece.value(extra))
+        return [self.node(value, "memory", (index, config, value))], 0
+
+    def tables_node(self, node: _Node, best: dict) -> tuple[list[_Node], int]:
+        index, config, floor = node.data
+        tables = build_tables(self.model, self.cluster, config, modes=self.space.recompute_modes,
+                              framework=self.framework, calibration=self.calibration,
+                              memory_margin=self.space.memory_margin,
+                              pinned_layers=self.space.layers_per_stage,
+                              pinned_modes=self.space.recompute_pinned)
+        value = tables_bound(tables)
+        if value is None:
+            return [], 1
+        value = max(value, floor)
+        greedy = _greedy_incumbent(self.model, self.cluster, config, tables, self.framework,
+                                   self.calibration, value)
+        if greedy is not None:
+            best[index] = greedy
+            if greedy.status == "OPTIMAL":
+                return [], 0
+        hint = None
+        return [self.node(value, "solve", (index, config, tables, hint))], 0
+
+
+def _greedy_incumbent(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                      tables: CandidateTables, framework: str, calibration: Calibration,
+                      bound_s: float) -> Solved | None:
+    """The even split with each stage's fastest fitting mode (``solver.greedy_hint``) as a
+    plan, ``OPTIMAL`` when it meets ``bound_s`` (no split can beat it); None if it does not
+    fit."""
+    hint = cpsat.greedy_hint(tables)
+    if hint is None:
+        return None
+    final = config.replace(layers_per_stage=tuple(hint[0]), recompute=_compact(tuple(hint[1])))
+    est = estimate(model, cluster, final, framework=framework, calibration=calibration)
+    if not est.fits:
+        return None
+    met = est.time.step_s <= bound_s * (1 + 1e-9)
+    return Solved(estimate=est, status="OPTIMAL" if met else "FEASIBLE", lower_bound_s=bound_s)
+
+
+def tables_bound(tables) -> float | None:
+    """A step time no split of ``tables`` beats, or None when none fits.
+
+    With ``cap_i`` the most layers stage i holds under a mode within time T per micro-batch
+    (its linear work only, the rest being at least 0) and memory, the slowest stage takes at
+    least the smallest T with ``sum_i cap_i(T) >= L`` (found by bisection); the sum over stages
+    is at least the sum of each stage's smallest linear work at ``lo``. Composed as the step is.
+    """
+    p, total = len(tables.lo), tables.num_layers
+    rows = []  # per stage: (lo, [(base, slope, most layers that fit)])
+    for i in range(p):
+        lo, hi = tables.lo[i], tables.hi[i]
+        forms = []
+        for r in tables.allowed[i]:
+            memory = tables.memory_bytes[i][r]
+            if memory.base > tables.capacity_bytes:
                 continue
-            extra = recompute_deficit(model, cluster, config, framework=framework,
-                                      calibration=calibration, lo=lo, capacity=capacity,
-                                      modes=modes)
-            if extra is None:
-                infeasible += 1
-                continue
-            if extra and len(best) == top_k and pieces[i].value(extra) >= -best[0][0]:
-                pruned += 1
-                continue
-        cutoff = -best[0][0] if len(best) == top_k else None
-        solved = _solve_one(model, cluster, config, space, framework=framework,
-                            calibration=calibration, seed=seed, workers=workers,
-                            time_limit_s=min(remaining, SOLVE_TIME_CAP_S), bound=bounds[i],
-                            cutoff_s=cutoff, tables=cache.get(("traced", i)))
-        solves += 1
-        if solved == "timeout":
-            status = "FEASIBLE"  # this candidate's optimum is unknown: the search is incomplete
-            continue
-        if solved is None:
-            infeasible += 1
-            continue
-        if solved.status != "OPTIMAL":
-            status = "FEASIBLE"
-        explored.append(solved)
-        entry = (-solved.step_s, i, solved)
-        if len(best) < top_k:
-            heapq.heappush(best, entry)
-        elif solved.step_s < -best[0][0]:
-            heapq.heapreplace(best, entry)
-    if not best and status == "FEASIBLE":
-        raise SearchTimeout(f"the time limit of {time_limit_s:g} s passed before any plan was "
-                            f"found ({solves} of {len(configs)} candidates solved); raise "
-                            f"--time-limit or pin more choices")
-    if not best:
-        message, least = _no_fit_message(model, cluster, configs, space, framework=framework,
-                                         calibration=calibration)
-        raise NoPlanFits(message, least=least)
-    ranked = tuple(s for _, _, s in sorted(best, key=lambda e: (-e[0], e[1])))
-    return SearchResult(ranked=ranked, explored=tuple(explored), status=status,
-                        wall_s=time.perf_counter() - start, candidates=len(configs),
-                        solves=solves, infeasible=infeasible, pruned=pruned)
+            most = hi if memory.slope <= 0 else min(
+                hi, lo + (tables.capacity_bytes - memory.base) // memory.slope)
+            linear = tables.time_ns[i][r].linear
+            forms.append((linear.base, max(linear.slope, 0), int(most)))
+        if not forms:
+            return None
+        rows.append((lo, forms))
+    if sum(max(f[2] for f in forms) for _, forms in rows) < total:
+        return None
+
+    def held(limit: float) -> int:
+        count = 0
+        for lo, forms in rows:
+            most = 0
+            for base, slope, fit in forms:
+                if base > limit:
+                    continue
+                n = fit if slope == 0 else min(fit, lo + int((limit - base) // slope))
+                most = max(most, n)
+            count += most
+        return count
+
+    low = max(min(f[0] for f in forms) for _, forms in rows)
+    high = max(f[0] + f[1] * (f[2] - lo) for lo, forms in rows for f in forms)
+    if held(low) < total:
+        for _ in range(48):
+            mid = (low + high) / 2
+            if held(mid) >= total:
+                high = mid
+            else:
+                low = mid
+        top = low
+    else:
+        top = low
+    sums = sum(min(f[0] for f in forms) for _, forms in rows)
+    slope = min(f[1] for _, forms in rows for f in forms)
+    sums += slope * (total - sum(lo for lo, _ in rows))
+    top = max(top, sums / p)
+    value = composition.scaled_step(micro_batches=tables.micro_batches, vpp=tables.vpp,
+                                    top_micro=top, sum_micro=sums, once=0)
+    return value / tables.vpp / 1e9
 
 
 def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                space: SearchSpace, *, framework: str, calibration: Calibration, seed: int,
                workers: int, time_limit_s: float, bound: float,
                cutoff_s: float | None = None,
-               tables: TracedTables | None = None) -> Solved | str | None:
+               tables: CandidateTables | TracedTables | None = None,
+               deterministic: bool = False) -> Solved | str | None:
     """The candidate's best split; None if nothing fits or (with ``cutoff_s``) nothing beats
     the current k-th best plan; ``"timeout"`` if its solve ran out of time without a split.
     ``tables``: a traced model's tables, already built for its bound."""
@@ -368,7 +915,8 @@ def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     solve = cpsat.solve_traced if isinstance(tables, TracedTables) else cpsat.solve
     try:
         solution = solve(tables, time_limit_s=time_limit_s, seed=seed, workers=workers,
-                         cutoff_s=cutoff_s)
+                         cutoff_s=cutoff_s,
+                         deterministic_s=SOLVE_DETERMINISTIC_CAP if deterministic else None)
     except cpsat.Infeasible:
         return None
     except cpsat.NoSolutionInTime:
@@ -408,34 +956,67 @@ def _compact(modes: tuple[str, ...]) -> str | tuple[str, ...]:
     return modes[0] if len(set(modes)) == 1 else modes
 
 
+NO_FIT_SAMPLE = 400
+"""Configurations the "no plan fits" diagnosis evaluates at most (the leanest first)."""
+
+
 def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[ParallelConfig],
                     space: SearchSpace, *, framework: str,
                     calibration: Calibration) -> tuple[str, Estimate | None]:
-    """Name the least-memory configuration, its peak per stage against capacity, and what
-    would make it fit; also return that configuration's estimate."""
+    """Name what binds and what would make a plan fit; also return the estimate of the
+    configuration closest to fitting.
+
+    Each configuration is taken with its most memory-saving recompute mode and its even split.
+    If one of them fits in GPU memory, host memory (or NVMe) per node is what binds: the
+    message gives the offloaded bytes it needs against the node's. Otherwise GPU memory binds:
+    the least-memory configuration's reserved bytes per stage, the stage that binds, and the
+    factor of memory (so of GPUs) it lacks."""
     saving = [m for m in ("full", "selective", "none") if m in space.recompute_modes
               and (m in TRACED_RECOMPUTE or not model.is_traced)][0]
-    least, least_peak = None, float("inf")
-    for config in configs:
+    capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
+    lean_first = sorted(configs, key=lambda c: (-c.zero_stage, c.offload == "none",
+                                                c.micro_batch_size))[:NO_FIT_SAMPLE]
+    least, least_peak, host_bound = None, float("inf"), None
+    for config in lean_first:
         trial = config.replace(recompute=saving)
         try:
             est = estimate(model, cluster, trial, framework=framework, calibration=calibration)
         except ValueError:
             continue
-        if est.memory.peak_reserved_bytes < least_peak:
-            least, least_peak = est, est.memory.peak_reserved_bytes
-    capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
+        peak = est.memory.peak_reserved_bytes
+        if peak <= capacity and trial.offload != "none":
+            need, where = offload_need(model, cluster, trial, framework=framework,
+                                       calibration=calibration)
+            if host_bound is None or need < host_bound[0]:
+                host_bound = (need, where, est)
+        if peak < least_peak:
+            least, least_peak = est, peak
     if least is None:
         return "no plan fits: no candidate configuration could be evaluated", None
+    if host_bound is not None:
+        need, where, est = host_bound
+        c = est.config
+        have = cluster.nvme_bytes if where == "NVMe" else cluster.host_bytes
+        other = ("NVMe offload (--offload-device nvme; the nodes have "
+                 f"{cluster.nvme_bytes / 2**30:.0f} GiB)" if where == "host memory"
+                 else "host-memory offload (--offload-device cpu)")
+        return (f"no plan fits: {where} per node binds: the configurations that fit in GPU "
+                f"memory offload (least: tp {c.tp}, pp {c.pp}, dp {c.dp}, ZeRO-{c.zero_stage}, "
+                f"offload {c.offload}) and need at least {need / 2**30:.1f} GiB of {where} per "
+                f"node against {have / 2**30:.1f} GiB; try more {where} per node, {other}, or "
+                f"more GPUs (the offloaded states shard over them)", est)
     c = least.config
-    stages = ", ".join(f"{s.reserved_bytes / 2**30:.1f}" for s in least.memory.per_stage)
+    per_stage = least.memory.per_stage
+    stages = ", ".join(f"{x.reserved_bytes / 2**30:.1f}" for x in per_stage)
+    worst = max(range(len(per_stage)), key=lambda i: per_stage[i].reserved_bytes)
     hints = [f"more GPUs (at least {least_peak / capacity:.1f}x the memory is needed)",
              "offload (--offload optimizer or optimizer+params with --zero 3)"
              if c.offload == "none" and space.offload is None else "",
-             f"a shorter sequence than {c.seq_len}" if least.memory.per_stage[0]
+             f"a shorter sequence than {c.seq_len}" if per_stage[0]
              .activations_bytes > 0.3 * least_peak else ""]
-    return (f"no plan fits: the least-memory configuration (tp {c.tp}, pp {c.pp}, dp {c.dp}, "
-            f"cp {c.cp}, ZeRO-{c.zero_stage}, offload {c.offload}, recompute {saving}, "
-            f"micro-batch {c.micro_batch_size}) needs {stages} GiB reserved per stage against "
-            f"{capacity / 2**30:.1f} GiB per GPU; try " + ", ".join(h for h in hints if h),
-            least)
+    binds = f" (stage {worst} binds)" if len(per_stage) > 1 else ""
+    return (f"no plan fits: GPU memory binds: the least-memory configuration (tp {c.tp}, "
+            f"pp {c.pp}, dp {c.dp}, cp {c.cp}, ZeRO-{c.zero_stage}, offload {c.offload}, "
+            f"recompute {saving}, micro-batch {c.micro_batch_size}) needs {stages} GiB reserved "
+            f"per stage{binds} against {capacity / 2**30:.1f} GiB per GPU; try "
+            + ", ".join(h for h in hints if h), least)

@@ -99,7 +99,7 @@ def _affine(form, y, n, lo):
 
 
 def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, workers: int = 1,
-          cutoff_s: float | None = None) -> Solution:
+          cutoff_s: float | None = None, deterministic_s: float | None = None) -> Solution:
     """Optimal split and modes for ``tables``; raises Infeasible or NoSolutionInTime.
 
     ``cutoff_s``: only solutions with a step time below it are wanted (branch and bound);
@@ -120,7 +120,8 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, worker
     hint = greedy_hint(tables)
     if hint is not None:
         decode.hint(model, *hint)
-    solver, status = _run(model, time_limit_s=time_limit_s, seed=seed, workers=workers)
+    solver, status = _run(model, time_limit_s=time_limit_s, seed=seed, workers=workers,
+                          deterministic_s=deterministic_s)
     wall = time.perf_counter() - start
     layers, modes = decode.read(solver)
     # The split's own objective: equal to the solver's at the optimum; below it when a time
@@ -131,19 +132,27 @@ def solve(tables: CandidateTables, *, time_limit_s: float, seed: int = 0, worker
                     wall_s=wall)
 
 
-def _run(model: cp_model.CpModel, *, time_limit_s: float, seed: int,
-         workers: int) -> tuple[cp_model.CpSolver, int]:
+def _run(model: cp_model.CpModel, *, time_limit_s: float, seed: int, workers: int,
+         deterministic_s: float | None = None) -> tuple[cp_model.CpSolver, int]:
     """Solve with a time limit, a seed and a worker count; Infeasible or NoSolutionInTime
-    when there is no split to read."""
+    when there is no split to read. With ``deterministic_s`` the limit is CP-SAT's
+    deterministic time instead of wall-clock time (and one worker), so the answer does not
+    depend on the machine's load."""
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
+    if deterministic_s is not None:
+        solver.parameters.max_deterministic_time = deterministic_s
+        workers = 1
+    else:
+        solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
     status = solver.Solve(model)
     if status == cp_model.INFEASIBLE:
         raise Infeasible("no layer split and recompute choice fits in memory")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise NoSolutionInTime(f"no feasible split found within {time_limit_s} s")
+        limit = (f"{deterministic_s} s of CP-SAT deterministic time" if deterministic_s
+                 is not None else f"{time_limit_s} s")
+        raise NoSolutionInTime(f"no feasible split found within {limit}")
     return solver, status
 
 
@@ -358,7 +367,8 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
 # ----- traced models: stage boundaries over layers of several kinds ---------------------------------
 
 def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, workers: int = 1,
-                 cutoff_s: float | None = None) -> Solution:
+                 cutoff_s: float | None = None,
+                 deterministic_s: float | None = None) -> Solution:
     """Optimal split and modes of a traced model (layers of several kinds, in a fixed order).
 
     Variables: boundaries 0 = b_0 < b_1 < ... < b_p = L; per kind k the prefix count
@@ -426,7 +436,8 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
     if cutoff_s is not None:
         model.Add(objective < int(cutoff_s * 1e9))
     model.Minimize(objective)
-    solver, status = _run(model, time_limit_s=time_limit_s, seed=seed, workers=workers)
+    solver, status = _run(model, time_limit_s=time_limit_s, seed=seed, workers=workers,
+                          deterministic_s=deterministic_s)
     wall = time.perf_counter() - start
     edges = [int(solver.Value(v)) for v in b]
     layers = [edges[i + 1] - edges[i] for i in range(p)]

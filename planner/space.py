@@ -5,20 +5,30 @@ expert degrees, sequence parallelism, ZeRO stage, offload, micro-batch, virtual 
 chunks and the rank layout. The layer-to-stage split and the per-stage recomputation are left to
 the CP-SAT model (``solver.py``).
 
-Choices a user pins (``meshplan plan --tp 8``) restrict the space. Without pins the space is:
+Choices a user pins (``meshplan plan --tp 8``) restrict the space. Without pins the space is
+every configuration ``meshplan estimate`` accepts, except where noted:
 
-* tp: divisors of the GPU count that divide the heads and kv heads and fit in a node;
-* cp: 1 and powers of two up to ``max_cp`` dividing the sequence (only for sequences of at least
-  ``min_cp_seq_len`` tokens, where attention is worth splitting);
+* tp: divisors of the GPU count that divide the heads and kv heads (across nodes too);
+* cp: every divisor of what is left that divides the sequence;
 * pp: divisors of what is left, at most the layer count; dp: the rest, dividing the batch;
 * ep (MoE): divisors of the expert count that divide dp * cp;
-* sp: on whenever tp > 1 (same traffic, less memory and element-wise time);
-* ZeRO: 1, 2, 3 with more than one replica (ZeRO-0 only when pinned: ZeRO-1 holds less and
-  moves no more), 0 with one;
-* offload: none; optimizer to cpu or nvme; optimizer+params under ZeRO-3;
-* micro-batch: divisors of the per-replica batch up to ``max_micro_batch``;
-* vpp: 1, and 2..``max_vpp`` when pp > 1 and the micro-batches divide by pp;
-* rank layout: tp-cp-dp-pp (Megatron's) and tp-cp-pp-dp (data parallel outermost).
+* sp: on whenever tp > 1 (``SP_DOMINATES``: the cost model gives sequence parallelism the same
+  traffic with less memory and element-wise time, so tp > 1 without it is never faster);
+* ZeRO: 0, 1, 2, 3 with more than one replica; 0 and 3 with one (``ONE_REPLICA_ZERO``: stages 1
+  and 2 shard over a single rank, which the cost model prices exactly as ZeRO-0; ZeRO-3 stays
+  for parameter offload);
+* offload: none; optimizer to cpu or nvme; optimizer+params under ZeRO-3 (also at dp = 1, the
+  ZeRO-Offload single-GPU case); NVMe only when pinned or when host memory cannot hold the
+  offloaded states;
+* micro-batch: every divisor of the per-replica batch;
+* vpp: every v with pp * v <= layers, when pp > 1 and the micro-batches divide by pp (the
+  interleaved schedule's rule);
+* rank layout: tp-cp-dp-pp (Megatron's) and tp-cp-pp-dp (data parallel outermost), one of them
+  when pp or dp is 1 (both orders give the same layout); tensor parallelism is always the
+  innermost axis.
+
+Search bounds (``search.py``) then discard candidates no split can make competitive; they
+never remove the optimum (tests/planner/test_brute_force.py checks that claim).
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from meshplan.costmodel import ClusterSpec, ModelSpec, ParallelConfig
 from meshplan.costmodel.config import OFFLOAD_DEVICES, RECOMPUTE_MODES
 
 MESH_ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
+ONE_REPLICA_ZERO = (0, 3)
+"""ZeRO stages searched with one data-parallel replica (module docstring)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -62,10 +74,6 @@ class SearchSpace:
     """A per-stage recompute list the user pinned (length must equal pp)."""
     layers_per_stage: tuple[int, ...] | None = None
     """A layer split the user pinned."""
-    max_micro_batch: int = 16
-    max_vpp: int = 4
-    max_cp: int = 16
-    min_cp_seq_len: int = 16384
     memory_margin: float = 0.0
     """Fraction of device memory kept free (0.05 = plan for 95% of capacity)."""
     extra: dict = field(default_factory=dict, hash=False)
@@ -111,30 +119,35 @@ def space_with_pins(pins: dict, **fixed) -> SearchSpace:
     return SearchSpace(**fixed, **{k: _tupled(v) for k, v in pins.items() if k in known})
 
 
-def _pick(pinned: tuple | None, default: list) -> list:
+def pick(pinned: tuple | None, default: list) -> list:
     return [v for v in default if v in pinned] if pinned is not None else default
 
 
-def degree_tuples(model: ModelSpec, cluster: ClusterSpec,
-                  space: SearchSpace) -> list[tuple[int, int, int, int, int]]:
-    """Valid (tp, cp, pp, dp, ep) for ``model`` on all GPUs of ``cluster``."""
+CORE_MAX_MICRO_BATCH = 16
+CORE_MAX_VPP = 4
+CORE_MAX_CP = 16
+CORE_MIN_CP_SEQ_LEN = 16384
+
+
+def degree_tuples(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
+                  core: bool = False) -> list[tuple[int, int, int, int, int]]:
+    """Valid (tp, cp, pp, dp, ep) for ``model`` on all GPUs of ``cluster`` (``core``: of the
+    core space, see ``candidates``)."""
     n = cluster.num_gpus
     out = []
-    tps = [t for t in divisors(n) if t <= cluster.gpus_per_node and model.num_heads % t == 0
-           and model.kv_heads % t == 0]
-    if space.tp is not None:  # a pinned tp may exceed a node; the user asked for it
-        tps = [t for t in divisors(n) if t in space.tp and model.num_heads % t == 0
-               and model.kv_heads % t == 0]
-    for tp in tps:
-        cps = [c for c in divisors(n // tp) if space.seq_len % c == 0 and
-               (c == 1 or (c <= space.max_cp and c & (c - 1) == 0
-                           and space.seq_len >= space.min_cp_seq_len))]
-        if space.cp is not None:
-            cps = [c for c in divisors(n // tp) if c in space.cp and space.seq_len % c == 0]
+    tps = [t for t in divisors(n) if model.num_heads % t == 0 and model.kv_heads % t == 0]
+    if core and space.tp is None:
+        tps = [t for t in tps if t <= cluster.gpus_per_node]
+    for tp in pick(space.tp, tps):
+        cps = [c for c in divisors(n // tp) if space.seq_len % c == 0]
+        if core and space.cp is None:
+            cps = [c for c in cps if c == 1 or (c <= CORE_MAX_CP and c & (c - 1) == 0
+                                                and space.seq_len >= CORE_MIN_CP_SEQ_LEN)]
+        cps = pick(space.cp, cps)
         if model.is_traced:  # no tensor-parallel layout known (costmodel/traced.py)
             cps = [c for c in cps if c == 1]
         for cp in cps:
-            for pp in _pick(space.pp, [p for p in divisors(n // (tp * cp))
+            for pp in pick(space.pp, [p for p in divisors(n // (tp * cp))
                                        if p <= model.num_layers]):
                 dp = n // (tp * cp * pp)
                 if space.dp is not None and dp not in space.dp:
@@ -144,38 +157,39 @@ def degree_tuples(model: ModelSpec, cluster: ClusterSpec,
                 eps = [1]
                 if model.is_moe:
                     eps = [e for e in divisors(model.num_experts) if (dp * cp) % e == 0]
-                for ep in _pick(space.ep, eps):
+                for ep in pick(space.ep, eps):
                     out.append((tp, cp, pp, dp, ep))
     return out
 
 
-def candidates(model: ModelSpec, cluster: ClusterSpec,
-               space: SearchSpace) -> list[ParallelConfig]:
-    """Every global configuration of the space; layer split and recompute left at defaults."""
+def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
+               core: bool = False) -> list[ParallelConfig]:
+    """Every global configuration of the space; layer split and recompute left at defaults.
+
+    ``core``: only the core space, which the search solves first for a strong incumbent
+    (``search.py``): tp within a node, cp 1 or a power of two up to ``CORE_MAX_CP`` for
+    sequences of at least ``CORE_MIN_CP_SEQ_LEN`` tokens, ZeRO 1-3 with several replicas,
+    micro-batches up to ``CORE_MAX_MICRO_BATCH``, vpp up to ``CORE_MAX_VPP``. Pinned choices
+    are used as given in both spaces.
+    """
     out = []
-    for tp, cp, pp, dp, ep in degree_tuples(model, cluster, space):
+    for tp, cp, pp, dp, ep in degree_tuples(model, cluster, space, core=core):
         per_replica = space.global_batch_size // dp
-        mbs = _pick(space.micro_batch_size,
-                    [b for b in divisors(per_replica) if b <= space.max_micro_batch])
-        sps = _pick(space.sp, [True] if tp > 1 else [False])
-        if space.sp is not None:
-            sps = [s for s in space.sp if tp > 1 or not s]
-        replicas = dp * cp
-        zeros = _pick(space.zero_stage, [1, 2, 3] if replicas > 1 else [0])
-        if space.zero_stage is not None:
-            zeros = list(space.zero_stage)
-        orders = _pick(space.mesh_order, list(MESH_ORDERS))
+        mbs = divisors(per_replica)
+        if core and space.micro_batch_size is None:
+            mbs = [b for b in mbs if b <= CORE_MAX_MICRO_BATCH]
+        mbs = pick(space.micro_batch_size, mbs)
+        sps = [tp > 1] if space.sp is None else [s for s in space.sp if tp > 1 or not s]
+        zeros = zero_choices(space, dp * cp, core=core)
+        orders = pick(space.mesh_order, list(MESH_ORDERS))
         if space.mesh_order is None and (pp == 1 or dp == 1):
             orders = orders[:1]  # both orders give the same layout
         for b in mbs:
             m = per_replica // b
-            vpps = [1] + [v for v in range(2, space.max_vpp + 1)
-                          if pp > 1 and m % pp == 0 and model.num_layers // pp >= v
-                          and not model.is_traced]
-            for v in _pick(space.vpp, vpps):
+            for v in vpp_choices(space, model, pp, m, core=core):
                 for sp in sps:
                     for zero in zeros:
-                        for offload, device in _offloads(space, zero, model, cluster):
+                        for offload, device in offload_choices(space, zero, model, cluster):
                             for order in orders:
                                 config = _make(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=sp,
                                                zero_stage=zero, offload=offload,
@@ -189,16 +203,39 @@ def candidates(model: ModelSpec, cluster: ClusterSpec,
     return out
 
 
+def zero_choices(space: SearchSpace, replicas: int, *, core: bool = False) -> list[int]:
+    """ZeRO stages for ``replicas`` data-parallel replicas (dp x cp); pinned ones as given."""
+    if space.zero_stage is not None:
+        return list(space.zero_stage)
+    if replicas == 1:
+        return pick(space.zero_stage, list(ONE_REPLICA_ZERO))
+    return pick(space.zero_stage, [1, 2, 3] if core else [0, 1, 2, 3])
+
+
+def vpp_choices(space: SearchSpace, model: ModelSpec, pp: int, micro_batches: int, *,
+                core: bool = False) -> list[int]:
+    """Virtual chunks per stage: 1, and every v with pp * v <= layers when the micro-batches
+    divide by pp (the interleaved schedule's rule)."""
+    top = model.num_layers // pp
+    if space.layers_per_stage is not None:
+        top = min(top, min(space.layers_per_stage))
+    if core and space.vpp is None:
+        top = min(top, CORE_MAX_VPP)
+    values = [1] + [v for v in range(2, top + 1)
+                    if pp > 1 and micro_batches % pp == 0 and not model.is_traced]
+    return pick(space.vpp, values)
+
+
 HOST_BYTES_PER_PARAM = 16
 """Upper bound of offloaded bytes per parameter (fp32 master, Adam moments, fp32 gradient)."""
 
 
-def _offloads(space: SearchSpace, zero: int, model: ModelSpec,
+def offload_choices(space: SearchSpace, zero: int, model: ModelSpec,
               cluster: ClusterSpec) -> list[tuple[str, str]]:
     """Offload choices. NVMe is searched only when pinned or when host memory could not hold
     the offloaded states: it frees no more device memory than host memory and is slower."""
-    modes = _pick(space.offload, ["none", "optimizer", "optimizer+params"])
-    devices = _pick(space.offload_device, list(OFFLOAD_DEVICES))
+    modes = pick(space.offload, ["none", "optimizer", "optimizer+params"])
+    devices = pick(space.offload_device, list(OFFLOAD_DEVICES))
     per_node = (model.num_params * HOST_BYTES_PER_PARAM / cluster.num_gpus
                 * min(cluster.gpus_per_node, cluster.num_gpus))
     if space.offload_device is None and per_node <= cluster.host_bytes:

@@ -35,8 +35,6 @@ from meshplan.costmodel.memory import recompute_workspace_bytes, stage_memory
 from meshplan.costmodel.timing import stage_link_signature
 
 NS_PER_S = 1e9
-WINDOW_LAYERS = 32
-"""Models with more layers than this limit a stage to ``2 * ceil(L / p) + 4`` layers."""
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -128,10 +126,10 @@ def layer_bounds(model: ModelSpec, config: ParallelConfig,
     p, total = config.pp, model.num_layers
     if pinned is not None:
         return tuple(pinned), tuple(pinned)
+    if p == 1:  # one stage holds every layer: its terms are read at that count, exactly
+        return (total,), (total,)
     lo = max(1, config.vpp)
     hi = total - (p - 1) * lo
-    if total > WINDOW_LAYERS:
-        hi = min(hi, 2 * math.ceil(total / p) + 4)
     return (lo,) * p, (hi,) * p
 
 

@@ -100,6 +100,10 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
                        help="nodes of a catalog cluster (default 1, or the JSON's)")
     group.add_argument("--gpus-per-node", type=positive_int, metavar="K",
                        help="override the cluster's GPUs per node")
+    group.add_argument("--host-memory-gib", type=positive_float, metavar="GIB",
+                       help="override the host memory per node (GiB), for offload")
+    group.add_argument("--nvme-gib", type=nonnegative_float, metavar="GIB",
+                       help="override the local NVMe capacity per node (GiB), for offload")
     group.add_argument("--framework", choices=FRAMEWORKS, default="meshplan",
                        help="runtime whose memory layout to assume (default meshplan)")
     group.add_argument("--calibration", metavar="FILE",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +39,13 @@ def load_inputs(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Calib
     cluster = load_flagged("--cluster", args.cluster,
                            lambda: load_cluster(args.cluster, nodes=args.nodes,
                                                 gpus_per_node=args.gpus_per_node))
+    overrides = {}
+    if getattr(args, "host_memory_gib", None) is not None:
+        overrides["host_bytes"] = int(args.host_memory_gib * 2**30)
+    if getattr(args, "nvme_gib", None) is not None:
+        overrides["nvme_bytes"] = int(args.nvme_gib * 2**30)
+    if overrides:
+        cluster = dataclasses.replace(cluster, **overrides)
     # a user's module (package.module:callable) is traced at the sequence length and in the
     # dtype the plans will use
     seq_len = dtype = None

@@ -21,6 +21,14 @@ from meshplan.planner import report
 from meshplan.planner.plan import write_plan
 from meshplan.planner.space import SearchSpace
 
+DEFAULT_TIME_LIMIT_S = 10.0
+DEFAULT_MEMORY_MARGIN = 0.05
+"""Kept free by default: the cost model's reserved bytes already count the allocator's
+fragmentation and the NCCL communicators it knows of; the CUDA context (about 0.5 GiB per
+process with lazy module loading, outside PyTorch's allocator), the extra process groups a
+framework creates and the estimate's own error (issue-level target: within 10%, never under by
+more than 5%) are not, so 5% (4 GiB of an 80 GB GPU) is held back."""
+
 _PINNABLE = ("tp", "pp", "dp", "cp", "ep", "zero_stage", "offload", "offload_device",
              "micro_batch_size", "vpp", "mesh_order", "sp")
 """Plan flags that pin one value of the search space as given."""
@@ -34,13 +42,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fastest step (default) or cheapest run for --train-tokens")
     group.add_argument("--top", type=positive_int, default=5, metavar="K",
                        help="plans to report (default 5)")
-    group.add_argument("--time-limit", type=positive_float, default=60.0, metavar="S",
-                       help="search time limit in seconds (default 60)")
+    group.add_argument("--time-limit", type=positive_float, default=DEFAULT_TIME_LIMIT_S,
+                       metavar="S",
+                       help=f"search time limit in seconds (default {DEFAULT_TIME_LIMIT_S:g}); "
+                            "a search cut short reports FEASIBLE and its proven gap")
+    group.add_argument("--deterministic", action="store_true",
+                       help="limit the search by work (CP-SAT deterministic time, node count) "
+                            "instead of wall-clock time: the same answer on a busy machine")
+    group.add_argument("--global-batch-tolerance", type=nonnegative_float, default=0.0,
+                       metavar="F",
+                       help="when no configuration divides --global-batch, plan the nearest "
+                            "global batch within F of it (e.g. 0.01), best tokens/s")
+    group.add_argument("--allow-fewer-gpus", action="store_true",
+                       help="when no configuration divides the GPUs, plan on the nearest "
+                            "smaller node count (leaving GPUs idle)")
     group.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
     group.add_argument("--workers", type=positive_int, default=1,
                        help="CP-SAT worker threads (default 1)")
-    group.add_argument("--memory-margin", type=nonnegative_float, default=0.0, metavar="F",
-                       help="fraction of GPU memory to keep free (default 0)")
+    group.add_argument("--memory-margin", type=nonnegative_float,
+                       default=DEFAULT_MEMORY_MARGIN, metavar="F",
+                       help="fraction of GPU memory to keep free for the CUDA context, NCCL "
+                            f"and estimate error (default {DEFAULT_MEMORY_MARGIN:g})")
     group.add_argument("--train-tokens", type=positive_float, metavar="T",
                        help="tokens to train on: report days (and cost) per plan")
     group.add_argument("--gpu-hour-price", type=positive_float, metavar="P",
@@ -50,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", metavar="FILE", help="write the best plan to FILE")
     parser.add_argument("--force", action="store_true", help="let -o overwrite FILE")
     parser.add_argument("--json", action="store_true",
-                        help="print the plan JSON (schema_version 1) and nothing else")
+                        help="print the search result JSON (schema_version 1: ranked plans, "
+                             "solver status, Pareto front) and nothing else; write a plan "
+                             "file for run/explain/export with -o")
 
 
 def _stage_pins(pins: dict[str, Any], given: dict[str, Any], *, model: ModelSpec) -> None:
@@ -114,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
                                calibration_name=args.calibration or "built-in",
                                objective=args.objective, budget=budget, top_k=args.top,
                                time_limit_s=args.time_limit, seed=args.seed,
-                               workers=args.workers)
+                               workers=args.workers, deterministic=args.deterministic,
+                               batch_tolerance=args.global_batch_tolerance,
+                               allow_fewer_gpus=args.allow_fewer_gpus)
     except NoPlanFits as err:
         print(f"{PROG}: {one_line(str(err))}", file=sys.stderr)
         return EXIT_NO_PLAN
@@ -129,11 +155,15 @@ def run(args: argparse.Namespace) -> int:
         print_json({"schema_version": schema.PLAN_SEARCH,
                     "plans": [p.to_dict() for p in result.plans],
                     "solver": {"status": result.status, "wall_s": result.wall_s,
-                               "candidates": result.candidates},
+                               "candidates": result.candidates, "gap": result.gap},
                     "pareto": list(result.pareto)})
     else:
+        given = config_kwargs_from_args(args)
+        source = ("--seq-len" if "seq_len" in given else
+                  "the model's default: set --seq-len to plan another length")
         print(report.plans_report(result, model=model, cluster=cluster,
-                                  objective=args.objective))
+                                  objective=args.objective, memory_margin=args.memory_margin,
+                                  seq_source=source))
         if args.output:
             print(f"wrote the best plan to {args.output}")
     return EXIT_OK

@@ -96,8 +96,13 @@ class Scenario:
     pins: dict = field(default_factory=dict)
 
     def space(self) -> SearchSpace:
+        """The scenario's space: ZeRO 1-3 (0 on one GPU), cp 1, micro-batches up to 16, as the
+        capacities above were chosen for (the whole space would let ZeRO-3 with parameter
+        offload fit where these scenarios expect nothing to), and the scenario's pins."""
+        pins = {"zero_stage": (0,) if self.gpus == 1 else (1, 2, 3), "cp": (1,),
+                "micro_batch_size": tuple(range(1, 17)), **self.pins}
         return SearchSpace(global_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN, pp=(self.pp,),
-                           recompute_modes=self.modes, **self.pins)
+                           recompute_modes=self.modes, **pins)
 
 
 SCENARIOS = {

@@ -1,0 +1,147 @@
+"""The planner on the cases users bring: one GPU with offload, pins the estimator accepts,
+any time limit, load-independent answers, readable output.
+
+Expected values come from the cost model's own ``estimate`` of configurations built here, or
+from the problem's arithmetic, never from the planner's output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from meshplan.costmodel import ParallelConfig, default_calibration, estimate, load_cluster, load_model
+from meshplan.planner import export
+from meshplan.planner.plan import read_plan
+from meshplan.planner.report import layers_summary
+from meshplan.planner.search import search
+from meshplan.planner.space import SearchSpace
+from meshplan.testing import run_cli
+
+CAL = default_calibration()
+ONE_A100 = ["--model", "llama2-13b", "--cluster", "dgx-a100-80gb", "--nodes", "1",
+            "--gpus-per-node", "1", "--host-memory-gib", "512", "--global-batch", "8",
+            "--seq-len", "4096", "--deterministic"]
+
+
+@pytest.mark.parametrize("framework", ["meshplan", "deepspeed"])
+def test_13b_fine_tunes_on_one_a100_with_offload(tmp_path, framework):
+    """ZeRO-Offload's case: 13B needs ~208 GB of model states in mixed-precision Adam (16 bytes
+    per parameter), 2.6x an A100-80GB; with 512 GiB of host memory a plan exists and offloads
+    (ZeRO-3 with the optimizer, and the parameters where that is faster)."""
+    out = tmp_path / "plan.json"
+    r = run_cli(*["plan", *ONE_A100, "--framework", framework,
+                                    "-o", str(out)])
+    code, stdout, stderr = r.code, r.out, r.err
+    assert code == 0, stderr
+    plan = read_plan(out)
+    c = plan.config
+    assert (c.tp, c.pp, c.dp) == (1, 1, 1)
+    assert c.offload in ("optimizer", "optimizer+params")
+    assert c.zero_stage == 3 or c.offload == "optimizer"
+    assert 13e9 * 16 > 2.4 * plan.cluster.gpu.hbm_bytes  # the states really do not fit
+    # the plan fits with the default 5% margin, by the estimator's own numbers
+    est = estimate(plan.model, plan.cluster, c, framework=framework, calibration=CAL)
+    assert est.fits
+    assert est.memory.peak_reserved_bytes <= 0.95 * plan.cluster.gpu.hbm_bytes
+    assert "ZeRO" not in stderr
+
+
+def test_13b_offload_plan_exports_to_deepspeed_and_its_parser_loads_it(tmp_path, monkeypatch):
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out = tmp_path / "plan.json"
+    r = run_cli(*["plan", *ONE_A100, "--framework", "deepspeed", "-o", str(out)])
+    code, stderr = r.code, r.err
+    assert code == 0, stderr
+    plan = read_plan(out)
+    path = tmp_path / "ds.json"
+    path.write_text(export.render(plan, "deepspeed"))
+
+    class OneRank:
+        def get_data_parallel_world_size(self) -> int:
+            return 1
+
+    parsed = ds_config.DeepSpeedConfig(str(path), mpu=OneRank())
+    assert parsed.zero_optimization_stage == plan.config.zero_stage
+    assert parsed.zero_config.offload_optimizer is not None
+    assert parsed.train_batch_size == 8
+    assert (parsed.train_micro_batch_size_per_gpu * parsed.gradient_accumulation_steps
+            == 8)
+
+
+@pytest.mark.parametrize("pin", [["--vpp", "8"], ["--micro-batch", "32"], ["--cp", "3"]])
+def test_every_pin_estimate_accepts_is_planned(pin):
+    """Pins outside the core space (vpp above 4, micro-batches above 16, a cp that is not a
+    power of two) that ``estimate`` accepts give a plan honouring the pin."""
+    base = ["--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "3",
+            "--global-batch", "192", "--seq-len", "8192", "--deterministic", "--json"]
+    flags = {"--vpp": ["--pp", "4", "--vpp", "8", "--tp", "2"],
+             "--micro-batch": ["--micro-batch", "32", "--tp", "8", "--cp", "1", "--pp", "1",
+                               "--seq-len", "1024", "--recompute", "full"],
+             "--cp": ["--cp", "3", "--tp", "8", "--seq-len", "6144"]}[pin[0]]
+    r = run_cli(*["estimate", *base[:-2], *flags])
+    code, stdout, stderr = r.code, r.out, r.err
+    assert code == 0, stderr
+    r = run_cli(*["plan", *base, *flags])
+    code, stdout, stderr = r.code, r.out, r.err
+    assert code == 0, stderr
+    best = json.loads(stdout)["plans"][0]
+    key = {"--vpp": "vpp", "--micro-batch": "micro_batch_size", "--cp": "cp"}[pin[0]]
+    assert best[key] == int(pin[1])
+
+
+def test_deterministic_search_gives_the_same_answer_twice():
+    model = load_model("llama3-8b")
+    cluster = load_cluster("dgx-h100", nodes=1)
+    space = SearchSpace(global_batch_size=64, seq_len=4096, tp=(2, 4))
+    runs = [search(model, cluster, space, framework="megatron", calibration=CAL, top_k=3,
+                   deterministic=True, max_nodes=150) for _ in range(2)]
+    assert [s.estimate.config for s in runs[0].ranked] == [
+        s.estimate.config for s in runs[1].ranked]
+    assert runs[0].stats["nodes"] == runs[1].stats["nodes"] <= 150
+    assert runs[0].status in ("OPTIMAL", "FEASIBLE")
+
+
+def test_one_replica_zero_1_and_2_never_beat_zero_0():
+    """The claim behind searching only ZeRO 0 and 3 with one replica: stages 1 and 2 shard over
+    one rank, and no framework's estimate makes them faster or smaller than ZeRO-0."""
+    model = load_model("llama3-8b")
+    cluster = load_cluster("dgx-h100", nodes=1)
+    for framework in ("meshplan", "megatron", "deepspeed", "torchtitan"):
+        for tp, pp in ((8, 1), (4, 2), (2, 4)):
+            base = ParallelConfig(tp=tp, pp=pp, dp=1, sp=True, micro_batch_size=1,
+                                  global_batch_size=16, seq_len=4096, zero_stage=0)
+            ref = estimate(model, cluster, base, framework=framework, calibration=CAL)
+            for zero in (1, 2):
+                other = estimate(model, cluster, base.replace(zero_stage=zero),
+                                 framework=framework, calibration=CAL)
+                assert other.time.step_s >= ref.time.step_s * (1 - 1e-12)
+                assert all(o.reserved_bytes >= r.reserved_bytes * (1 - 1e-12) for o, r in
+                           zip(other.memory.per_stage, ref.memory.per_stage))
+
+
+def test_layers_summary_run_length_encodes():
+    assert layers_summary((12, 12, 13, 13)) == "2x12 + 2x13"
+    assert layers_summary((4, 5, 5, 5, 4)) == "4 + 3x5 + 4"
+    assert layers_summary((80,)) == "80"
+
+
+def test_plan_table_fits_120_columns_and_names_the_sequence_source():
+    """MT-NLG 530B on 280 nodes: 35 stages, whose layer list used to make a 222-column table."""
+    r = run_cli(*["plan", "--model", "mt-nlg-530b", "--cluster",
+                                    "dgx-a100-80gb", "--nodes", "280", "--global-batch",
+                                    "1920", "--framework", "megatron", "--tp", "8", "--pp",
+                                    "35", "--zero", "1", "--micro-batch", "1", "--vpp", "1",
+                                    "--offload", "none", "--deterministic"])
+    code, stdout, stderr = r.code, r.out, r.err
+    assert code == 0, stderr
+    width = max(len(line) for line in stdout.splitlines() if "|" not in line and
+                not line.startswith(("mt-nlg", "global batch")))
+    assert width <= 120, stdout
+    assert "sequence 2048 (the model's default" in stdout
+    assert "memory margin 5%" in stdout
+    table = [line for line in stdout.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert table and "x3" in table[0]  # 105 layers on 35 stages: 35x3
