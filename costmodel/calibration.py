@@ -35,8 +35,23 @@ class DeviceCalibration:
     """Fraction of dense peak reached by fused (flash) attention kernels."""
     memory_efficiency: float
     """Fraction of HBM bandwidth reached by element-wise kernels."""
+    eager_matmul_efficiency: float | None = None
+    """Fraction of dense peak a large GEMM reaches when an eager PyTorch framework launches it
+    (``frameworks.eager_kernels``: cuBLAS through ``torch.matmul``, unfused epilogues, FSDP's
+    copies and waits on the stream), where it differs from ``matmul_efficiency`` (fitted on
+    Megatron-LM and Llama 3's stack); None: the same."""
+
+    def gemm_efficiency(self, eager: bool) -> float:
+        """``eager_matmul_efficiency`` for an eager framework when set, else
+        ``matmul_efficiency``."""
+        if eager and self.eager_matmul_efficiency is not None:
+            return self.eager_matmul_efficiency
+        return self.matmul_efficiency
 
     def __post_init__(self) -> None:
+        if self.eager_matmul_efficiency is not None and not 0 < self.eager_matmul_efficiency <= 1:
+            raise ValueError(f"eager_matmul_efficiency must be in (0, 1], got "
+                             f"{self.eager_matmul_efficiency!r}")
         for name in ("matmul_efficiency", "attention_efficiency", "flash_attention_efficiency",
                      "memory_efficiency"):
             value = getattr(self, name)
@@ -124,6 +139,7 @@ class Calibration:
 
 DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "matmul_efficiency": EFFICIENCY, "matmul_overhead_s": NON_NEGATIVE,
+    "eager_matmul_efficiency": EFFICIENCY,
     "attention_efficiency": EFFICIENCY, "flash_attention_efficiency": EFFICIENCY,
     "memory_efficiency": EFFICIENCY})
 """One entry of ``devices``: every DeviceCalibration field."""

@@ -23,8 +23,10 @@ from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.calls import (LOSS_REDUCTION_CALLS, call_overhead_s,
                                       collective_calls_per_microbatch, ddp_buckets,
-                                      latency_steps)
+                                      gradient_buckets, latency_steps, zero3_gather_passes,
+                                      zero3_prefetch_fraction, zero_call_latency_s)
 from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.frameworks import eager_kernels
 from meshplan.costmodel.layout import axis_group, ep_group, rank_of
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
@@ -56,11 +58,14 @@ class StageTime:
     offload_raw_s: float
     """ZeRO-3 parameter offload transfers of the micro-batch before overlap."""
     offload_hidden_s: float
+    zero_latency_s: float = 0.0
+    """Network latency of the micro-batch's ZeRO-2/3 calls (``calls.zero_call_latency_s``):
+    a latency-bound call waits on the network, not on bytes, so compute cannot hide it."""
 
     @property
     def dp_comm_s(self) -> float:
-        """Exposed ZeRO-2/3 traffic (``composition.exposed``)."""
-        return composition.exposed(self.zero_comm_s, self.zero_hidden_s)
+        """Exposed ZeRO-2/3 traffic (``composition.exposed``) plus the calls' latency."""
+        return composition.exposed(self.zero_comm_s, self.zero_hidden_s) + self.zero_latency_s
 
     @property
     def offload_s(self) -> float:
@@ -71,7 +76,7 @@ class StageTime:
     def linear_s(self) -> float:
         """The terms that add up without overlap."""
         return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
-                + self.pp_comm_s)
+                + self.pp_comm_s + self.zero_latency_s)
 
     @property
     def total_s(self) -> float:
@@ -138,8 +143,14 @@ def _gemm_s(flop: float, calls: int, *, peak: float, efficiency: float, overhead
 
 
 def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
-                    calibration: Calibration, *, moe: bool) -> tuple[float, float]:
-    """(whole layer, attention core) forward seconds of one layer for one micro-batch."""
+                    calibration: Calibration, *, moe: bool,
+                    framework: str = "megatron") -> tuple[float, float]:
+    """(whole layer, attention core) forward seconds of one layer for one micro-batch.
+
+    GEMMs run at ``DeviceCalibration.gemm_efficiency``: for frameworks that launch them from
+    eager PyTorch (``frameworks.eager_kernels``) the device's ``eager_matmul_efficiency``
+    where it has one (H100-class GPUs, whose peak Megatron-LM's and Llama 3's kernels reach
+    far better than eager FSDP trainers do), plus a fixed cost per GEMM call."""
     device = calibration.device(cluster.gpu.key)
     peak = cluster.gpu.peak(config.dtype)
     tokens = act.tokens_per_microbatch(config)
@@ -153,7 +164,8 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
     else:
         mlp_flop = 2 * tokens * mats * h * model.ffn_hidden_size / t
     gemm = _gemm_s(proj_flop + mlp_flop, 2 + mats, peak=peak,
-                   efficiency=device.matmul_efficiency, overhead_s=device.matmul_overhead_s)
+                   efficiency=device.gemm_efficiency(eager_kernels(framework)),
+                   overhead_s=device.matmul_overhead_s)
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
                                                        causal=causal) / t
@@ -271,7 +283,8 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     for moe, count in ((False, len(layer_range) - moe_layers), (True, moe_layers)):
         if not count:
             continue
-        fwd, core = layer_forward_s(model, cluster, config, calibration, moe=moe)
+        fwd, core = layer_forward_s(model, cluster, config, calibration, moe=moe,
+                                    framework=framework)
         extra = fwd if mode == "full" else (core if mode == "selective" else 0.0)
         if config.flash_attention:
             extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * core
@@ -282,7 +295,7 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         if moe:
             ep += count * _ep_comm_per_layer_s(model, config, links.ep, calibration)
     if stage == config.pp - 1:
-        compute += _lm_head_s(model, cluster, config, calibration)
+        compute += _lm_head_s(model, cluster, config, calibration, framework=framework)
     compute *= calibration.compute_factor(framework)
     tp *= 1 - calibration.tp_overlap
     pp = _pp_comm_s(model, config, pp_link, calibration)
@@ -296,18 +309,23 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                 pp: float) -> StageTime:
     """A stage's ``StageTime`` from its compute and TP/CP/EP/PP traffic: adds the ZeRO and
     parameter-offload traffic (with the part compute hides) and every collective call's cost."""
+    mode = config.stage_recompute(stage)
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
-                                  framework=framework)
+                                  framework=framework, recompute=mode)
     offload = _param_offload_per_microbatch_s(config, cluster, params=params)
     calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
-                                            recompute=config.stage_recompute(stage))
+                                            recompute=mode)
     tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration)
-    tp, pp, zero = tp + tp_calls_s, pp + pp_calls_s, zero + zero_calls_s
+    tp, pp = tp + tp_calls_s, pp + pp_calls_s
+    zero_latency = zero_calls_s + (zero_call_latency_s(calls, links.dp) if zero else 0.0)
+    prefetch = zero3_prefetch_fraction(model, config, framework) if config.zero_stage == 3 \
+        else 1.0
     return StageTime(compute_s=compute, tp_comm_s=tp, cp_comm_s=cp, ep_comm_s=ep,
                      pp_comm_s=pp, zero_comm_s=zero,
-                     zero_hidden_s=calibration.dp_overlap * compute if zero else 0.0,
+                     zero_hidden_s=calibration.dp_overlap * prefetch * compute if zero else 0.0,
                      offload_raw_s=offload,
-                     offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0)
+                     offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0,
+                     zero_latency_s=zero_latency)
 
 
 def traced_layer_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
@@ -352,13 +370,14 @@ def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Para
 
 
 def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
-               calibration: Calibration) -> float:
+               calibration: Calibration, *, framework: str = "megatron") -> float:
     """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits."""
     device = calibration.device(cluster.gpu.key)
     tokens = act.tokens_per_microbatch(config)
     flop = tokens * lm_head_flop_per_token(model) / config.tp
     gemm = _gemm_s((1 + BACKWARD_FACTOR) * flop, 3, peak=cluster.gpu.peak(config.dtype),
-                   efficiency=device.matmul_efficiency, overhead_s=device.matmul_overhead_s)
+                   efficiency=device.gemm_efficiency(eager_kernels(framework)),
+                   overhead_s=device.matmul_overhead_s)
     logits_bytes = act.LOGIT_BYTES * tokens * model.vocab_rows / config.tp
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
     return gemm + calibration.elementwise_traffic_factor * logits_bytes / bandwidth
@@ -373,18 +392,32 @@ def grad_comm_bytes(framework: str, dtype: str) -> int:
 
 
 def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
-                           params: StageParams, link: coll.GroupLink, framework: str) -> float:
-    """ZeRO-2/3 traffic of one micro-batch: gradient reduce-scatter (2, 3) and the parameter
-    all-gathers of forward and backward (3). Up to ``dp_overlap`` of the micro-batch's compute
-    can hide it."""
+                           params: StageParams, link: coll.GroupLink, framework: str,
+                           recompute: str) -> float:
+    """Bytes-bound ZeRO-2/3 traffic of one micro-batch: gradient reduce-scatter (2, 3) and the
+    parameter all-gathers of every pass that gathers (3: ``calls.zero3_gather_passes``), at
+    the ring's bandwidth. The calls' latency is charged apart (``calls.zero_call_latency_s``),
+    once per call the framework issues. Up to ``dp_overlap`` of the micro-batch's compute
+    can hide the traffic."""
     if config.zero_stage < 2 or link.size == 1:
         return 0.0
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     total = params.dense + params.expert
-    comm = coll.reduce_scatter_s(link, total * grad_comm_bytes(framework, config.dtype), **effs)
+    comm = _bandwidth_s("reduce_scatter", link, total * grad_comm_bytes(framework, config.dtype),
+                        **effs)
     if config.zero_stage == 3:
-        comm += 2 * coll.all_gather_s(link, total * config.bytes_per_activation, **effs)
+        passes = zero3_gather_passes(framework, config, recompute)
+        comm += passes * _bandwidth_s("all_gather", link, total * config.bytes_per_activation,
+                                      **effs)
     return comm
+
+
+def _bandwidth_s(op: str, link: coll.GroupLink, size_bytes: float, *, intra_eff: float,
+                 inter_eff: float) -> float:
+    """The bytes-bound part of one ring ``op`` (all-gather, reduce-scatter) of ``size_bytes``:
+    its time less one call's latency."""
+    return (coll.link_collective_s(op, link, size_bytes, intra_eff=intra_eff,
+                                   inter_eff=inter_eff) - coll.call_latency_s(op, link))
 
 
 def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec, *,
@@ -424,6 +457,12 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
     else:
         return 0.0, 0.0
     if config.zero_stage <= 1:
+        buckets = gradient_buckets(framework, config, params=total_params,
+                                   grad_bytes=total_params * grad_bytes)
+        ops = ("all_reduce",) if config.zero_stage == 0 else ("reduce_scatter", "all_gather")
+        # every bucket after the first pays its calls' latency (the one-call latency is in
+        # the traffic above)
+        comm += (buckets - 1) * sum(coll.call_latency_s(op, link) for op in ops)
         comm += (calibration.collective_call_s * ddp_buckets(total_params * grad_bytes)
                  * latency_steps("all_reduce", link.size))
     hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0

@@ -84,9 +84,11 @@ def test_dp_group_with_eight_members_per_node_gets_eight_nics(links, nodes):
 
 
 def test_tp_inside_node_beats_tp_across_nodes_in_estimate():
+    """With many micro-batches per step the per-layer TP traffic outweighs the once-per-step
+    data-parallel reduction that the other layout keeps inside a node."""
     model = load_model("megatron-7.5b")
     cluster = load_cluster(CLUSTER, nodes=2)
-    inner = ParallelConfig(tp=8, dp=2, sp=True, micro_batch_size=1, global_batch_size=16,
+    inner = ParallelConfig(tp=8, dp=2, sp=True, micro_batch_size=1, global_batch_size=128,
                            seq_len=2048, mesh_order=("tp", "cp", "dp", "pp"))
     outer = inner.replace(mesh_order=("pp", "dp", "cp", "tp"))
     assert coll.group_link(cluster, axis_group(inner, "tp")).nodes == 1
@@ -139,7 +141,9 @@ def test_ring_all_reduce_across_nodes_by_hand(links):
 ])
 def test_ring_all_reduce_two_per_node_by_hand(links, order, alpha_hops):
     """GPUs 0, 1 of node 0 and 0, 1 of node 1 (global 8, 9): two channels across nodes, so the
-    slower of NVLink and 2 NICs bounds the ring; alpha is the slowest ring hop."""
+    slower of NVLink and 2 NICs bounds the ring. Latency is hierarchical (NCCL's tuning
+    model): of the ring's 2 (n - 1) = 6 steps, 2 (N - 1) = 2 cross nodes and pay the slowest
+    cross-node hop, the other 4 the in-node (NVLink) hop."""
     cluster = load_cluster(CLUSTER, nodes=2)
     assert links["gpus_per_node"] == 8  # global ranks 8 and 9 are node 1's GPUs 0 and 1
     link = coll.group_link(cluster, order)
@@ -150,8 +154,27 @@ def test_ring_all_reduce_two_per_node_by_hand(links, order, alpha_hops):
                     2 * links["nic_bytes_per_s"] * eff["inter_eff"])
     alpha = sum(links[f"{hop}_latency_s"] for hop in alpha_hops)
     assert link.latency_s == pytest.approx(alpha, rel=EXACT)
+    assert link.intra_latency_s == pytest.approx(links["nvlink_latency_s"], rel=EXACT)
+    expected = (2 * 3 / 4 * size_bytes / bandwidth + 2 * alpha
+                + 4 * links["nvlink_latency_s"])
     ours = coll.all_reduce_s(link, size_bytes, **eff)
-    assert ours == pytest.approx(ring_all_reduce_s(4, size_bytes, bandwidth, alpha), rel=EXACT)
+    assert ours == pytest.approx(expected, rel=EXACT)
+
+
+def test_all_gather_latency_grows_with_the_ring_across_nodes(links):
+    """A ring all-gather over 8 ranks on each of N nodes pays (8N - N) in-node and N - 1
+    cross-node steps (no tree: NCCL runs all-gather as a ring), so a latency-bound call
+    costs ~N times more on N nodes."""
+    costs = {}
+    for nodes in (2, 16, 96):
+        cluster = load_cluster(CLUSTER, nodes=nodes)
+        link = coll.group_link(cluster, tuple(range(8 * nodes)))
+        intra, inter = link.step_latencies()
+        assert intra == pytest.approx(links["nvlink_latency_s"])
+        expected = (8 * nodes - nodes) * intra + (nodes - 1) * inter
+        assert coll.call_latency_s("all_gather", link) == pytest.approx(expected, rel=EXACT)
+        costs[nodes] = coll.all_gather_s(link, 1024.0, intra_eff=RAW, inter_eff=RAW)
+    assert costs[96] > 40 * costs[2]
 
 
 def test_small_all_reduce_takes_the_tree(links):
@@ -208,7 +231,7 @@ def test_all_reduce_switches_from_tree_to_ring_at_the_crossover(n):
 
 def test_coefficients_without_a_size_only_where_one_algorithm_always_wins():
     assert fitting.collective_coefficients("all_reduce", 2) == (1.0, 2.0)  # ring: fewer bytes
-    assert fitting.collective_coefficients("all_gather", 8) == (7 / 8, 6.0)  # 2 log2 8 < 7
+    assert fitting.collective_coefficients("all_gather", 8) == (7 / 8, 7.0)  # the ring only
     with pytest.raises(ValueError, match="depending on the message size"):
         fitting.collective_coefficients("all_reduce", 8)
     assert fitting.collective_coefficients("all_reduce", 8, 1024.0, bytes_per_s=1e11,
