@@ -18,6 +18,14 @@ from meshplan.costmodel.jsonio import (EFFICIENCY, FRACTION, NON_NEGATIVE, POSIT
 
 
 LINK_KINDS = frozenset({"intra", "inter"})
+HOST_BUFFER_KINDS = ("pageable", "pinned")
+"""Keys of ``Calibration.host_copy_bytes_per_s``."""
+PAGEABLE_FRACTION = 0.5
+"""Pageable host-device copies against pinned ones when only one is known: CUDA copies a
+pageable buffer through a pinned staging buffer, one more pass over host memory, so they
+reach about half the pinned rate (NVIDIA, "How to Optimize Data Transfers in CUDA C/C++",
+Harris 2012: 5.7 against 3.2 GB/s on PCIe 2; CUDA C++ Best Practices Guide, "Pinned
+Memory")."""
 """Keys of ``Calibration.link_latency_s``: in-node and cross-node links."""
 
 
@@ -106,8 +114,36 @@ class Calibration:
     ``calls.collective_calls_per_microbatch`` counts. 0 (the default, right for NCCL, whose
     launches run ahead of the GPU); fitted by ``meshplan validate --refit`` over several plans
     (``fitting.refit_plans``)."""
+    host_adam_bytes_per_param: float = 28.0
+    """Host memory traffic of one fp32 AdamW step per parameter: read parameter, gradient,
+    momentum and variance (16 bytes), write parameter, momentum and variance (12). CPU Adam
+    is bound by this traffic, not by its ~20 FLOPs (``host_adam_flop_per_param``)."""
+    host_memory_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
+    """Achieved host memory bandwidth of one node, by GPU catalog key (the node design);
+    ``default`` for others. Bounds the host optimizer step of offloaded plans."""
+    host_copy_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
+    """Host-device copy bandwidth per GPU by host buffer kind: ``pinned`` (page-locked:
+    DeepSpeed's offload buffers, FSDP2's ``CPUOffloadPolicy(pin_memory=True)``) and
+    ``pageable`` (staged through a driver bounce buffer: meshplan's runtime offloads with
+    ``pin_memory=False``). Absent: the cluster's ``pcie_bytes_per_s`` for pinned and
+    ``PAGEABLE_FRACTION`` of it for pageable. ``meshplan profile`` on a GPU writes
+    ``pinned`` (the slower of its measured host-to-device and device-to-host rates)."""
     source: dict[str, str] = field(default_factory=dict, hash=False)
     """What each value was fitted on."""
+
+    def host_memory_s(self, gpu_key: str, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` through one node's host memory (0 without a value)."""
+        rate = self.host_memory_bytes_per_s.get(gpu_key) or self.host_memory_bytes_per_s.get(
+            "default")
+        return nbytes / rate if rate else 0.0
+
+    def host_copy_rate(self, cluster_pcie_bytes_per_s: float, *, pinned: bool) -> float:
+        """Host-device bytes per second per GPU for a pinned or pageable host buffer."""
+        if pinned:
+            return self.host_copy_bytes_per_s.get("pinned", cluster_pcie_bytes_per_s)
+        return self.host_copy_bytes_per_s.get(
+            "pageable", PAGEABLE_FRACTION * self.host_copy_bytes_per_s.get(
+                "pinned", cluster_pcie_bytes_per_s))
 
     def device(self, gpu_key: str) -> DeviceCalibration:
         return self.devices.get(gpu_key) or self.devices["default"]
@@ -152,12 +188,16 @@ CALIBRATION_SCHEMA = schema_of(
             "pp_overlap": FRACTION, "offload_overlap": FRACTION,
             "host_adam_flop_per_param": POSITIVE, "allocator_fragmentation": NON_NEGATIVE,
             "communicator_bytes": NON_NEGATIVE, "link_latency_s": NON_NEGATIVE,
-            "collective_call_s": NON_NEGATIVE},
+            "collective_call_s": NON_NEGATIVE, "host_adam_bytes_per_param": POSITIVE,
+            "host_memory_bytes_per_s": POSITIVE, "host_copy_bytes_per_s": POSITIVE},
     rules={"devices": Rule(kind="object", items=Rule(kind="object", schema=DEVICE_SCHEMA)),
            "framework_compute_factor": Rule(kind="object", keys=FRAMEWORKS,
                                             items=Rule(kind="float")),
            "link_latency_s": Rule(kind="object", keys=tuple(sorted(LINK_KINDS)),
                                   items=Rule(kind="float")),
+           "host_memory_bytes_per_s": Rule(kind="object", items=Rule(kind="float")),
+           "host_copy_bytes_per_s": Rule(kind="object", keys=HOST_BUFFER_KINDS,
+                                         items=Rule(kind="float")),
            "about": Rule(kind="str")})
 """A complete calibration (the built-in one, or a user file merged over it): the Calibration
 fields and an optional ``about`` note."""

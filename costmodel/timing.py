@@ -312,7 +312,8 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     mode = config.stage_recompute(stage)
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework, recompute=mode)
-    offload = _param_offload_per_microbatch_s(config, cluster, params=params)
+    offload = _param_offload_per_microbatch_s(config, cluster, params=params,
+                                              calibration=calibration, framework=framework)
     calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
                                             recompute=mode)
     tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration)
@@ -421,17 +422,28 @@ def _bandwidth_s(op: str, link: coll.GroupLink, size_bytes: float, *, intra_eff:
 
 
 def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec, *,
-                                    params: StageParams) -> float:
+                                    params: StageParams, calibration: Calibration,
+                                    framework: str) -> float:
     """Parameters offloaded under ZeRO-3 cross PCIe (and NVMe) for forward and backward each
-    micro-batch; up to ``offload_overlap`` of the compute can hide it."""
+    micro-batch, at the host-copy rate of the framework's buffers (``pinned_host_buffers``);
+    up to ``offload_overlap`` of the compute can hide it."""
     if config.offload != "optimizer+params":
         return 0.0
     shard = (params.dense + params.expert) / (config.dp * config.cp)
-    transfer = 2 * shard * config.bytes_per_activation / cluster.pcie_bytes_per_s
+    pcie = calibration.host_copy_rate(cluster.pcie_bytes_per_s,
+                                      pinned=pinned_host_buffers(framework))
+    transfer = 2 * shard * config.bytes_per_activation / pcie
     if config.offload_device == "nvme":
         transfer += 2 * shard * config.bytes_per_activation * cluster.gpus_per_node \
             / cluster.nvme_bytes_per_s
     return transfer
+
+
+def pinned_host_buffers(framework: str) -> bool:
+    """Whether the framework offloads into page-locked host memory: DeepSpeed's offload
+    buffers and torchtitan's FSDP2 ``CPUOffloadPolicy()`` (``pin_memory=True``) do; meshplan's
+    runtime offloads with ``pin_memory=False`` (runtime/parallelize.py)."""
+    return framework != "meshplan"
 
 
 def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: StageParams,
@@ -470,13 +482,16 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
 
 
 def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: Calibration,
-                     *, params: StageParams) -> tuple[float, float]:
+                     *, params: StageParams, framework: str = "megatron") -> tuple[float, float]:
     """(device optimizer, offload) seconds of the optimizer step of one stage.
 
     On the device: a fused Adam moves ``OPTIMIZER_BYTES_PER_PARAM`` per sharded parameter
-    through HBM. Offloaded: gradients go down and parameters come back over PCIe, the host
-    runs Adam at ``host_adam_flop_per_param`` per parameter for all GPUs of the node, and NVMe
-    offload reads and writes the optimizer state once.
+    through HBM. Offloaded: gradients go down and parameters come back over PCIe (pinned or
+    pageable host buffers, ``pinned_host_buffers``), the host runs Adam for all GPUs of the
+    node at the slower of ``host_adam_flop_per_param`` FLOPs and ``host_adam_bytes_per_param``
+    bytes of host memory traffic per parameter (the second binds: ~28 bytes per parameter at
+    a few hundred GB/s is ~10 G parameters/s per node), and NVMe offload reads and writes the
+    optimizer state once.
     """
     shard = config.dp * config.cp if config.zero_stage >= 1 else 1
     local = (params.dense + params.expert) / shard
@@ -487,8 +502,12 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
         bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
         return local * OPTIMIZER_BYTES_PER_PARAM / bandwidth + loss_s, 0.0
     per_node = local * min(cluster.gpus_per_node, cluster.num_gpus)
-    pcie = local * (4 + config.bytes_per_activation) / cluster.pcie_bytes_per_s
-    host = per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s
+    rate = calibration.host_copy_rate(cluster.pcie_bytes_per_s,
+                                      pinned=pinned_host_buffers(framework))
+    pcie = local * (4 + config.bytes_per_activation) / rate
+    host = max(per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s,
+               calibration.host_memory_s(cluster.gpu.key,
+                                         per_node * calibration.host_adam_bytes_per_param))
     nvme = 2 * per_node * 12 / cluster.nvme_bytes_per_s if config.offload_device == "nvme" \
         else 0.0
     return loss_s, pcie + host + nvme

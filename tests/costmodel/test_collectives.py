@@ -294,3 +294,34 @@ def test_fit_profile_of_a_node_recovers_its_link_from_groups_of_two_four_and_eig
                               collectives=[("intra", *s) for s in samples])
     assert fit.links["intra"].bytes_per_s == pytest.approx(FIT_BYTES_PER_S, rel=FIT_REL)
     assert fit.links["intra"].latency_s == pytest.approx(FIT_LATENCY_S, rel=FIT_REL)
+
+
+# ----- offload: host memory bandwidth and host-copy buffers ----------------------------------------
+def test_host_adam_is_bound_by_host_memory_bandwidth():
+    """7B parameters offloaded from one DGX A100 node: the host step moves 28 bytes per
+    parameter at the node's host memory rate, ~10x slower than the FLOP bound."""
+    model = load_model("llama2-7b")
+    cluster = load_cluster(CLUSTER, nodes=1)
+    cal = default_calibration()
+    config = ParallelConfig(dp=8, zero_stage=2, offload="optimizer", micro_batch_size=1,
+                            global_batch_size=8, seq_len=4096)
+    est = estimate(model, cluster, config, framework="deepspeed", calibration=cal)
+    params = model.num_params
+    host_s = params * cal.host_adam_bytes_per_param / cal.host_memory_bytes_per_s["a100-80gb"]
+    assert host_s > 5 * params * cal.host_adam_flop_per_param / cluster.host_flop_per_s
+    assert est.time.offload_s >= host_s
+
+
+def test_pageable_host_copies_are_slower_and_a_profile_overrides_pinned():
+    cal = default_calibration()
+    assert cal.host_copy_rate(25e9, pinned=True) == 25e9
+    assert cal.host_copy_rate(25e9, pinned=False) < 25e9
+    measured = dataclasses.replace(cal, host_copy_bytes_per_s={"pinned": 20e9})
+    assert measured.host_copy_rate(25e9, pinned=True) == 20e9
+    fit = fitting.fit_profile(gemm=[(1e6, 1e-5), (1e9, 1e-2)], copy=(2e9, 0.05),
+                              host_copy=[("h2d", 2e9, 0.1), ("d2h", 2e9, 0.08)])
+    rates = fitting.CatalogRates(peak_flop_per_s=1e14, hbm_bytes_per_s=1e12,
+                                 link_bytes_per_s=1e11, nic_bytes_per_s=1e10)
+    profiled = fitting.profiled_calibration(cal, fit, gpu_key="a100-80gb", catalog=rates,
+                                            note="test")
+    assert profiled.host_copy_bytes_per_s["pinned"] == pytest.approx(20e9)
