@@ -20,6 +20,8 @@ from meshplan.costmodel.jsonio import (EFFICIENCY, FRACTION, NON_NEGATIVE, POSIT
 LINK_KINDS = frozenset({"intra", "inter"})
 HOST_BUFFER_KINDS = ("pageable", "pinned")
 """Keys of ``Calibration.host_copy_bytes_per_s``."""
+LIBRARY_HOP_KINDS = ("inter", "intra", "intra_multi_node")
+"""Keys of each entry of ``Calibration.library_hop_latency_s``."""
 PAGEABLE_FRACTION = 0.5
 """Pageable host-device copies against pinned ones when only one is known: CUDA copies a
 pageable buffer through a pinned staging buffer, one more pass over host memory, so they
@@ -114,6 +116,14 @@ class Calibration:
     ``calls.collective_calls_per_microbatch`` counts. 0 (the default, right for NCCL, whose
     launches run ahead of the GPU); fitted by ``meshplan validate --refit`` over several plans
     (``fitting.refit_plans``)."""
+    library_hop_latency_s: dict[str, dict[str, float]] = field(default_factory=dict,
+                                                                hash=False)
+    """Per GPU catalog key (``default`` for others without an entry of their own): the
+    collective library's latency per ring step, ``intra`` (a group inside one node),
+    ``inter`` (a step that crosses nodes) and ``intra_multi_node`` (an in-node step of a ring
+    that spans nodes), replacing the cluster graph's path latencies for collectives on those
+    GPUs (``collectives.with_library_latency``); a measured ``link_latency_s`` replaces them
+    in turn. Absent for a device (the CPU, gloo): the cluster's path latencies."""
     host_adam_bytes_per_param: float = 28.0
     """Host memory traffic of one fp32 AdamW step per parameter: read parameter, gradient,
     momentum and variance (16 bytes), write parameter, momentum and variance (12). CPU Adam
@@ -130,6 +140,11 @@ class Calibration:
     ``pinned`` (the slower of its measured host-to-device and device-to-host rates)."""
     source: dict[str, str] = field(default_factory=dict, hash=False)
     """What each value was fitted on."""
+
+    def library_hops(self, gpu_key: str) -> dict[str, float]:
+        """``library_hop_latency_s`` of ``gpu_key`` (or ``default``); empty if none."""
+        return (self.library_hop_latency_s.get(gpu_key)
+                or self.library_hop_latency_s.get("default") or {})
 
     def host_memory_s(self, gpu_key: str, nbytes: float) -> float:
         """Seconds to move ``nbytes`` through one node's host memory (0 without a value)."""
@@ -189,6 +204,7 @@ CALIBRATION_SCHEMA = schema_of(
             "host_adam_flop_per_param": POSITIVE, "allocator_fragmentation": NON_NEGATIVE,
             "communicator_bytes": NON_NEGATIVE, "link_latency_s": NON_NEGATIVE,
             "collective_call_s": NON_NEGATIVE, "host_adam_bytes_per_param": POSITIVE,
+            "library_hop_latency_s": NON_NEGATIVE,
             "host_memory_bytes_per_s": POSITIVE, "host_copy_bytes_per_s": POSITIVE},
     rules={"devices": Rule(kind="object", items=Rule(kind="object", schema=DEVICE_SCHEMA)),
            "framework_compute_factor": Rule(kind="object", keys=FRAMEWORKS,
@@ -196,6 +212,8 @@ CALIBRATION_SCHEMA = schema_of(
            "link_latency_s": Rule(kind="object", keys=tuple(sorted(LINK_KINDS)),
                                   items=Rule(kind="float")),
            "host_memory_bytes_per_s": Rule(kind="object", items=Rule(kind="float")),
+           "library_hop_latency_s": Rule(kind="object", items=Rule(
+               kind="object", keys=LIBRARY_HOP_KINDS, items=Rule(kind="float"))),
            "host_copy_bytes_per_s": Rule(kind="object", keys=HOST_BUFFER_KINDS,
                                          items=Rule(kind="float")),
            "about": Rule(kind="str")})

@@ -142,6 +142,26 @@ def with_latency(link: GroupLink, latency_s: Mapping[str, float]) -> GroupLink:
     return dataclasses.replace(link, latency_s=float(latency_s[kind]), intra_latency_s=intra)
 
 
+def with_library_latency(link: GroupLink, hops: Mapping[str, float]) -> GroupLink:
+    """``link`` with the collective library's own per-step latencies (``hops``: ``intra``,
+    ``inter`` and ``intra_multi_node`` seconds, ``Calibration.library_hop_latency_s``) in
+    place of the cluster's path latencies: a group inside one node pays ``intra`` per step, a
+    group spanning nodes ``inter`` per cross-node step and ``intra_multi_node`` per in-node
+    step (NCCL: a multi-node ring's in-node steps also wait for the network post, three per
+    step with the Simple protocol). A key that is absent keeps the cluster's value."""
+    if link.size <= 1:
+        return link
+    if link.nodes == 1:
+        if "intra" not in hops:
+            return link
+        return dataclasses.replace(link, latency_s=float(hops["intra"]))
+    intra = link.intra_latency_s
+    if intra is not None and "intra_multi_node" in hops:
+        intra = float(hops["intra_multi_node"])
+    return dataclasses.replace(link, latency_s=float(hops.get("inter", link.latency_s)),
+                               intra_latency_s=intra)
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """One way to run a collective: ``bytes_factor * S / B + latency_steps * alpha`` seconds

@@ -165,7 +165,7 @@ def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, 
                                   links=links, framework=framework)
     last_bwd = micro.compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
     comm, hidden = dp_step_s(config, calibration, params=params,
-                             link=calibrated_link(links.dp, calibration),
+                             link=calibrated_link(links.dp, calibration, cluster.gpu.key),
                              last_backward_s=last_bwd, framework=framework)
     opt, off = optimizer_step_s(config, cluster, calibration, params=params,
                                 framework=framework)

@@ -246,23 +246,29 @@ def _pp_comm_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | 
     return 2 * config.vpp * one * (1 - calibration.pp_overlap)
 
 
-def calibrated_link(link: coll.GroupLink | None,
-                    calibration: Calibration) -> coll.GroupLink | None:
-    """``link`` with the calibration's measured latency (``link_latency_s``), if any."""
-    if link is None or not calibration.link_latency_s:
+def calibrated_link(link: coll.GroupLink | None, calibration: Calibration,
+                    gpu_key: str | None = None) -> coll.GroupLink | None:
+    """``link`` with the collective library's per-step latencies on ``gpu_key``
+    (``Calibration.library_hop_latency_s``), then the calibration's measured latency
+    (``link_latency_s``), where given."""
+    if link is None:
         return link
-    return coll.with_latency(link, calibration.link_latency_s)
+    hops = calibration.library_hops(gpu_key) if gpu_key is not None else {}
+    if hops:
+        link = coll.with_library_latency(link, hops)
+    if calibration.link_latency_s:
+        link = coll.with_latency(link, calibration.link_latency_s)
+    return link
 
 
-def calibrated_links(links: Links, calibration: Calibration) -> Links:
-    """Every group of ``links`` through ``calibrated_link``; unchanged without overrides."""
-    if not calibration.link_latency_s:
-        return links
-    return Links(tp=calibrated_link(links.tp, calibration),
-                 cp=calibrated_link(links.cp, calibration),
-                 dp=calibrated_link(links.dp, calibration),
-                 ep=calibrated_link(links.ep, calibration),
-                 pp_next=calibrated_link(links.pp_next, calibration))
+def calibrated_links(links: Links, calibration: Calibration,
+                     gpu_key: str | None = None) -> Links:
+    """Every group of ``links`` through ``calibrated_link``."""
+    return Links(tp=calibrated_link(links.tp, calibration, gpu_key),
+                 cp=calibrated_link(links.cp, calibration, gpu_key),
+                 dp=calibrated_link(links.dp, calibration, gpu_key),
+                 ep=calibrated_link(links.ep, calibration, gpu_key),
+                 pp_next=calibrated_link(links.pp_next, calibration, gpu_key))
 
 
 def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
@@ -270,8 +276,9 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
                           links: Links, framework: str) -> StageTime:
     """Seconds one micro-batch spends on ``stage`` (forward, backward, recompute, comm)."""
     mode = config.stage_recompute(stage)
-    pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration)
-    links = calibrated_links(links, calibration)
+    pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration,
+                              cluster.gpu.key)
+    links = calibrated_links(links, calibration, cluster.gpu.key)
     layer_range = stage_layer_range(model, config, stage)
     if model.is_traced:
         return _traced_microbatch_time(model, cluster, config, calibration, stage,

@@ -325,3 +325,40 @@ def test_pageable_host_copies_are_slower_and_a_profile_overrides_pinned():
     profiled = fitting.profiled_calibration(cal, fit, gpu_key="a100-80gb", catalog=rates,
                                             note="test")
     assert profiled.host_copy_bytes_per_s["pinned"] == pytest.approx(20e9)
+
+
+def test_library_hop_latencies_replace_path_latencies_on_gpus_only():
+    """On DGX A100 NCCL's Simple ring charges 3.4 us per NVLink step, 14 us per network step
+    and, in a ring over several nodes, at least 3 network posts (2 us each on AMD hosts) per
+    in-node step; the CPU cluster (gloo) keeps its path latencies."""
+    cal = default_calibration()
+    hops = cal.library_hops("a100-80gb")
+    assert hops == {"intra": 3.4e-6, "inter": 14e-6, "intra_multi_node": 6e-6}
+    assert cal.library_hops("cpu") == {}
+    cluster = load_cluster(CLUSTER, nodes=96)
+    link = coll.with_library_latency(coll.group_link(cluster, tuple(range(768))), hops)
+    assert coll.call_latency_s("all_gather", link) == pytest.approx(
+        672 * 6e-6 + 95 * 14e-6, rel=EXACT)
+    node = coll.with_library_latency(coll.group_link(cluster, tuple(range(8))), hops)
+    assert coll.call_latency_s("all_gather", node) == pytest.approx(7 * 3.4e-6, rel=EXACT)
+
+
+def test_zero3_collapses_as_data_parallelism_grows_at_fixed_batch():
+    """DeepSpeed ZeRO-3, GPT-3 175B, global batch 1536, full recompute: per-GPU throughput
+    falls as the same batch is spread over more GPUs (each gather's ring grows, the compute
+    per gather shrinks), and from 768 to 1536 GPUs the step barely gets shorter."""
+    from meshplan.costmodel.flops import hardware_flop_per_step
+    model = load_model("gpt3-175b")
+    work = hardware_flop_per_step(model, recompute="full", global_batch_size=1536,
+                                  seq_len=2048)
+    rate, step = {}, {}
+    for gpus, micro in ((384, 4), (768, 2), (1536, 1)):
+        config = ParallelConfig(dp=gpus, micro_batch_size=micro, global_batch_size=1536,
+                                seq_len=2048, recompute="full", flash_attention=False,
+                                zero_stage=3)
+        est = estimate(model, load_cluster(CLUSTER, nodes=gpus // 8), config,
+                       framework="deepspeed")
+        step[gpus] = est.time.step_s
+        rate[gpus] = work / step[gpus] / gpus
+    assert rate[384] > 1.3 * rate[768] > 1.3 * 1.3 * rate[1536]
+    assert step[1536] > 0.9 * step[768]
