@@ -122,8 +122,9 @@ class Calibration:
     collective library's latency per ring step, ``intra`` (a group inside one node),
     ``inter`` (a step that crosses nodes) and ``intra_multi_node`` (an in-node step of a ring
     that spans nodes), replacing the cluster graph's path latencies for collectives on those
-    GPUs (``collectives.with_library_latency``); a measured ``link_latency_s`` replaces them
-    in turn. Absent for a device (the CPU, gloo): the cluster's path latencies."""
+    GPUs (``collectives.with_library_latency``; pipeline sends keep the path latency); a
+    measured ``link_latency_s`` replaces them in turn. Absent for a device (the CPU, gloo):
+    the cluster's path latencies."""
     host_adam_bytes_per_param: float = 28.0
     """Host memory traffic of one fp32 AdamW step per parameter: read parameter, gradient,
     momentum and variance (16 bytes), write parameter, momentum and variance (12). CPU Adam

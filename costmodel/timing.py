@@ -263,12 +263,13 @@ def calibrated_link(link: coll.GroupLink | None, calibration: Calibration,
 
 def calibrated_links(links: Links, calibration: Calibration,
                      gpu_key: str | None = None) -> Links:
-    """Every group of ``links`` through ``calibrated_link``."""
+    """Every group of ``links`` through ``calibrated_link``; the pipeline link (a
+    point-to-point send) without the library's collective step latencies."""
     return Links(tp=calibrated_link(links.tp, calibration, gpu_key),
                  cp=calibrated_link(links.cp, calibration, gpu_key),
                  dp=calibrated_link(links.dp, calibration, gpu_key),
                  ep=calibrated_link(links.ep, calibration, gpu_key),
-                 pp_next=calibrated_link(links.pp_next, calibration, gpu_key))
+                 pp_next=calibrated_link(links.pp_next, calibration))
 
 
 def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
@@ -276,8 +277,10 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
                           links: Links, framework: str) -> StageTime:
     """Seconds one micro-batch spends on ``stage`` (forward, backward, recompute, comm)."""
     mode = config.stage_recompute(stage)
-    pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration,
-                              cluster.gpu.key)
+    # point-to-point sends keep the path latency (the library's ring-step latencies are
+    # for collectives), so a pipeline hop across the spine still costs more than one
+    # under a leaf
+    pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration)
     links = calibrated_links(links, calibration, cluster.gpu.key)
     layer_range = stage_layer_range(model, config, stage)
     if model.is_traced:
