@@ -45,6 +45,16 @@ class DeviceCalibration:
     """Fraction of dense peak reached by fused (flash) attention kernels."""
     memory_efficiency: float
     """Fraction of HBM bandwidth reached by element-wise kernels."""
+    op_overhead_s: float = 0.0
+    """Host seconds per eager PyTorch operator that the device cannot hide: dispatch,
+    autograd bookkeeping and the Python around each op. A CPU runs every op on the host
+    thread, so a small model's step is mostly this; a GPU queues kernels ahead of itself,
+    so 0 there. Charged per op of each layer's forward (``timing.EAGER_OPS_PER_LAYER``),
+    twice that in the backward."""
+    collective_call_s: float = 0.0
+    """Host seconds per latency step of every collective call on this device
+    (``Calibration.collective_call_s`` adds to it): gloo on a CPU waits on Python, c10d,
+    DTensor / FSDP2 hooks and the peer process for each call; 0 on NCCL GPUs."""
     eager_matmul_efficiency: float | None = None
     """Fraction of dense peak a large GEMM reaches when an eager PyTorch framework launches it
     (``frameworks.eager_kernels``: cuBLAS through ``torch.matmul``, unfused epilogues, FSDP's
@@ -67,8 +77,9 @@ class DeviceCalibration:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-        if self.matmul_overhead_s < 0:
-            raise ValueError(f"matmul_overhead_s must be >= 0, got {self.matmul_overhead_s!r}")
+        for name in ("matmul_overhead_s", "op_overhead_s", "collective_call_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +178,11 @@ class Calibration:
     def compute_factor(self, framework: str) -> float:
         return self.framework_compute_factor.get(framework, 1.0)
 
+    def call_s(self, gpu_key: str) -> float:
+        """Seconds per latency step of a collective call on ``gpu_key``: the device's own
+        ``collective_call_s`` plus the calibration-wide one (what a refit fits)."""
+        return self.device(gpu_key).collective_call_s + self.collective_call_s
+
     def __post_init__(self) -> None:
         if "default" not in self.devices:
             raise ValueError("calibration needs a 'default' device entry")
@@ -191,7 +207,8 @@ class Calibration:
 
 DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "matmul_efficiency": EFFICIENCY, "matmul_overhead_s": NON_NEGATIVE,
-    "eager_matmul_efficiency": EFFICIENCY,
+    "eager_matmul_efficiency": EFFICIENCY, "op_overhead_s": NON_NEGATIVE,
+    "collective_call_s": NON_NEGATIVE,
     "attention_efficiency": EFFICIENCY, "flash_attention_efficiency": EFFICIENCY,
     "memory_efficiency": EFFICIENCY})
 """One entry of ``devices``: every DeviceCalibration field."""

@@ -205,9 +205,11 @@ def gradient_buckets(framework: str, config: ParallelConfig, *, params: float,
 
 
 def call_overhead_s(calls: CollectiveCalls, config: ParallelConfig,
-                    calibration: Calibration) -> tuple[float, float, float]:
-    """(tp, pp, zero) seconds of ``collective_call_s`` per latency step of each call."""
-    call_s, tp, dp = calibration.collective_call_s, config.tp, config.dp * config.cp
+                    calibration: Calibration, gpu_key: str = "default"
+                    ) -> tuple[float, float, float]:
+    """(tp, pp, zero) seconds of the host cost per latency step of each call
+    (``Calibration.call_s``: the device's ``collective_call_s`` plus the calibration's)."""
+    call_s, tp, dp = calibration.call_s(gpu_key), config.tp, config.dp * config.cp
     tp_s = call_s * (calls.tp_all_reduce * latency_steps("all_reduce", tp)
                      + calls.tp_all_gather * latency_steps("all_gather", tp)
                      + calls.tp_reduce_scatter * latency_steps("reduce_scatter", tp))

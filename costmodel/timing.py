@@ -38,6 +38,15 @@ BACKWARD_FACTOR = 2.0
 FLASH_BACKWARD_FACTOR = 2.5
 """Fused attention's backward recomputes the scores: 5 matmuls against the forward's 2
 (Dao 2023, FlashAttention-2, arXiv:2307.08691, Sec. 3.1.2)."""
+EAGER_OPS_PER_LAYER = 42
+"""Operators one decoder layer dispatches in its forward in eager PyTorch (meshplan's
+runtime, Llama-style): two RMSNorms of 6 ops (pow, mean, add, rsqrt, mul, mul), 7 linears,
+rotary embeddings on q and k (6 each), 6 view / transpose ops, the fused attention, SiLU,
+the gate product and 2 residual adds. Charged ``DeviceCalibration.op_overhead_s`` each; the
+backward dispatches about twice as many (``BACKWARD_FACTOR``)."""
+EAGER_OPS_HEAD = 11
+"""Forward operators outside the layers: embedding, the final norm (6), LM head and the
+loss (log-softmax, gather, mean)."""
 OPTIMIZER_BYTES_PER_PARAM = 36.0
 """HBM traffic of a fused Adam step per parameter: read and write params, grads, master, m, v."""
 
@@ -178,7 +187,8 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
     layer_bytes = act.layer_activation_bytes(model, config, recompute="none", moe=moe)
     core += calibration.attention_core_traffic_factor * core_bytes / bandwidth
     elementwise = calibration.elementwise_traffic_factor * (layer_bytes - core_bytes) / bandwidth
-    return gemm + core + elementwise, core
+    host_ops = EAGER_OPS_PER_LAYER * device.op_overhead_s
+    return gemm + core + elementwise + host_ops, core
 
 
 def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -326,7 +336,8 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                                               calibration=calibration, framework=framework)
     calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
                                             recompute=mode)
-    tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration)
+    tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration,
+                                                           cluster.gpu.key)
     tp, pp = tp + tp_calls_s, pp + pp_calls_s
     zero_latency = zero_calls_s + (zero_call_latency_s(calls, links.dp) if zero else 0.0)
     prefetch = zero3_prefetch_fraction(model, config, framework) if config.zero_stage == 3 \
@@ -391,7 +402,8 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                    overhead_s=device.matmul_overhead_s)
     logits_bytes = act.LOGIT_BYTES * tokens * model.vocab_rows / config.tp
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
-    return gemm + calibration.elementwise_traffic_factor * logits_bytes / bandwidth
+    host_ops = (1 + BACKWARD_FACTOR) * EAGER_OPS_HEAD * device.op_overhead_s
+    return gemm + calibration.elementwise_traffic_factor * logits_bytes / bandwidth + host_ops
 
 
 def grad_comm_bytes(framework: str, dtype: str) -> int:
@@ -457,7 +469,8 @@ def pinned_host_buffers(framework: str) -> bool:
 
 
 def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: StageParams,
-              link: coll.GroupLink, last_backward_s: float, framework: str) -> tuple[float, float]:
+              link: coll.GroupLink, last_backward_s: float, framework: str,
+              gpu_key: str = "default") -> tuple[float, float]:
     """(traffic, hideable) seconds of the once-per-step data-parallel traffic of one stage.
 
     ZeRO 0/1: gradient all-reduce (reduce-scatter + all-gather of parameters for 1, same
@@ -485,7 +498,7 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
         # every bucket after the first pays its calls' latency (the one-call latency is in
         # the traffic above)
         comm += (buckets - 1) * sum(coll.call_latency_s(op, link) for op in ops)
-        comm += (calibration.collective_call_s * ddp_buckets(total_params * grad_bytes)
+        comm += (calibration.call_s(gpu_key) * ddp_buckets(total_params * grad_bytes)
                  * latency_steps("all_reduce", link.size))
     hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0
     return comm, hideable
@@ -506,7 +519,7 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     shard = config.dp * config.cp if config.zero_stage >= 1 else 1
     local = (params.dense + params.expert) / shard
     device = calibration.device(cluster.gpu.key)
-    loss_s = (calibration.collective_call_s * LOSS_REDUCTION_CALLS  # the logged loss
+    loss_s = (calibration.call_s(cluster.gpu.key) * LOSS_REDUCTION_CALLS  # the logged loss
               * latency_steps("all_reduce", config.world_size))
     if config.offload == "none":
         bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
