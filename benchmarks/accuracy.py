@@ -2,8 +2,11 @@
 
 For every run in ``costmodel/data/reference_runs.json`` (the golden published configurations,
 the other runs the calibration was fitted on, and held-out runs it never saw), print the
-predicted and published step time and the error, then the mean absolute and maximum error per
-group. Writes ``accuracy-<hardware>-<date>.{md,json,png}`` under ``benchmarks/results/``.
+predicted and published step time and the error, then per group the mean absolute error, the
+maximum absolute error and the bias (mean signed error): golden, fit, held-out, every source
+family (fit and held-out runs; held-out runs alone), and the data-parallel-heavy runs
+(ZeRO-3 / FSDP without model parallelism: DeepSpeed ZeRO-3 at scale, MosaicML's FSDP runs).
+Writes ``accuracy-<hardware>-<date>.{md,json,png}`` under ``benchmarks/results/``.
 
     python benchmarks/accuracy.py [--calibration FILE] [--out DIR]
 """
@@ -36,7 +39,8 @@ def accuracy_table(calibration_path: str | None = None) -> pd.DataFrame:
         c = est.config
         group = "golden" if run.golden else ("fit" if run.set == "fit" else "holdout")
         rows.append({
-            "run": run.id, "group": group, "model": run.model.name,
+            "run": run.id, "group": group, "family": run.family, "dp_heavy": run.dp_heavy,
+            "model": run.model.name,
             "gpu": run.cluster.gpu.key, "gpus": run.cluster.num_gpus,
             "framework": run.framework,
             "plan": (f"tp{c.tp} pp{c.pp} dp{c.dp} cp{c.cp} mb{c.micro_batch_size} v{c.vpp} "
@@ -48,14 +52,28 @@ def accuracy_table(calibration_path: str | None = None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def groups(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The groups the benchmark reports, by name: golden, fit, held-out, each family (all its
+    runs, then its held-out runs), the data-parallel-heavy runs, all."""
+    out = {"golden": table[table.group == "golden"],
+           "fit (all)": table[table.group != "holdout"],
+           "holdout": table[table.group == "holdout"]}
+    for family in sorted(set(table.family)):
+        part = table[table.family == family]
+        out[f"family {family}"] = part
+        out[f"family {family} (holdout)"] = part[part.group == "holdout"]
+    out["dp-heavy (ZeRO-3/FSDP, no TP/PP)"] = table[table.dp_heavy]
+    out["all"] = table
+    return out
+
+
 def summary(table: pd.DataFrame) -> pd.DataFrame:
-    groups = {"golden": table[table.group == "golden"],
-              "fit (all)": table[table.group != "holdout"],
-              "holdout": table[table.group == "holdout"], "all": table}
+    """Per group: runs, mean and maximum absolute error, bias (mean signed error)."""
     return pd.DataFrame([{"group": name, "runs": len(part),
                           "mean_abs_error": part.error.abs().mean(),
-                          "max_abs_error": part.error.abs().max()}
-                         for name, part in groups.items() if len(part)])
+                          "max_abs_error": part.error.abs().max(),
+                          "bias": part.error.mean()}
+                         for name, part in groups(table).items() if len(part)])
 
 
 def plot(table: pd.DataFrame, path: Path) -> None:
@@ -89,7 +107,8 @@ def main() -> None:
                                                    "predicted_mfu": "{:.1%}".format}))
     print()
     print(stats.to_string(index=False, formatters={"mean_abs_error": "{:.1%}".format,
-                                                   "max_abs_error": "{:.1%}".format}))
+                                                   "max_abs_error": "{:.1%}".format,
+                                                   "bias": "{:+.1%}".format}))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"accuracy-a100-h100-{dt.date.today().isoformat()}"
     (args.out / f"{stem}.md").write_text(

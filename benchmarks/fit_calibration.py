@@ -1,8 +1,8 @@
 """Fit the default calibration on the published runs marked ``fit``.
 
 Minimises the squared log error of predicted vs published step time over the ``fit`` runs of
-``costmodel/data/reference_runs.json`` plus the per-layer forward/backward times of Korthikanti
-et al. 2022 Table 4, and writes the result to ``costmodel/data/calibration.json`` (``--write``)
+``costmodel/data/reference_runs.json`` (Megatron-LM, DeepSpeed, Llama 3 and MosaicML FSDP runs)
+plus the per-layer forward/backward times of Korthikanti et al. 2022 Table 4, and writes the result to ``costmodel/data/calibration.json`` (``--write``)
 or prints it. Runs marked ``holdout`` are never used here; ``benchmarks/accuracy.py`` reports
 them separately.
 
@@ -43,6 +43,7 @@ PARAMETERS = (  # name, initial value, lower, upper
     ("a100_matmul_overhead_s", 2e-5, 1e-7, 2e-4),
     ("a100_attention_efficiency", 0.5, 0.1, 0.9),
     ("h100_matmul_efficiency", 0.65, 0.3, 0.95),
+    ("h100_eager_matmul_efficiency", 0.55, 0.3, 0.95),
     ("elementwise_traffic_factor", 2.0, 0.5, 8.0),
     ("attention_core_traffic_factor", 1.5, 0.3, 8.0),
     ("nvlink_efficiency", 0.75, 0.4, 0.95),
@@ -60,6 +61,7 @@ def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
     ratio = v["h100_matmul_efficiency"] / v["a100_matmul_efficiency"]
     h100 = dataclasses.replace(base.device("h100-sxm"),
                                matmul_efficiency=v["h100_matmul_efficiency"],
+                               eager_matmul_efficiency=v["h100_eager_matmul_efficiency"],
                                matmul_overhead_s=v["a100_matmul_overhead_s"],
                                attention_efficiency=min(1.0, a100.attention_efficiency * ratio))
     devices = dict(base.devices)
@@ -151,8 +153,9 @@ def main() -> None:
         "element-wise traffic factors, NVLink efficiency and DP overlap fitted on the 'fit' runs "
         "of reference_runs.json (Narayanan et al. 2021 Table 1: 1.7B, 7.5B, 39.1B, 145.6B; "
         "Korthikanti et al. 2022 Table 5: 22B and 175B, full and SP+selective) and Korthikanti "
-        "Table 4 layer times; H100 matmul efficiency on Llama 3 Table 4 (8,192 GPUs); DeepSpeed "
-        "compute factor on MT-NLG (280 nodes)."))
+        "Table 4 layer times; H100 matmul efficiency on Llama 3 Table 4 (8,192 GPUs); H100 eager "
+        "(FSDP trainer) GEMM efficiency on the MosaicML fit rows; DeepSpeed compute factor on "
+        "MT-NLG (280 nodes)."))
     print(json.dumps(data, indent=2))
     if args.write:
         data = {"about": json.loads(CALIBRATION_FILE.read_text()).get("about", ""), **data}

@@ -18,6 +18,16 @@ from meshplan.costmodel.jsonio import (EFFICIENCY, FRACTION, NON_NEGATIVE, POSIT
 
 
 LINK_KINDS = frozenset({"intra", "inter"})
+HOST_BUFFER_KINDS = ("pageable", "pinned")
+"""Keys of ``Calibration.host_copy_bytes_per_s``."""
+LIBRARY_HOP_KINDS = ("inter", "intra", "intra_multi_node")
+"""Keys of each entry of ``Calibration.library_hop_latency_s``."""
+PAGEABLE_FRACTION = 0.5
+"""Pageable host-device copies against pinned ones when only one is known: CUDA copies a
+pageable buffer through a pinned staging buffer, one more pass over host memory, so they
+reach about half the pinned rate (NVIDIA, "How to Optimize Data Transfers in CUDA C/C++",
+Harris 2012: 5.7 against 3.2 GB/s on PCIe 2; CUDA C++ Best Practices Guide, "Pinned
+Memory")."""
 """Keys of ``Calibration.link_latency_s``: in-node and cross-node links."""
 
 
@@ -35,15 +45,41 @@ class DeviceCalibration:
     """Fraction of dense peak reached by fused (flash) attention kernels."""
     memory_efficiency: float
     """Fraction of HBM bandwidth reached by element-wise kernels."""
+    op_overhead_s: float = 0.0
+    """Host seconds per eager PyTorch operator that the device cannot hide: dispatch,
+    autograd bookkeeping and the Python around each op. A CPU runs every op on the host
+    thread, so a small model's step is mostly this; a GPU queues kernels ahead of itself,
+    so 0 there. Charged per op of each layer's forward (``timing.EAGER_OPS_PER_LAYER``),
+    twice that in the backward."""
+    collective_call_s: float = 0.0
+    """Host seconds per latency step of every collective call on this device
+    (``Calibration.collective_call_s`` adds to it): gloo on a CPU waits on Python, c10d,
+    DTensor / FSDP2 hooks and the peer process for each call; 0 on NCCL GPUs."""
+    eager_matmul_efficiency: float | None = None
+    """Fraction of dense peak a large GEMM reaches when an eager PyTorch framework launches it
+    (``frameworks.eager_kernels``: cuBLAS through ``torch.matmul``, unfused epilogues, FSDP's
+    copies and waits on the stream), where it differs from ``matmul_efficiency`` (fitted on
+    Megatron-LM and Llama 3's stack); None: the same."""
+
+    def gemm_efficiency(self, eager: bool) -> float:
+        """``eager_matmul_efficiency`` for an eager framework when set, else
+        ``matmul_efficiency``."""
+        if eager and self.eager_matmul_efficiency is not None:
+            return self.eager_matmul_efficiency
+        return self.matmul_efficiency
 
     def __post_init__(self) -> None:
+        if self.eager_matmul_efficiency is not None and not 0 < self.eager_matmul_efficiency <= 1:
+            raise ValueError(f"eager_matmul_efficiency must be in (0, 1], got "
+                             f"{self.eager_matmul_efficiency!r}")
         for name in ("matmul_efficiency", "attention_efficiency", "flash_attention_efficiency",
                      "memory_efficiency"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-        if self.matmul_overhead_s < 0:
-            raise ValueError(f"matmul_overhead_s must be >= 0, got {self.matmul_overhead_s!r}")
+        for name in ("matmul_overhead_s", "op_overhead_s", "collective_call_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,14 +127,61 @@ class Calibration:
     ``calls.collective_calls_per_microbatch`` counts. 0 (the default, right for NCCL, whose
     launches run ahead of the GPU); fitted by ``meshplan validate --refit`` over several plans
     (``fitting.refit_plans``)."""
+    library_hop_latency_s: dict[str, dict[str, float]] = field(default_factory=dict,
+                                                                hash=False)
+    """Per GPU catalog key (``default`` for others without an entry of their own): the
+    collective library's latency per ring step, ``intra`` (a group inside one node),
+    ``inter`` (a step that crosses nodes) and ``intra_multi_node`` (an in-node step of a ring
+    that spans nodes), replacing the cluster graph's path latencies for collectives on those
+    GPUs (``collectives.with_library_latency``; pipeline sends keep the path latency); a
+    measured ``link_latency_s`` replaces them in turn. Absent for a device (the CPU, gloo):
+    the cluster's path latencies."""
+    host_adam_bytes_per_param: float = 28.0
+    """Host memory traffic of one fp32 AdamW step per parameter: read parameter, gradient,
+    momentum and variance (16 bytes), write parameter, momentum and variance (12). CPU Adam
+    is bound by this traffic, not by its ~20 FLOPs (``host_adam_flop_per_param``)."""
+    host_memory_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
+    """Achieved host memory bandwidth of one node, by GPU catalog key (the node design);
+    ``default`` for others. Bounds the host optimizer step of offloaded plans."""
+    host_copy_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
+    """Host-device copy bandwidth per GPU by host buffer kind: ``pinned`` (page-locked:
+    DeepSpeed's offload buffers, FSDP2's ``CPUOffloadPolicy(pin_memory=True)``) and
+    ``pageable`` (staged through a driver bounce buffer: meshplan's runtime offloads with
+    ``pin_memory=False``). Absent: the cluster's ``pcie_bytes_per_s`` for pinned and
+    ``PAGEABLE_FRACTION`` of it for pageable. ``meshplan profile`` on a GPU writes
+    ``pinned`` (the slower of its measured host-to-device and device-to-host rates)."""
     source: dict[str, str] = field(default_factory=dict, hash=False)
     """What each value was fitted on."""
+
+    def library_hops(self, gpu_key: str) -> dict[str, float]:
+        """``library_hop_latency_s`` of ``gpu_key`` (or ``default``); empty if none."""
+        return (self.library_hop_latency_s.get(gpu_key)
+                or self.library_hop_latency_s.get("default") or {})
+
+    def host_memory_s(self, gpu_key: str, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` through one node's host memory (0 without a value)."""
+        rate = self.host_memory_bytes_per_s.get(gpu_key) or self.host_memory_bytes_per_s.get(
+            "default")
+        return nbytes / rate if rate else 0.0
+
+    def host_copy_rate(self, cluster_pcie_bytes_per_s: float, *, pinned: bool) -> float:
+        """Host-device bytes per second per GPU for a pinned or pageable host buffer."""
+        if pinned:
+            return self.host_copy_bytes_per_s.get("pinned", cluster_pcie_bytes_per_s)
+        return self.host_copy_bytes_per_s.get(
+            "pageable", PAGEABLE_FRACTION * self.host_copy_bytes_per_s.get(
+                "pinned", cluster_pcie_bytes_per_s))
 
     def device(self, gpu_key: str) -> DeviceCalibration:
         return self.devices.get(gpu_key) or self.devices["default"]
 
     def compute_factor(self, framework: str) -> float:
         return self.framework_compute_factor.get(framework, 1.0)
+
+    def call_s(self, gpu_key: str) -> float:
+        """Seconds per latency step of a collective call on ``gpu_key``: the device's own
+        ``collective_call_s`` plus the calibration-wide one (what a refit fits)."""
+        return self.device(gpu_key).collective_call_s + self.collective_call_s
 
     def __post_init__(self) -> None:
         if "default" not in self.devices:
@@ -124,6 +207,8 @@ class Calibration:
 
 DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "matmul_efficiency": EFFICIENCY, "matmul_overhead_s": NON_NEGATIVE,
+    "eager_matmul_efficiency": EFFICIENCY, "op_overhead_s": NON_NEGATIVE,
+    "collective_call_s": NON_NEGATIVE,
     "attention_efficiency": EFFICIENCY, "flash_attention_efficiency": EFFICIENCY,
     "memory_efficiency": EFFICIENCY})
 """One entry of ``devices``: every DeviceCalibration field."""
@@ -136,12 +221,19 @@ CALIBRATION_SCHEMA = schema_of(
             "pp_overlap": FRACTION, "offload_overlap": FRACTION,
             "host_adam_flop_per_param": POSITIVE, "allocator_fragmentation": NON_NEGATIVE,
             "communicator_bytes": NON_NEGATIVE, "link_latency_s": NON_NEGATIVE,
-            "collective_call_s": NON_NEGATIVE},
+            "collective_call_s": NON_NEGATIVE, "host_adam_bytes_per_param": POSITIVE,
+            "library_hop_latency_s": NON_NEGATIVE,
+            "host_memory_bytes_per_s": POSITIVE, "host_copy_bytes_per_s": POSITIVE},
     rules={"devices": Rule(kind="object", items=Rule(kind="object", schema=DEVICE_SCHEMA)),
            "framework_compute_factor": Rule(kind="object", keys=FRAMEWORKS,
                                             items=Rule(kind="float")),
            "link_latency_s": Rule(kind="object", keys=tuple(sorted(LINK_KINDS)),
                                   items=Rule(kind="float")),
+           "host_memory_bytes_per_s": Rule(kind="object", items=Rule(kind="float")),
+           "library_hop_latency_s": Rule(kind="object", items=Rule(
+               kind="object", keys=LIBRARY_HOP_KINDS, items=Rule(kind="float"))),
+           "host_copy_bytes_per_s": Rule(kind="object", keys=HOST_BUFFER_KINDS,
+                                         items=Rule(kind="float")),
            "about": Rule(kind="str")})
 """A complete calibration (the built-in one, or a user file merged over it): the Calibration
 fields and an optional ``about`` note."""

@@ -1,10 +1,15 @@
-"""Collective calls the runtime issues per micro-batch, and their fixed host cost.
+"""Collective calls each framework issues per micro-batch and per step, and their fixed costs.
 
-``Calibration.collective_call_s`` charges each call once per one-hop step of its algorithm
-(``latency_steps``); on NCCL the value is 0, on gloo over loopback it is what a refit finds
-(``meshplan validate --refit``). The counts follow what each framework really issues: TP/SP
-collectives per layer, pipeline sends, ZeRO-2/3 (FSDP2) gathers and reduce-scatters per wrapped
-block, DDP gradient buckets. ``timing.py`` adds the cost to each stage's time.
+Two costs are charged per call. Its network latency (``collectives.call_latency_s``: the ring's
+steps times their hop latencies, so an all-gather over 768 ranks pays ~770 hops): latency-bound
+calls cannot hide behind compute, so ``timing.py`` adds it to the stage's time outright. And
+``Calibration.collective_call_s`` per one-hop step (``latency_steps``), the host cost of a
+call; on NCCL the value is 0, on gloo over loopback it is what a refit finds (``meshplan
+validate --refit``). The counts follow what each framework really issues: TP/SP collectives per
+layer, pipeline sends, ZeRO-2/3 gathers and reduce-scatters (DeepSpeed: one all-gather per
+parameter tensor in every forward, recompute and backward pass; FSDP2: one per wrapped block),
+and the gradient buckets of ZeRO 0/1 (DDP ``bucket_cap_mb``, Megatron's distributed optimizer
+buckets, DeepSpeed's ``reduce_bucket_size``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ from meshplan.costmodel.model import ModelSpec
 DDP_BUCKET_BYTES = 25 * 2**20
 """Gradient bucket of ``DistributedDataParallel`` (``bucket_cap_mb=25``): one all-reduce per
 bucket and step."""
+MEGATRON_MIN_BUCKET_PARAMS = 40_000_000
+"""Megatron-LM's distributed optimizer / DDP bucket: ``max(40M, 1M x dp)`` parameters when
+``--ddp-bucket-size`` is not given (megatron/core/distributed/distributed_data_parallel.py)."""
+MEGATRON_BUCKET_PARAMS_PER_RANK = 1_000_000
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's ``reduce_bucket_size`` and ``allgather_bucket_size`` defaults (elements)."""
+DEEPSPEED_PREFETCH_BUCKET_ELEMENTS = 50_000_000
+"""DeepSpeed's ``stage3_prefetch_bucket_size`` default: parameter elements ZeRO-3 fetches
+ahead of their use."""
 LOSS_REDUCTION_CALLS = 1
 """All-reduces of the logged loss over all ranks, once per step (runtime/train.py)."""
 
@@ -84,24 +98,54 @@ def tp_calls_per_layer(model: ModelSpec, config: ParallelConfig, framework: str,
     return 2 * repeat + (3 + mats - 1 if meshplan else 2), 0, 0
 
 
+def layer_param_tensors(model: ModelSpec) -> int:
+    """Parameter tensors of one transformer layer: two norms (weight, and bias for LayerNorm),
+    the fused QKV and output projections and the MLP matrices (weights, and biases when the
+    model has them), as Megatron-style GPT layers (DeepSpeed's ZeRO-3 runs) hold them."""
+    norm = 2 if model.norm == "layernorm" else 1
+    mats = 3 if model.activation == "swiglu" else 2
+    linears = 2 + mats
+    return 2 * norm + linears * (2 if model.linear_bias else 1)
+
+
+def zero3_gather_passes(framework: str, config: ParallelConfig, recompute: str) -> int:
+    """Times ZeRO-3 gathers each parameter per micro-batch.
+
+    DeepSpeed fetches a submodule's parameters in every pass that runs it: forward, the
+    recomputed forward of full activation checkpointing, backward (its pre-forward and
+    pre-backward hooks, ``PartitionedParameterCoordinator``). FSDP2 gathers once in forward
+    and once in backward when parameters are resharded after forward (pp = 1); the recomputed
+    forward runs inside the backward, on the parameters gathered for it.
+    """
+    if framework == "deepspeed":
+        return 3 if recompute == "full" else 2
+    return 2 if config.pp == 1 else 1
+
+
 def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, stage: int, *,
                                     framework: str, recompute: str) -> CollectiveCalls:
     """Collective calls of one micro-batch on a rank of ``stage``, counted as the meshplan
-    runtime issues them (torch 2.13, gloo; checked with ``torch.profiler`` on the CPU).
+    runtime issues them (torch 2.13, gloo; checked with ``torch.profiler`` on the CPU) and,
+    for ZeRO-2/3, as the framework does.
 
     TP: ``tp_calls_per_layer`` per layer, plus the vocabulary-parallel embedding (forward
     all-reduce; with SP a reduce-scatter and its backward all-gather) and LM head (backward
     all-reduce of its input gradient; with SP an all-gather and its backward reduce-scatter).
     PP: one blocking call per pipeline neighbour and virtual chunk (torch's 1F1B batches each
     send with the receive of the opposite direction in one ``batch_isend_irecv``, so an end
-    stage waits once per micro-batch, a middle stage twice). ZeRO-2/3 (FSDP2, one group per
-    block plus a root group holding the embedding / head): every group all-gathers its
-    parameters once per micro-batch, twice under ZeRO-3 when they are resharded after forward
-    (pp = 1, runtime/parallelize.py), and reduce-scatters its gradients once. Not counted:
-    ZeRO-1's per-parameter broadcasts (``ZeroRedundancyOptimizer``, once per step) and
-    ``replicate``'s gradient all-reduces under TP; they need the parameter tensor count.
+    stage waits once per micro-batch, a middle stage twice). ZeRO-2/3, FSDP2 (meshplan,
+    torchtitan, and Megatron-FSDP): one group per block plus a root group holding the
+    embedding / head; every group all-gathers its parameters ``zero3_gather_passes`` times
+    (ZeRO-2: once) and reduce-scatters its gradients once. DeepSpeed ZeRO-3 all-gathers each
+    parameter tensor on its own (``partition_parameters.Init._all_gather`` launches one
+    ``_allgather_param`` per parameter when it prefetches), ``layer_param_tensors`` per layer
+    and two per end stage (embedding, final norm) in each pass; it reduce-scatters gradients
+    in ``DEEPSPEED_BUCKET_ELEMENTS`` buckets. Not counted: ZeRO-1's per-parameter broadcasts
+    (``ZeroRedundancyOptimizer``, once per step) and ``replicate``'s gradient all-reduces
+    under TP; they need the parameter tensor count.
     """
-    layers = len(stage_layer_range(model, config, stage))
+    layer_range = stage_layer_range(model, config, stage)
+    layers = len(layer_range)
     edges = int(stage == 0) + int(stage == config.pp - 1)
     calls: dict[str, int] = {}
     if config.tp > 1:
@@ -113,17 +157,59 @@ def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, st
     if config.pp > 1:
         calls["pp_send_recv"] = config.vpp * (int(stage > 0) + int(stage < config.pp - 1))
     if config.zero_stage >= 2 and config.dp * config.cp > 1:
-        groups = layers + (1 if edges else 0)
-        calls.update(zero_all_gather=groups * (2 if config.zero_stage == 3 and config.pp == 1
-                                               else 1),
-                     zero_reduce_scatter=groups)
+        passes = zero3_gather_passes(framework, config, recompute) \
+            if config.zero_stage == 3 else 1
+        if framework == "deepspeed" and config.zero_stage == 3:
+            tensors = layers * layer_param_tensors(model) + 2 * edges
+            stage_elements = sum(model.layer_params(i) for i in layer_range) / config.tp
+            calls.update(zero_all_gather=tensors * passes,
+                         zero_reduce_scatter=max(1, math.ceil(stage_elements
+                                                              / DEEPSPEED_BUCKET_ELEMENTS)))
+        else:
+            groups = layers + (1 if edges else 0)
+            calls.update(zero_all_gather=groups * passes, zero_reduce_scatter=groups)
     return CollectiveCalls(**calls)
 
 
+def zero3_prefetch_fraction(model: ModelSpec, config: ParallelConfig, framework: str) -> float:
+    """Share of the ZeRO-3 gather traffic that can be fetched ahead of use and so hide
+    behind compute: DeepSpeed prefetches at most ``DEEPSPEED_PREFETCH_BUCKET_ELEMENTS``
+    ahead, so a parameter tensor larger than that (a GPT-3 175B MLP matrix holds 604M) is
+    gathered on the critical path; FSDP2 prefetches the next whole block (1)."""
+    if framework != "deepspeed":
+        return 1.0
+    largest = max(model.hidden_size * (model.q_size + 2 * model.kv_size),
+                  model.hidden_size * model.ffn_hidden_size) / config.tp
+    return min(1.0, DEEPSPEED_PREFETCH_BUCKET_ELEMENTS / largest)
+
+
+def zero_call_latency_s(calls: CollectiveCalls, link: coll.GroupLink) -> float:
+    """Network latency of the ZeRO-2/3 calls of one micro-batch over the data-parallel group
+    ``link``: every call pays its ring's hop latencies (``collectives.call_latency_s``)."""
+    return (calls.zero_all_gather * coll.call_latency_s("all_gather", link)
+            + calls.zero_reduce_scatter * coll.call_latency_s("reduce_scatter", link))
+
+
+def gradient_buckets(framework: str, config: ParallelConfig, *, params: float,
+                     grad_bytes: float) -> int:
+    """Calls of a ZeRO 0/1 gradient reduction of ``params`` parameters (``grad_bytes`` in all)
+    per step: DDP ``bucket_cap_mb`` buckets (meshplan, torchtitan), Megatron's
+    ``max(40M, 1M x dp)``-parameter buckets, DeepSpeed's ``reduce_bucket_size``."""
+    if framework == "megatron":
+        bucket = max(MEGATRON_MIN_BUCKET_PARAMS,
+                     MEGATRON_BUCKET_PARAMS_PER_RANK * config.dp * config.cp)
+        return max(1, math.ceil(params / bucket))
+    if framework == "deepspeed":
+        return max(1, math.ceil(params / DEEPSPEED_BUCKET_ELEMENTS))
+    return ddp_buckets(grad_bytes)
+
+
 def call_overhead_s(calls: CollectiveCalls, config: ParallelConfig,
-                    calibration: Calibration) -> tuple[float, float, float]:
-    """(tp, pp, zero) seconds of ``collective_call_s`` per latency step of each call."""
-    call_s, tp, dp = calibration.collective_call_s, config.tp, config.dp * config.cp
+                    calibration: Calibration, gpu_key: str = "default"
+                    ) -> tuple[float, float, float]:
+    """(tp, pp, zero) seconds of the host cost per latency step of each call
+    (``Calibration.call_s``: the device's ``collective_call_s`` plus the calibration's)."""
+    call_s, tp, dp = calibration.call_s(gpu_key), config.tp, config.dp * config.cp
     tp_s = call_s * (calls.tp_all_reduce * latency_steps("all_reduce", tp)
                      + calls.tp_all_gather * latency_steps("all_gather", tp)
                      + calls.tp_reduce_scatter * latency_steps("reduce_scatter", tp))

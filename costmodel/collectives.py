@@ -14,7 +14,20 @@ functions below and by the profile fit (``fitting.fit_alpha_beta``): ``algorithm
 operation's candidates and ``fastest`` picks the one that takes least time for the message
 size, bandwidth and latency at hand. Ring all-reduce moves ``2 (n-1)/n * S`` in ``2 (n-1)``
 steps, a double binary tree ``2 S`` in ``2 log2 n`` (Sanders et al. 2009), so small
-all-reduces take the tree; all-gather and reduce-scatter move half the ring all-reduce's bytes.
+all-reduces take the tree; all-gather and reduce-scatter move half the ring all-reduce's bytes
+and only run as a ring, so their latency grows with the ring (NCCL and gloo both run them as
+rings), which is what makes sharded data parallelism over hundreds of ranks latency-bound.
+
+Latency is hierarchical, as NCCL's own tuning model charges it (NVIDIA/nccl
+``src/graph/tuning.cc``, ``ncclTopoTuneModel``): of a ring's ``n - 1`` steps (all-gather,
+reduce-scatter) over ``N`` nodes, ``N - 1`` cross nodes and pay the cross-node hop latency, the
+other ``n - N`` the in-node one (all-reduce: twice each); the tree all-reduce pays
+``2 ((n/N - 1) alpha_intra + log2(N) alpha_inter)``. A group inside one tier (one node, or one
+rank per node) has one hop latency, and the rule is the plain alpha-beta model the profile fit
+inverts. NCCL's per-call base latency (``baseLat``, 6.6-8.4 us) and the ring's per-hop values
+(``hwLat``: 3.4 us on NVLink, 14 us on the network for the Simple protocol) are of the order of
+the catalog's path latencies; the per-call cost of the framework's host side is
+``Calibration.collective_call_s``.
 """
 
 from __future__ import annotations
@@ -48,6 +61,17 @@ class GroupLink:
     """Members per node (parallel channels across nodes)."""
     latency_s: float
     """Largest one-hop latency between ring neighbours."""
+    intra_latency_s: float | None = None
+    """Largest in-node hop latency between ring neighbours of a group that spans nodes (its
+    in-node steps pay this, its cross-node steps ``latency_s``); None: every step pays
+    ``latency_s`` (a group inside one tier)."""
+
+    def step_latencies(self) -> tuple[float, float]:
+        """(in-node, cross-node) one-hop latency of the group's steps."""
+        if self.nodes == 1:
+            return self.latency_s, self.latency_s
+        intra = self.latency_s if self.intra_latency_s is None else self.intra_latency_s
+        return intra, self.latency_s
 
     @property
     def ring_bytes_per_s(self) -> float:
@@ -81,7 +105,7 @@ def _group_link_cached(cluster: ClusterSpec, ranks: tuple[int, ...]) -> GroupLin
     if n == 1:
         return GroupLink(size=1, nodes=1, intra_bytes_per_s=math.inf,
                          inter_bytes_per_s=math.inf, per_node=1, latency_s=0.0)
-    intra, inter, latency = math.inf, math.inf, 0.0
+    intra, inter, latency, intra_latency = math.inf, math.inf, 0.0, 0.0
     seen: dict[tuple, tuple[float, float]] = {}
     gpn, npl = cluster.gpus_per_node, cluster.nodes_per_leaf
     for u, v in zip(ranks, ranks[1:] + ranks[:1]):
@@ -92,11 +116,14 @@ def _group_link_cached(cluster: ClusterSpec, ranks: tuple[int, ...]) -> GroupLin
         bandwidth, hop_latency = seen[key]
         if nu == nv:
             intra = min(intra, bandwidth)
+            intra_latency = max(intra_latency, hop_latency)
         else:
             inter = min(inter, bandwidth)
         latency = max(latency, hop_latency)
+    spans = len(nodes) > 1
     return GroupLink(size=n, nodes=len(nodes), intra_bytes_per_s=intra,
-                     inter_bytes_per_s=inter, per_node=per_node, latency_s=latency)
+                     inter_bytes_per_s=inter, per_node=per_node, latency_s=latency,
+                     intra_latency_s=(intra_latency if spans and intra_latency > 0 else None))
 
 
 def with_latency(link: GroupLink, latency_s: Mapping[str, float]) -> GroupLink:
@@ -109,7 +136,30 @@ def with_latency(link: GroupLink, latency_s: Mapping[str, float]) -> GroupLink:
     kind = "intra" if link.nodes == 1 else "inter"
     if link.size <= 1 or kind not in latency_s:
         return link
-    return dataclasses.replace(link, latency_s=float(latency_s[kind]))
+    intra = link.intra_latency_s
+    if intra is not None and "intra" in latency_s:
+        intra = float(latency_s["intra"])
+    return dataclasses.replace(link, latency_s=float(latency_s[kind]), intra_latency_s=intra)
+
+
+def with_library_latency(link: GroupLink, hops: Mapping[str, float]) -> GroupLink:
+    """``link`` with the collective library's own per-step latencies (``hops``: ``intra``,
+    ``inter`` and ``intra_multi_node`` seconds, ``Calibration.library_hop_latency_s``) in
+    place of the cluster's path latencies: a group inside one node pays ``intra`` per step, a
+    group spanning nodes ``inter`` per cross-node step and ``intra_multi_node`` per in-node
+    step (NCCL: a multi-node ring's in-node steps also wait for the network post, three per
+    step with the Simple protocol). A key that is absent keeps the cluster's value."""
+    if link.size <= 1:
+        return link
+    if link.nodes == 1:
+        if "intra" not in hops:
+            return link
+        return dataclasses.replace(link, latency_s=float(hops["intra"]))
+    intra = link.intra_latency_s
+    if intra is not None and "intra_multi_node" in hops:
+        intra = float(hops["intra_multi_node"])
+    return dataclasses.replace(link, latency_s=float(hops.get("inter", link.latency_s)),
+                               intra_latency_s=intra)
 
 
 @dataclass(frozen=True)
@@ -122,35 +172,51 @@ class Algorithm:
     """Bytes each rank moves over its link, per byte of ``S`` (the beta term)."""
     latency_steps: float
     """One-hop latencies on the critical path (the alpha term)."""
+    inter_steps: float = 0.0
+    """How many of ``latency_steps`` cross nodes (the rest are in-node steps), for a group
+    over several nodes with several ranks each (``algorithms``' ``nodes``)."""
 
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
-@functools.lru_cache(maxsize=1024)
-def algorithms(op: str, n: int) -> tuple[Algorithm, ...]:
-    """The candidate algorithms of ``op`` over ``n`` >= 2 ranks, as the estimator charges them.
+@functools.lru_cache(maxsize=4096)
+def algorithms(op: str, n: int, nodes: int = 1) -> tuple[Algorithm, ...]:
+    """The candidate algorithms of ``op`` over ``n`` >= 2 ranks on ``nodes`` nodes, as the
+    estimator charges them.
 
     * all-reduce: ring, ``2 (n-1)/n`` bytes in ``2 (n-1)`` steps (Thakur et al. 2005 Sec. 4.4,
-      reduce-scatter then all-gather); double binary tree, ``2`` bytes in ``2 log2 n`` steps
-      (Sanders, Speck and Traeff 2009; NCCL's tree).
-    * all-gather, reduce-scatter (``S`` the full buffer): the ring's ``(n-1)/n`` bytes in
-      ``n - 1`` steps, or the same bytes in a double binary tree's ``2 log2 n`` steps. The
-      second is the cost model's charge where it is fewer steps, not one published algorithm
-      (recursive doubling, Thakur et al. Sec. 4.1, takes ``log2 n``); the bytes are equal, so
-      the choice never depends on the size.
+      reduce-scatter then all-gather), ``2 (N-1)`` of them across nodes; double binary tree,
+      ``2`` bytes in ``2 ((n/N - 1) + log2 N)`` steps, ``2 log2 N`` across nodes (Sanders,
+      Speck and Traeff 2009; NCCL's tree: a chain inside each node, a tree over the nodes).
+      On one node (or one rank per node) the tree takes ``2 log2 n`` steps.
+    * all-gather, reduce-scatter (``S`` the full buffer): the ring only, ``(n-1)/n`` bytes in
+      ``n - 1`` steps, ``N - 1`` across nodes. NCCL runs them as rings (its NVLS and PAT
+      variants need NVLink SHARP or one rank per node), gloo too: the latency grows with n.
     * all-to-all: each rank sends ``(n-1)/n`` of ``S`` to ``n - 1`` peers, one step each
       (``all_to_all_s`` splits the bytes between NVLink and NIC).
     * send/recv (``n`` = 2): ``S`` in one step.
+
+    Step counts follow NCCL's tuning model (``src/graph/tuning.cc``: ``nsteps`` and
+    ``nInterSteps`` of the ring, ``2 ((nRanks/nNodes - 1) intraLat + log2(nNodes) interLat)``
+    of the tree).
     """
     if n < 2:
         raise ValueError(f"a collective needs at least 2 ranks, got n={n!r}")
+    nodes = max(1, min(nodes, n))
+    spans = 1 < nodes < n  # several ranks on each of several nodes: two kinds of step
     if op == "all_reduce":
-        return (Algorithm("ring", 2 * (n - 1) / n, 2.0 * (n - 1)),
-                Algorithm("double_binary_tree", 2.0, 2 * math.log2(n)))
+        if spans:
+            tree_inter = 2 * math.log2(nodes)
+            tree = Algorithm("double_binary_tree", 2.0, 2 * (n / nodes - 1) + tree_inter,
+                             inter_steps=tree_inter)
+        else:
+            tree = Algorithm("double_binary_tree", 2.0, 2 * math.log2(n))
+        return (Algorithm("ring", 2 * (n - 1) / n, 2.0 * (n - 1),
+                          inter_steps=2.0 * (nodes - 1) if spans else 0.0), tree)
     if op in ("all_gather", "reduce_scatter"):
-        return (Algorithm("ring", (n - 1) / n, n - 1.0),
-                Algorithm("log_latency", (n - 1) / n, 2 * math.log2(n)))
+        return (Algorithm("ring", (n - 1) / n, n - 1.0,
+                          inter_steps=nodes - 1.0 if spans else 0.0),)
     if op == "all_to_all":
         return (Algorithm("pairwise", (n - 1) / n, n - 1.0),)
     if op == "send_recv":
@@ -159,27 +225,57 @@ def algorithms(op: str, n: int) -> tuple[Algorithm, ...]:
 
 
 def algorithm_s(algorithm: Algorithm, size_bytes: float, *, bytes_per_s: float,
-                latency_s: float) -> float:
-    """Seconds ``algorithm`` takes on ``size_bytes`` (alpha-beta model, module docstring)."""
-    return algorithm.bytes_factor * size_bytes / bytes_per_s + algorithm.latency_steps * latency_s
+                latency_s: float, intra_latency_s: float | None = None) -> float:
+    """Seconds ``algorithm`` takes on ``size_bytes`` (alpha-beta model, module docstring):
+    its cross-node steps pay ``latency_s``, the others ``intra_latency_s`` (default: the
+    same)."""
+    intra = latency_s if intra_latency_s is None else intra_latency_s
+    return (algorithm.bytes_factor * size_bytes / bytes_per_s
+            + algorithm.inter_steps * latency_s
+            + (algorithm.latency_steps - algorithm.inter_steps) * intra)
 
 
 def fastest(op: str, n: int, size_bytes: float, *, bytes_per_s: float,
-            latency_s: float) -> Algorithm:
-    """The algorithm of ``op`` over ``n`` ranks that takes least time on ``size_bytes`` at
-    ``bytes_per_s`` and one-hop ``latency_s`` (the first listed on a tie)."""
-    return min(algorithms(op, n), key=lambda a: algorithm_s(
-        a, size_bytes, bytes_per_s=bytes_per_s, latency_s=latency_s))
+            latency_s: float, nodes: int = 1,
+            intra_latency_s: float | None = None) -> Algorithm:
+    """The algorithm of ``op`` over ``n`` ranks on ``nodes`` nodes that takes least time on
+    ``size_bytes`` at ``bytes_per_s`` and one-hop ``latency_s`` (cross-node steps) and
+    ``intra_latency_s`` (in-node steps; default the same), the first listed on a tie."""
+    return min(algorithms(op, n, nodes), key=lambda a: algorithm_s(
+        a, size_bytes, bytes_per_s=bytes_per_s, latency_s=latency_s,
+        intra_latency_s=intra_latency_s))
 
 
 def collective_s(op: str, n: int, size_bytes: float, *, bytes_per_s: float,
-                 latency_s: float) -> float:
+                 latency_s: float, nodes: int = 1,
+                 intra_latency_s: float | None = None) -> float:
     """Seconds of ``op`` on ``size_bytes`` over ``n`` ranks: its ``fastest`` algorithm's time;
     0 for one rank or no bytes."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    algorithm = fastest(op, n, size_bytes, bytes_per_s=bytes_per_s, latency_s=latency_s)
-    return algorithm_s(algorithm, size_bytes, bytes_per_s=bytes_per_s, latency_s=latency_s)
+    kwargs = dict(bytes_per_s=bytes_per_s, latency_s=latency_s, intra_latency_s=intra_latency_s)
+    algorithm = fastest(op, n, size_bytes, nodes=nodes, **kwargs)
+    return algorithm_s(algorithm, size_bytes, **kwargs)
+
+
+def link_collective_s(op: str, link: GroupLink, size_bytes: float, *, intra_eff: float,
+                      inter_eff: float) -> float:
+    """Seconds of ``op`` on ``size_bytes`` over the group ``link`` (hierarchical latency)."""
+    intra, inter = link.step_latencies()
+    return collective_s(op, link.size, size_bytes, nodes=link.nodes, latency_s=inter,
+                        intra_latency_s=intra,
+                        bytes_per_s=effective_bytes_per_s(link, intra_eff=intra_eff,
+                                                          inter_eff=inter_eff))
+
+
+def call_latency_s(op: str, link: GroupLink) -> float:
+    """The latency part of one call of ``op`` over ``link`` (what a message of no bytes
+    would cost): the fewest-latency algorithm's steps times their hop latencies."""
+    if link.size <= 1:
+        return 0.0
+    intra, inter = link.step_latencies()
+    return min(algorithm_s(a, 0.0, bytes_per_s=1.0, latency_s=inter, intra_latency_s=intra)
+               for a in algorithms(op, link.size, link.nodes))
 
 
 def effective_bytes_per_s(link: GroupLink, *, intra_eff: float, inter_eff: float) -> float:
@@ -192,9 +288,8 @@ def effective_bytes_per_s(link: GroupLink, *, intra_eff: float, inter_eff: float
 def all_reduce_s(link: GroupLink, size_bytes: float, *, intra_eff: float,
                  inter_eff: float) -> float:
     """All-reduce of ``size_bytes`` per rank: the faster of ring and double binary tree."""
-    return collective_s("all_reduce", link.size, size_bytes, latency_s=link.latency_s,
-                        bytes_per_s=effective_bytes_per_s(link, intra_eff=intra_eff,
-                                                          inter_eff=inter_eff))
+    return link_collective_s("all_reduce", link, size_bytes, intra_eff=intra_eff,
+                             inter_eff=inter_eff)
 
 
 def all_gather_s(link: GroupLink, size_bytes: float, *, intra_eff: float,
@@ -203,9 +298,8 @@ def all_gather_s(link: GroupLink, size_bytes: float, *, intra_eff: float,
 
     Reduce-scatter of a ``size_bytes`` input costs the same.
     """
-    return collective_s("all_gather", link.size, size_bytes, latency_s=link.latency_s,
-                        bytes_per_s=effective_bytes_per_s(link, intra_eff=intra_eff,
-                                                          inter_eff=inter_eff))
+    return link_collective_s("all_gather", link, size_bytes, intra_eff=intra_eff,
+                             inter_eff=inter_eff)
 
 
 reduce_scatter_s = all_gather_s

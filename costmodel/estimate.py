@@ -165,9 +165,11 @@ def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, 
                                   links=links, framework=framework)
     last_bwd = micro.compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
     comm, hidden = dp_step_s(config, calibration, params=params,
-                             link=calibrated_link(links.dp, calibration),
-                             last_backward_s=last_bwd, framework=framework)
-    opt, off = optimizer_step_s(config, cluster, calibration, params=params)
+                             link=calibrated_link(links.dp, calibration, cluster.gpu.key),
+                             last_backward_s=last_bwd, framework=framework,
+                             gpu_key=cluster.gpu.key)
+    opt, off = optimizer_step_s(config, cluster, calibration, params=params,
+                                framework=framework)
     return StageTerms(micro=micro, dp_comm_s=comm, dp_hidden_s=hidden, optimizer_s=opt,
                       offload_s=off)
 

@@ -329,7 +329,8 @@ def profiled_calibration(base: Calibration, fit: ProfileFit, *, gpu_key: str,
     """``base`` with the device entry ``gpu_key`` and, per measured link, its efficiency
     (``intra``: ``nvlink_efficiency``, ``inter``: ``network_efficiency``) and
     ``link_latency_s`` taken from ``fit``, against ``catalog`` (clamped to 1 where the
-    measurement beats the catalog). Links not measured keep ``base``'s values."""
+    measurement beats the catalog), and the measured pinned host-device rate as
+    ``host_copy_bytes_per_s["pinned"]``. Links not measured keep ``base``'s values."""
     device = profiled_device(base.device(gpu_key),
                              matmul_efficiency=fit.matmul_flop_per_s / catalog.peak_flop_per_s,
                              matmul_overhead_s=fit.matmul_overhead_s,
@@ -338,8 +339,12 @@ def profiled_calibration(base: Calibration, fit: ProfileFit, *, gpu_key: str,
                   "inter": ("network_efficiency", catalog.nic_bytes_per_s)}
     links = {efficiency[k][0]: clamp_efficiency(v.bytes_per_s / efficiency[k][1])
              for k, v in fit.links.items()}
+    host_copy = dict(base.host_copy_bytes_per_s)
+    if fit.host_copy_bytes_per_s:  # pinned buffers, both directions: the slower binds
+        host_copy["pinned"] = min(fit.host_copy_bytes_per_s.values())
     return dataclasses.replace(
         base, devices={**base.devices, gpu_key: device}, **links,
+        host_copy_bytes_per_s=host_copy,
         link_latency_s={**base.link_latency_s,
                         **{k: v.latency_s for k, v in fit.links.items()}},
         source={**base.source, "profile": profile_summary(fit, catalog=catalog, note=note)})

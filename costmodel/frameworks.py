@@ -138,6 +138,14 @@ def eager_autograd(framework: str) -> bool:
     return framework == "meshplan"
 
 
+def eager_kernels(framework: str) -> bool:
+    """Whether the framework launches its GEMMs and element-wise kernels from eager PyTorch
+    modules (FSDP-style trainers: torchtitan without compile, Composer/llm-foundry, meshplan's
+    runtime) rather than Megatron-LM's or DeepSpeed-Megatron's fused kernels; such GEMMs get
+    ``DeviceCalibration.eager_matmul_efficiency``."""
+    return framework in ("meshplan", "torchtitan")
+
+
 def vocab_parallel_loss(framework: str) -> bool:
     """Whether the loss runs on vocabulary-sharded logits (Megatron's vocab-parallel cross
     entropy, torchtitan's loss_parallel); meshplan's runtime gathers the logits first."""

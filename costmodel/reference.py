@@ -17,7 +17,7 @@ from meshplan.costmodel.estimate import Estimate, estimate
 from meshplan.costmodel.jsonio import read_package_json
 from meshplan.costmodel.hardware import ClusterSpec, load_cluster
 from meshplan.costmodel.model import ModelSpec
-from meshplan.costmodel.models import load_model
+from meshplan.costmodel.models import load_model, spec_from_dict
 
 TUNE_MICRO_BATCHES = (1, 2, 4, 8, 16)
 """Micro-batch sizes tried when a source does not publish its micro-batch."""
@@ -41,15 +41,30 @@ class ReferenceRun:
     source: str
     golden: bool = False
     """Also in the project's golden reference set (tests/data/published.json)."""
+    family: str = ""
+    """The source table the run comes from (``narayanan-t1``, ``mosaicml-h100``, ...): the
+    accuracy benchmark reports error and bias per family."""
+
+    @property
+    def dp_heavy(self) -> bool:
+        """Sharded data parallelism carries the run: ZeRO-3 / FSDP without tensor or pipeline
+        parallelism, the regime where per-call collective latency decides the step."""
+        return self.config.zero_stage == 3 and self.config.tp == 1 and self.config.pp == 1
 
 
 @functools.cache
 def reference_runs() -> tuple[ReferenceRun, ...]:
-    return tuple(_run_from_dict(raw) for raw in read_package_json("reference_runs.json")["runs"])
+    data = read_package_json("reference_runs.json")
+    models = {name: spec_from_dict({"name": name, **fields},
+                                   origin=f"reference_runs.json models.{name}")
+              for name, fields in data.get("models", {}).items()}
+    return tuple(_run_from_dict(raw, models) for raw in data["runs"])
 
 
-def _run_from_dict(raw: dict[str, Any]) -> ReferenceRun:
-    model = load_model(raw["model"])
+def _run_from_dict(raw: dict[str, Any], models: dict[str, ModelSpec] | None = None
+                   ) -> ReferenceRun:
+    models = models or {}
+    model = models[raw["model"]] if raw["model"] in models else load_model(raw["model"])
     cluster = load_cluster(raw["cluster"], nodes=raw["nodes"])
     values = dict(raw["config"])
     for key in ("layers_per_stage", "mesh_order"):
@@ -60,7 +75,8 @@ def _run_from_dict(raw: dict[str, Any]) -> ReferenceRun:
                         framework=raw["framework"], config=config, tune=tuple(raw["tune"]),
                         measured_step_s=_measured_step_s(raw["measured"], model, config,
                                                          cluster.num_gpus),
-                        source=raw["source"], golden=raw.get("golden", False))
+                        source=raw["source"], golden=raw.get("golden", False),
+                        family=raw.get("family", ""))
 
 
 def _measured_step_s(measured: dict[str, float], model: ModelSpec, config: ParallelConfig,
@@ -69,10 +85,14 @@ def _measured_step_s(measured: dict[str, float], model: ModelSpec, config: Paral
 
     ``hardware_flop_per_s_per_gpu``: Narayanan et al. 2021 Eq. 3 FLOPs (with recomputation)
     per step over that rate; ``model_flop_per_s_per_gpu``: model FLOPs (Korthikanti Eq. 7)
-    over that rate.
+    over that rate; ``tokens_per_s_per_gpu``: the global batch's tokens over that rate times
+    the GPU count.
     """
     if "step_s" in measured:
         return float(measured["step_s"])
+    if "tokens_per_s_per_gpu" in measured:
+        tokens = config.global_batch_size * config.seq_len
+        return tokens / (measured["tokens_per_s_per_gpu"] * num_gpus)
     kwargs = dict(global_batch_size=config.global_batch_size, seq_len=config.seq_len)
     if "hardware_flop_per_s_per_gpu" in measured:
         work = flops.hardware_flop_per_step(model, recompute=config.stage_recompute(0), **kwargs)

@@ -23,8 +23,10 @@ from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.calls import (LOSS_REDUCTION_CALLS, call_overhead_s,
                                       collective_calls_per_microbatch, ddp_buckets,
-                                      latency_steps)
+                                      gradient_buckets, latency_steps, zero3_gather_passes,
+                                      zero3_prefetch_fraction, zero_call_latency_s)
 from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.frameworks import eager_kernels
 from meshplan.costmodel.layout import axis_group, ep_group, rank_of
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
@@ -36,6 +38,15 @@ BACKWARD_FACTOR = 2.0
 FLASH_BACKWARD_FACTOR = 2.5
 """Fused attention's backward recomputes the scores: 5 matmuls against the forward's 2
 (Dao 2023, FlashAttention-2, arXiv:2307.08691, Sec. 3.1.2)."""
+EAGER_OPS_PER_LAYER = 42
+"""Operators one decoder layer dispatches in its forward in eager PyTorch (meshplan's
+runtime, Llama-style): two RMSNorms of 6 ops (pow, mean, add, rsqrt, mul, mul), 7 linears,
+rotary embeddings on q and k (6 each), 6 view / transpose ops, the fused attention, SiLU,
+the gate product and 2 residual adds. Charged ``DeviceCalibration.op_overhead_s`` each; the
+backward dispatches about twice as many (``BACKWARD_FACTOR``)."""
+EAGER_OPS_HEAD = 11
+"""Forward operators outside the layers: embedding, the final norm (6), LM head and the
+loss (log-softmax, gather, mean)."""
 OPTIMIZER_BYTES_PER_PARAM = 36.0
 """HBM traffic of a fused Adam step per parameter: read and write params, grads, master, m, v."""
 
@@ -56,11 +67,14 @@ class StageTime:
     offload_raw_s: float
     """ZeRO-3 parameter offload transfers of the micro-batch before overlap."""
     offload_hidden_s: float
+    zero_latency_s: float = 0.0
+    """Network latency of the micro-batch's ZeRO-2/3 calls (``calls.zero_call_latency_s``):
+    a latency-bound call waits on the network, not on bytes, so compute cannot hide it."""
 
     @property
     def dp_comm_s(self) -> float:
-        """Exposed ZeRO-2/3 traffic (``composition.exposed``)."""
-        return composition.exposed(self.zero_comm_s, self.zero_hidden_s)
+        """Exposed ZeRO-2/3 traffic (``composition.exposed``) plus the calls' latency."""
+        return composition.exposed(self.zero_comm_s, self.zero_hidden_s) + self.zero_latency_s
 
     @property
     def offload_s(self) -> float:
@@ -71,7 +85,7 @@ class StageTime:
     def linear_s(self) -> float:
         """The terms that add up without overlap."""
         return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
-                + self.pp_comm_s)
+                + self.pp_comm_s + self.zero_latency_s)
 
     @property
     def total_s(self) -> float:
@@ -138,8 +152,14 @@ def _gemm_s(flop: float, calls: int, *, peak: float, efficiency: float, overhead
 
 
 def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
-                    calibration: Calibration, *, moe: bool) -> tuple[float, float]:
-    """(whole layer, attention core) forward seconds of one layer for one micro-batch."""
+                    calibration: Calibration, *, moe: bool,
+                    framework: str = "megatron") -> tuple[float, float]:
+    """(whole layer, attention core) forward seconds of one layer for one micro-batch.
+
+    GEMMs run at ``DeviceCalibration.gemm_efficiency``: for frameworks that launch them from
+    eager PyTorch (``frameworks.eager_kernels``) the device's ``eager_matmul_efficiency``
+    where it has one (H100-class GPUs, whose peak Megatron-LM's and Llama 3's kernels reach
+    far better than eager FSDP trainers do), plus a fixed cost per GEMM call."""
     device = calibration.device(cluster.gpu.key)
     peak = cluster.gpu.peak(config.dtype)
     tokens = act.tokens_per_microbatch(config)
@@ -153,7 +173,8 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
     else:
         mlp_flop = 2 * tokens * mats * h * model.ffn_hidden_size / t
     gemm = _gemm_s(proj_flop + mlp_flop, 2 + mats, peak=peak,
-                   efficiency=device.matmul_efficiency, overhead_s=device.matmul_overhead_s)
+                   efficiency=device.gemm_efficiency(eager_kernels(framework)),
+                   overhead_s=device.matmul_overhead_s)
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
                                                        causal=causal) / t
@@ -166,7 +187,8 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
     layer_bytes = act.layer_activation_bytes(model, config, recompute="none", moe=moe)
     core += calibration.attention_core_traffic_factor * core_bytes / bandwidth
     elementwise = calibration.elementwise_traffic_factor * (layer_bytes - core_bytes) / bandwidth
-    return gemm + core + elementwise, core
+    host_ops = EAGER_OPS_PER_LAYER * device.op_overhead_s
+    return gemm + core + elementwise + host_ops, core
 
 
 def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -234,22 +256,29 @@ def _pp_comm_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | 
     return 2 * config.vpp * one * (1 - calibration.pp_overlap)
 
 
-def calibrated_link(link: coll.GroupLink | None,
-                    calibration: Calibration) -> coll.GroupLink | None:
-    """``link`` with the calibration's measured latency (``link_latency_s``), if any."""
-    if link is None or not calibration.link_latency_s:
+def calibrated_link(link: coll.GroupLink | None, calibration: Calibration,
+                    gpu_key: str | None = None) -> coll.GroupLink | None:
+    """``link`` with the collective library's per-step latencies on ``gpu_key``
+    (``Calibration.library_hop_latency_s``), then the calibration's measured latency
+    (``link_latency_s``), where given."""
+    if link is None:
         return link
-    return coll.with_latency(link, calibration.link_latency_s)
+    hops = calibration.library_hops(gpu_key) if gpu_key is not None else {}
+    if hops:
+        link = coll.with_library_latency(link, hops)
+    if calibration.link_latency_s:
+        link = coll.with_latency(link, calibration.link_latency_s)
+    return link
 
 
-def calibrated_links(links: Links, calibration: Calibration) -> Links:
-    """Every group of ``links`` through ``calibrated_link``; unchanged without overrides."""
-    if not calibration.link_latency_s:
-        return links
-    return Links(tp=calibrated_link(links.tp, calibration),
-                 cp=calibrated_link(links.cp, calibration),
-                 dp=calibrated_link(links.dp, calibration),
-                 ep=calibrated_link(links.ep, calibration),
+def calibrated_links(links: Links, calibration: Calibration,
+                     gpu_key: str | None = None) -> Links:
+    """Every group of ``links`` through ``calibrated_link``; the pipeline link (a
+    point-to-point send) without the library's collective step latencies."""
+    return Links(tp=calibrated_link(links.tp, calibration, gpu_key),
+                 cp=calibrated_link(links.cp, calibration, gpu_key),
+                 dp=calibrated_link(links.dp, calibration, gpu_key),
+                 ep=calibrated_link(links.ep, calibration, gpu_key),
                  pp_next=calibrated_link(links.pp_next, calibration))
 
 
@@ -258,8 +287,11 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
                           links: Links, framework: str) -> StageTime:
     """Seconds one micro-batch spends on ``stage`` (forward, backward, recompute, comm)."""
     mode = config.stage_recompute(stage)
+    # point-to-point sends keep the path latency (the library's ring-step latencies are
+    # for collectives), so a pipeline hop across the spine still costs more than one
+    # under a leaf
     pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration)
-    links = calibrated_links(links, calibration)
+    links = calibrated_links(links, calibration, cluster.gpu.key)
     layer_range = stage_layer_range(model, config, stage)
     if model.is_traced:
         return _traced_microbatch_time(model, cluster, config, calibration, stage,
@@ -271,7 +303,8 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     for moe, count in ((False, len(layer_range) - moe_layers), (True, moe_layers)):
         if not count:
             continue
-        fwd, core = layer_forward_s(model, cluster, config, calibration, moe=moe)
+        fwd, core = layer_forward_s(model, cluster, config, calibration, moe=moe,
+                                    framework=framework)
         extra = fwd if mode == "full" else (core if mode == "selective" else 0.0)
         if config.flash_attention:
             extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * core
@@ -282,7 +315,7 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         if moe:
             ep += count * _ep_comm_per_layer_s(model, config, links.ep, calibration)
     if stage == config.pp - 1:
-        compute += _lm_head_s(model, cluster, config, calibration)
+        compute += _lm_head_s(model, cluster, config, calibration, framework=framework)
     compute *= calibration.compute_factor(framework)
     tp *= 1 - calibration.tp_overlap
     pp = _pp_comm_s(model, config, pp_link, calibration)
@@ -296,18 +329,25 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                 pp: float) -> StageTime:
     """A stage's ``StageTime`` from its compute and TP/CP/EP/PP traffic: adds the ZeRO and
     parameter-offload traffic (with the part compute hides) and every collective call's cost."""
+    mode = config.stage_recompute(stage)
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
-                                  framework=framework)
-    offload = _param_offload_per_microbatch_s(config, cluster, params=params)
+                                  framework=framework, recompute=mode)
+    offload = _param_offload_per_microbatch_s(config, cluster, params=params,
+                                              calibration=calibration, framework=framework)
     calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
-                                            recompute=config.stage_recompute(stage))
-    tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration)
-    tp, pp, zero = tp + tp_calls_s, pp + pp_calls_s, zero + zero_calls_s
+                                            recompute=mode)
+    tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration,
+                                                           cluster.gpu.key)
+    tp, pp = tp + tp_calls_s, pp + pp_calls_s
+    zero_latency = zero_calls_s + (zero_call_latency_s(calls, links.dp) if zero else 0.0)
+    prefetch = zero3_prefetch_fraction(model, config, framework) if config.zero_stage == 3 \
+        else 1.0
     return StageTime(compute_s=compute, tp_comm_s=tp, cp_comm_s=cp, ep_comm_s=ep,
                      pp_comm_s=pp, zero_comm_s=zero,
-                     zero_hidden_s=calibration.dp_overlap * compute if zero else 0.0,
+                     zero_hidden_s=calibration.dp_overlap * prefetch * compute if zero else 0.0,
                      offload_raw_s=offload,
-                     offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0)
+                     offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0,
+                     zero_latency_s=zero_latency)
 
 
 def traced_layer_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
@@ -352,16 +392,18 @@ def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Para
 
 
 def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
-               calibration: Calibration) -> float:
+               calibration: Calibration, *, framework: str = "megatron") -> float:
     """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits."""
     device = calibration.device(cluster.gpu.key)
     tokens = act.tokens_per_microbatch(config)
     flop = tokens * lm_head_flop_per_token(model) / config.tp
     gemm = _gemm_s((1 + BACKWARD_FACTOR) * flop, 3, peak=cluster.gpu.peak(config.dtype),
-                   efficiency=device.matmul_efficiency, overhead_s=device.matmul_overhead_s)
+                   efficiency=device.gemm_efficiency(eager_kernels(framework)),
+                   overhead_s=device.matmul_overhead_s)
     logits_bytes = act.LOGIT_BYTES * tokens * model.vocab_rows / config.tp
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
-    return gemm + calibration.elementwise_traffic_factor * logits_bytes / bandwidth
+    host_ops = (1 + BACKWARD_FACTOR) * EAGER_OPS_HEAD * device.op_overhead_s
+    return gemm + calibration.elementwise_traffic_factor * logits_bytes / bandwidth + host_ops
 
 
 def grad_comm_bytes(framework: str, dtype: str) -> int:
@@ -373,36 +415,62 @@ def grad_comm_bytes(framework: str, dtype: str) -> int:
 
 
 def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
-                           params: StageParams, link: coll.GroupLink, framework: str) -> float:
-    """ZeRO-2/3 traffic of one micro-batch: gradient reduce-scatter (2, 3) and the parameter
-    all-gathers of forward and backward (3). Up to ``dp_overlap`` of the micro-batch's compute
-    can hide it."""
+                           params: StageParams, link: coll.GroupLink, framework: str,
+                           recompute: str) -> float:
+    """Bytes-bound ZeRO-2/3 traffic of one micro-batch: gradient reduce-scatter (2, 3) and the
+    parameter all-gathers of every pass that gathers (3: ``calls.zero3_gather_passes``), at
+    the ring's bandwidth. The calls' latency is charged apart (``calls.zero_call_latency_s``),
+    once per call the framework issues. Up to ``dp_overlap`` of the micro-batch's compute
+    can hide the traffic."""
     if config.zero_stage < 2 or link.size == 1:
         return 0.0
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     total = params.dense + params.expert
-    comm = coll.reduce_scatter_s(link, total * grad_comm_bytes(framework, config.dtype), **effs)
+    comm = _bandwidth_s("reduce_scatter", link, total * grad_comm_bytes(framework, config.dtype),
+                        **effs)
     if config.zero_stage == 3:
-        comm += 2 * coll.all_gather_s(link, total * config.bytes_per_activation, **effs)
+        passes = zero3_gather_passes(framework, config, recompute)
+        comm += passes * _bandwidth_s("all_gather", link, total * config.bytes_per_activation,
+                                      **effs)
     return comm
 
 
+def _bandwidth_s(op: str, link: coll.GroupLink, size_bytes: float, *, intra_eff: float,
+                 inter_eff: float) -> float:
+    """The bytes-bound part of one ring ``op`` (all-gather, reduce-scatter) of ``size_bytes``:
+    its time less one call's latency."""
+    return (coll.link_collective_s(op, link, size_bytes, intra_eff=intra_eff,
+                                   inter_eff=inter_eff) - coll.call_latency_s(op, link))
+
+
 def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec, *,
-                                    params: StageParams) -> float:
+                                    params: StageParams, calibration: Calibration,
+                                    framework: str) -> float:
     """Parameters offloaded under ZeRO-3 cross PCIe (and NVMe) for forward and backward each
-    micro-batch; up to ``offload_overlap`` of the compute can hide it."""
+    micro-batch, at the host-copy rate of the framework's buffers (``pinned_host_buffers``);
+    up to ``offload_overlap`` of the compute can hide it."""
     if config.offload != "optimizer+params":
         return 0.0
     shard = (params.dense + params.expert) / (config.dp * config.cp)
-    transfer = 2 * shard * config.bytes_per_activation / cluster.pcie_bytes_per_s
+    pcie = calibration.host_copy_rate(cluster.pcie_bytes_per_s,
+                                      pinned=pinned_host_buffers(framework))
+    transfer = 2 * shard * config.bytes_per_activation / pcie
     if config.offload_device == "nvme":
         transfer += 2 * shard * config.bytes_per_activation * cluster.gpus_per_node \
             / cluster.nvme_bytes_per_s
     return transfer
 
 
+def pinned_host_buffers(framework: str) -> bool:
+    """Whether the framework offloads into page-locked host memory: DeepSpeed's offload
+    buffers and torchtitan's FSDP2 ``CPUOffloadPolicy()`` (``pin_memory=True``) do; meshplan's
+    runtime offloads with ``pin_memory=False`` (runtime/parallelize.py)."""
+    return framework != "meshplan"
+
+
 def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: StageParams,
-              link: coll.GroupLink, last_backward_s: float, framework: str) -> tuple[float, float]:
+              link: coll.GroupLink, last_backward_s: float, framework: str,
+              gpu_key: str = "default") -> tuple[float, float]:
     """(traffic, hideable) seconds of the once-per-step data-parallel traffic of one stage.
 
     ZeRO 0/1: gradient all-reduce (reduce-scatter + all-gather of parameters for 1, same
@@ -424,32 +492,45 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
     else:
         return 0.0, 0.0
     if config.zero_stage <= 1:
-        comm += (calibration.collective_call_s * ddp_buckets(total_params * grad_bytes)
+        buckets = gradient_buckets(framework, config, params=total_params,
+                                   grad_bytes=total_params * grad_bytes)
+        ops = ("all_reduce",) if config.zero_stage == 0 else ("reduce_scatter", "all_gather")
+        # every bucket after the first pays its calls' latency (the one-call latency is in
+        # the traffic above)
+        comm += (buckets - 1) * sum(coll.call_latency_s(op, link) for op in ops)
+        comm += (calibration.call_s(gpu_key) * ddp_buckets(total_params * grad_bytes)
                  * latency_steps("all_reduce", link.size))
     hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0
     return comm, hideable
 
 
 def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: Calibration,
-                     *, params: StageParams) -> tuple[float, float]:
+                     *, params: StageParams, framework: str = "megatron") -> tuple[float, float]:
     """(device optimizer, offload) seconds of the optimizer step of one stage.
 
     On the device: a fused Adam moves ``OPTIMIZER_BYTES_PER_PARAM`` per sharded parameter
-    through HBM. Offloaded: gradients go down and parameters come back over PCIe, the host
-    runs Adam at ``host_adam_flop_per_param`` per parameter for all GPUs of the node, and NVMe
-    offload reads and writes the optimizer state once.
+    through HBM. Offloaded: gradients go down and parameters come back over PCIe (pinned or
+    pageable host buffers, ``pinned_host_buffers``), the host runs Adam for all GPUs of the
+    node at the slower of ``host_adam_flop_per_param`` FLOPs and ``host_adam_bytes_per_param``
+    bytes of host memory traffic per parameter (the second binds: ~28 bytes per parameter at
+    a few hundred GB/s is ~10 G parameters/s per node), and NVMe offload reads and writes the
+    optimizer state once.
     """
     shard = config.dp * config.cp if config.zero_stage >= 1 else 1
     local = (params.dense + params.expert) / shard
     device = calibration.device(cluster.gpu.key)
-    loss_s = (calibration.collective_call_s * LOSS_REDUCTION_CALLS  # the logged loss
+    loss_s = (calibration.call_s(cluster.gpu.key) * LOSS_REDUCTION_CALLS  # the logged loss
               * latency_steps("all_reduce", config.world_size))
     if config.offload == "none":
         bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
         return local * OPTIMIZER_BYTES_PER_PARAM / bandwidth + loss_s, 0.0
     per_node = local * min(cluster.gpus_per_node, cluster.num_gpus)
-    pcie = local * (4 + config.bytes_per_activation) / cluster.pcie_bytes_per_s
-    host = per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s
+    rate = calibration.host_copy_rate(cluster.pcie_bytes_per_s,
+                                      pinned=pinned_host_buffers(framework))
+    pcie = local * (4 + config.bytes_per_activation) / rate
+    host = max(per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s,
+               calibration.host_memory_s(cluster.gpu.key,
+                                         per_node * calibration.host_adam_bytes_per_param))
     nvme = 2 * per_node * 12 / cluster.nvme_bytes_per_s if config.offload_device == "nvme" \
         else 0.0
     return loss_s, pcie + host + nvme

@@ -1,4 +1,8 @@
-"""Step-time accuracy against published runs (the bounds of the accuracy benchmark)."""
+"""Step-time accuracy against published runs (the bounds of the accuracy benchmark).
+
+Per source family (``ReferenceRun.family``), over its fit and held-out runs: mean absolute
+error <= 6 %, maximum <= 15 %, bias (mean signed error) within 5 %, except where
+``KNOWN_SHORTFALLS`` says how far the model still is."""
 
 from __future__ import annotations
 
@@ -7,27 +11,62 @@ import pytest
 from meshplan.costmodel import default_calibration
 from meshplan.costmodel.reference import predict, reference_runs
 
+BOUNDS = (0.06, 0.15, 0.05)
+"""(mean |error|, max |error|, |bias|) every family must meet."""
+KNOWN_SHORTFALLS = {
+    # two comm-bound A100-40GB rows (70B on 64 GPUs at micro-batch 2, 13B with 16-step
+    # gradient accumulation on 8) are predicted 16 % fast.
+    "mosaicml-a100": (0.06, 0.17, 0.05),
+}
+
 
 @pytest.fixture(scope="module")
-def errors() -> dict[str, tuple[str, float]]:
+def errors() -> dict[str, tuple[str, str, bool, float]]:
     calibration = default_calibration()
-    return {run.id: ("golden" if run.golden else run.set,
+    return {run.id: ("golden" if run.golden else run.set, run.family, run.dp_heavy,
                      predict(run, calibration).time.step_s / run.measured_step_s - 1)
             for run in reference_runs()}
 
 
 def test_golden_runs_within_bounds(errors):
-    golden = [abs(err) for group, err in errors.values() if group == "golden"]
+    golden = [abs(err) for group, _, _, err in errors.values() if group == "golden"]
     assert len(golden) == 8
     assert sum(golden) / len(golden) <= 0.10
     assert max(golden) <= 0.20
 
 
 def test_holdout_runs_within_bounds(errors):
-    holdout = {rid: err for rid, (group, err) in errors.items() if group == "holdout"}
+    holdout = {rid: err for rid, (group, _, _, err) in errors.items() if group == "holdout"}
     assert len(holdout) >= 10
-    assert sum(abs(e) for e in holdout.values()) / len(holdout) <= 0.10
-    assert max(abs(e) for e in holdout.values()) <= 0.20, holdout
+    assert sum(abs(e) for e in holdout.values()) / len(holdout) <= 0.06
+    assert max(abs(e) for e in holdout.values()) <= 0.17, holdout
+
+
+FAMILIES = ("narayanan-t1", "korthikanti", "mt-nlg", "llama3", "narayanan-t2-zero3",
+            "mosaicml-h100", "mosaicml-a100")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_within_bounds(errors, family):
+    errs = [err for _, fam, _, err in errors.values() if fam == family]
+    assert errs, family
+    mean_bound, max_bound, bias_bound = KNOWN_SHORTFALLS.get(family, BOUNDS)
+    assert sum(abs(e) for e in errs) / len(errs) <= mean_bound, errs
+    assert max(abs(e) for e in errs) <= max_bound, errs
+    assert abs(sum(errs) / len(errs)) <= bias_bound, errs
+
+
+def test_data_parallel_heavy_group_within_bounds(errors):
+    """ZeRO-3 / FSDP runs without model parallelism, from 8 to 768 GPUs."""
+    errs = [err for _, _, heavy, err in errors.values() if heavy]
+    assert len(errs) >= 40
+    assert sum(abs(e) for e in errs) / len(errs) <= 0.06
+    assert max(abs(e) for e in errs) <= 0.17
+    assert abs(sum(errs) / len(errs)) <= 0.05
+
+
+def test_every_run_has_a_family(errors):
+    assert {fam for _, fam, _, _ in errors.values()} == set(FAMILIES)
 
 
 def test_measured_step_from_published_tflops():
@@ -36,3 +75,11 @@ def test_measured_step_from_published_tflops():
     runs = {run.id: run for run in reference_runs()}
     assert runs["narayanan-145.6b"].measured_step_s == pytest.approx(24.817, rel=1e-3)
     assert runs["narayanan-1.7b"].measured_step_s == pytest.approx(3.528, rel=1e-3)
+
+
+def test_measured_step_from_tokens_per_second():
+    """MosaicML reports tokens/s per GPU: MPT-7B on 8 H100s, global batch 48 x 2048 tokens at
+    10,643 tokens/s per GPU is a 1.1546 s step."""
+    runs = {run.id: run for run in reference_runs()}
+    assert runs["mosaicml-h100-7b-s2048-g8"].measured_step_s == pytest.approx(
+        48 * 2048 / (10643 * 8), rel=1e-9)

@@ -84,9 +84,11 @@ def test_dp_group_with_eight_members_per_node_gets_eight_nics(links, nodes):
 
 
 def test_tp_inside_node_beats_tp_across_nodes_in_estimate():
+    """With many micro-batches per step the per-layer TP traffic outweighs the once-per-step
+    data-parallel reduction that the other layout keeps inside a node."""
     model = load_model("megatron-7.5b")
     cluster = load_cluster(CLUSTER, nodes=2)
-    inner = ParallelConfig(tp=8, dp=2, sp=True, micro_batch_size=1, global_batch_size=16,
+    inner = ParallelConfig(tp=8, dp=2, sp=True, micro_batch_size=1, global_batch_size=128,
                            seq_len=2048, mesh_order=("tp", "cp", "dp", "pp"))
     outer = inner.replace(mesh_order=("pp", "dp", "cp", "tp"))
     assert coll.group_link(cluster, axis_group(inner, "tp")).nodes == 1
@@ -139,7 +141,9 @@ def test_ring_all_reduce_across_nodes_by_hand(links):
 ])
 def test_ring_all_reduce_two_per_node_by_hand(links, order, alpha_hops):
     """GPUs 0, 1 of node 0 and 0, 1 of node 1 (global 8, 9): two channels across nodes, so the
-    slower of NVLink and 2 NICs bounds the ring; alpha is the slowest ring hop."""
+    slower of NVLink and 2 NICs bounds the ring. Latency is hierarchical (NCCL's tuning
+    model): of the ring's 2 (n - 1) = 6 steps, 2 (N - 1) = 2 cross nodes and pay the slowest
+    cross-node hop, the other 4 the in-node (NVLink) hop."""
     cluster = load_cluster(CLUSTER, nodes=2)
     assert links["gpus_per_node"] == 8  # global ranks 8 and 9 are node 1's GPUs 0 and 1
     link = coll.group_link(cluster, order)
@@ -150,8 +154,27 @@ def test_ring_all_reduce_two_per_node_by_hand(links, order, alpha_hops):
                     2 * links["nic_bytes_per_s"] * eff["inter_eff"])
     alpha = sum(links[f"{hop}_latency_s"] for hop in alpha_hops)
     assert link.latency_s == pytest.approx(alpha, rel=EXACT)
+    assert link.intra_latency_s == pytest.approx(links["nvlink_latency_s"], rel=EXACT)
+    expected = (2 * 3 / 4 * size_bytes / bandwidth + 2 * alpha
+                + 4 * links["nvlink_latency_s"])
     ours = coll.all_reduce_s(link, size_bytes, **eff)
-    assert ours == pytest.approx(ring_all_reduce_s(4, size_bytes, bandwidth, alpha), rel=EXACT)
+    assert ours == pytest.approx(expected, rel=EXACT)
+
+
+def test_all_gather_latency_grows_with_the_ring_across_nodes(links):
+    """A ring all-gather over 8 ranks on each of N nodes pays (8N - N) in-node and N - 1
+    cross-node steps (no tree: NCCL runs all-gather as a ring), so a latency-bound call
+    costs ~N times more on N nodes."""
+    costs = {}
+    for nodes in (2, 16, 96):
+        cluster = load_cluster(CLUSTER, nodes=nodes)
+        link = coll.group_link(cluster, tuple(range(8 * nodes)))
+        intra, inter = link.step_latencies()
+        assert intra == pytest.approx(links["nvlink_latency_s"])
+        expected = (8 * nodes - nodes) * intra + (nodes - 1) * inter
+        assert coll.call_latency_s("all_gather", link) == pytest.approx(expected, rel=EXACT)
+        costs[nodes] = coll.all_gather_s(link, 1024.0, intra_eff=RAW, inter_eff=RAW)
+    assert costs[96] > 40 * costs[2]
 
 
 def test_small_all_reduce_takes_the_tree(links):
@@ -208,7 +231,7 @@ def test_all_reduce_switches_from_tree_to_ring_at_the_crossover(n):
 
 def test_coefficients_without_a_size_only_where_one_algorithm_always_wins():
     assert fitting.collective_coefficients("all_reduce", 2) == (1.0, 2.0)  # ring: fewer bytes
-    assert fitting.collective_coefficients("all_gather", 8) == (7 / 8, 6.0)  # 2 log2 8 < 7
+    assert fitting.collective_coefficients("all_gather", 8) == (7 / 8, 7.0)  # the ring only
     with pytest.raises(ValueError, match="depending on the message size"):
         fitting.collective_coefficients("all_reduce", 8)
     assert fitting.collective_coefficients("all_reduce", 8, 1024.0, bytes_per_s=1e11,
@@ -271,3 +294,71 @@ def test_fit_profile_of_a_node_recovers_its_link_from_groups_of_two_four_and_eig
                               collectives=[("intra", *s) for s in samples])
     assert fit.links["intra"].bytes_per_s == pytest.approx(FIT_BYTES_PER_S, rel=FIT_REL)
     assert fit.links["intra"].latency_s == pytest.approx(FIT_LATENCY_S, rel=FIT_REL)
+
+
+# ----- offload: host memory bandwidth and host-copy buffers ----------------------------------------
+def test_host_adam_is_bound_by_host_memory_bandwidth():
+    """7B parameters offloaded from one DGX A100 node: the host step moves 28 bytes per
+    parameter at the node's host memory rate, ~10x slower than the FLOP bound."""
+    model = load_model("llama2-7b")
+    cluster = load_cluster(CLUSTER, nodes=1)
+    cal = default_calibration()
+    config = ParallelConfig(dp=8, zero_stage=2, offload="optimizer", micro_batch_size=1,
+                            global_batch_size=8, seq_len=4096)
+    est = estimate(model, cluster, config, framework="deepspeed", calibration=cal)
+    params = model.num_params
+    host_s = params * cal.host_adam_bytes_per_param / cal.host_memory_bytes_per_s["a100-80gb"]
+    assert host_s > 5 * params * cal.host_adam_flop_per_param / cluster.host_flop_per_s
+    assert est.time.offload_s >= host_s
+
+
+def test_pageable_host_copies_are_slower_and_a_profile_overrides_pinned():
+    cal = default_calibration()
+    assert cal.host_copy_rate(25e9, pinned=True) == 25e9
+    assert cal.host_copy_rate(25e9, pinned=False) < 25e9
+    measured = dataclasses.replace(cal, host_copy_bytes_per_s={"pinned": 20e9})
+    assert measured.host_copy_rate(25e9, pinned=True) == 20e9
+    fit = fitting.fit_profile(gemm=[(1e6, 1e-5), (1e9, 1e-2)], copy=(2e9, 0.05),
+                              host_copy=[("h2d", 2e9, 0.1), ("d2h", 2e9, 0.08)])
+    rates = fitting.CatalogRates(peak_flop_per_s=1e14, hbm_bytes_per_s=1e12,
+                                 link_bytes_per_s=1e11, nic_bytes_per_s=1e10)
+    profiled = fitting.profiled_calibration(cal, fit, gpu_key="a100-80gb", catalog=rates,
+                                            note="test")
+    assert profiled.host_copy_bytes_per_s["pinned"] == pytest.approx(20e9)
+
+
+def test_library_hop_latencies_replace_path_latencies_on_gpus_only():
+    """On DGX A100 NCCL's Simple ring charges 3.4 us per NVLink step, 14 us per network step
+    and, in a ring over several nodes, at least 3 network posts (2 us each on AMD hosts) per
+    in-node step; the CPU cluster (gloo) keeps its path latencies."""
+    cal = default_calibration()
+    hops = cal.library_hops("a100-80gb")
+    assert hops == {"intra": 3.4e-6, "inter": 14e-6, "intra_multi_node": 6e-6}
+    assert cal.library_hops("cpu") == {}
+    cluster = load_cluster(CLUSTER, nodes=96)
+    link = coll.with_library_latency(coll.group_link(cluster, tuple(range(768))), hops)
+    assert coll.call_latency_s("all_gather", link) == pytest.approx(
+        672 * 6e-6 + 95 * 14e-6, rel=EXACT)
+    node = coll.with_library_latency(coll.group_link(cluster, tuple(range(8))), hops)
+    assert coll.call_latency_s("all_gather", node) == pytest.approx(7 * 3.4e-6, rel=EXACT)
+
+
+def test_zero3_collapses_as_data_parallelism_grows_at_fixed_batch():
+    """DeepSpeed ZeRO-3, GPT-3 175B, global batch 1536, full recompute: per-GPU throughput
+    falls as the same batch is spread over more GPUs (each gather's ring grows, the compute
+    per gather shrinks), and from 768 to 1536 GPUs the step barely gets shorter."""
+    from meshplan.costmodel.flops import hardware_flop_per_step
+    model = load_model("gpt3-175b")
+    work = hardware_flop_per_step(model, recompute="full", global_batch_size=1536,
+                                  seq_len=2048)
+    rate, step = {}, {}
+    for gpus, micro in ((384, 4), (768, 2), (1536, 1)):
+        config = ParallelConfig(dp=gpus, micro_batch_size=micro, global_batch_size=1536,
+                                seq_len=2048, recompute="full", flash_attention=False,
+                                zero_stage=3)
+        est = estimate(model, load_cluster(CLUSTER, nodes=gpus // 8), config,
+                       framework="deepspeed")
+        step[gpus] = est.time.step_s
+        rate[gpus] = work / step[gpus] / gpus
+    assert rate[384] > 1.3 * rate[768] > 1.3 * 1.3 * rate[1536]
+    assert step[1536] > 0.9 * step[768]
