@@ -81,6 +81,69 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     return total
 
 
+def matmul_output_bytes(model: ModelSpec, config: ParallelConfig, *,
+                        moe: bool = False) -> tuple[float, ...]:
+    """Bytes of each matmul output of one layer and micro-batch on one rank, in forward order.
+
+    A Llama/GPT block runs ``wq``, ``wk``, ``wv`` (column-parallel: q, kv and kv wide over tp),
+    ``wo`` (row-parallel: a full h-wide output per token, partial sums before the TP
+    reduction), then ``w1`` and, for SwiGLU, ``w3`` (f wide over tp) and ``w2`` (h wide, like
+    ``wo``). MoE layers count the routed tokens' expert matmuls (``top_k`` tokens each).
+    The order matters to torchtitan's per-op policy, which keeps every other one.
+    """
+    act, t = config.bytes_per_activation, config.tp
+    tokens = tokens_per_microbatch(config)
+    h = model.hidden_size
+    f, ffn_tokens = ((model.expert_ffn_size, tokens * model.moe_top_k) if moe
+                     else (model.ffn_hidden_size, tokens))
+    attention = (act * tokens * model.q_size / t, act * tokens * model.kv_size / t,
+                 act * tokens * model.kv_size / t, act * tokens * h)
+    up = (act * ffn_tokens * f / t,) * (2 if model.activation == "swiglu" else 1)
+    return attention + up + (act * ffn_tokens * h,)
+
+
+def op_policy_layer_bytes(model: ModelSpec, config: ParallelConfig, *, policy: str,
+                          moe: bool = False) -> float:
+    """Bytes one layer keeps for backward under a per-op selective checkpointing policy.
+
+    Both policies wrap each block in ``checkpoint_wrapper`` with
+    ``create_selective_checkpoint_contexts``: the block input (``b s h / cp``, divided by tp
+    under SP) is kept to restart the recomputation, the outputs of the ops the policy saves are
+    kept, everything else (norms, RoPE, activation function, residual adds) is rebuilt in
+    backward.
+
+    * ``torchtitan`` (torchtitan 0.2.2 ``distributed/activation_checkpoint.py``
+      ``_apply_op_sac`` with ``models/llama3/infra/parallelize.py`` ``_op_sac_save_list``):
+      every odd-numbered ``aten.mm`` of the block (``wq``, ``wv``, ``w1``, ``w2``; the
+      even ones are recomputed), the fused attention outputs (output, and the fp32
+      log-sum-exp per head and query) and, under SP, the reduce-scatter outputs of ``wo`` and
+      ``w2`` (h wide, sequence-split). Eager (math) attention also returns, and so keeps, its
+      softmax probabilities (``attention_core_bytes``).
+    * ``meshplan`` (runtime/parallelize.py ``_SAVED_OPS``): every matmul output and every TP
+      collective output (under SP the two all-gathered block inputs, h wide, and the two
+      reduce-scatter outputs; without SP the two all-reduce outputs); the attention core is
+      recomputed.
+    """
+    act, t = config.bytes_per_activation, config.tp
+    tokens = tokens_per_microbatch(config)
+    h = model.hidden_size
+    seq_div = t if config.sp else 1
+    matmuls = matmul_output_bytes(model, config, moe=moe)
+    total = act * tokens * h / seq_div
+    if policy == "torchtitan":
+        total += sum(matmuls[0::2])
+        total += act * tokens * model.q_size / t + attention_core_bytes(model, config)
+        if t > 1 and config.sp:
+            total += 2 * act * tokens * h / t
+        return total
+    if policy == "meshplan":
+        total += sum(matmuls)
+        if t > 1:
+            total += 2 * act * tokens * h * ((1 + 1 / t) if config.sp else 1)
+        return total
+    raise ValueError(f"policy must be torchtitan or meshplan, got {policy!r}")
+
+
 def _mlp_activation_bytes(model: ModelSpec, config: ParallelConfig, *, tokens: int,
                           moe: bool) -> float:
     """ffn-wide tensors of the MLP (before dividing by tp); MoE adds routing buffers."""

@@ -35,6 +35,20 @@ DS_BUCKET_ELEMENTS = 500_000_000
 allocate one gradient buffer of that size up front, whatever the model size."""
 
 
+TORCHTITAN_LOGIT_COPIES = 3.0
+"""fp32 vocabulary tensors alive at torchtitan's loss backward. Its ``cross_entropy_loss``
+(components/loss.py) is ``F.cross_entropy(pred.float(), ...)``, i.e. log_softmax + nll_loss,
+and train.py deletes ``pred`` before ``loss.backward()``. Forward holds the logits in compute
+dtype, the fp32 upcast and the saved log-softmax (2.5 copies in bf16); backward holds the
+saved log-softmax, nll_loss's dense fp32 gradient and log_softmax_backward's result: 3."""
+TORCHTITAN_FREED_LOGITS_COPIES = 0.5
+"""In bf16 the logits' own block (half an fp32 copy), freed by ``del pred``, stays reserved
+by the caching allocator through that backward peak: none of the three fp32 tensors fits in
+it, so the third one takes a new segment. torchtitan reports reserved memory
+(``max_reserved``), which includes it. In fp32 ``.float()`` returns ``pred`` itself and its
+block is reused by nll_loss's gradient."""
+
+
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes of model states on one rank (device) and what was moved off it (host)."""
@@ -103,12 +117,16 @@ def model_state_bytes(framework: str, *, params: float, shard: int, zero_stage: 
 
 def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: float,
                            largest_layer_params: float, fp32: bool = False,
-                           data_parallel: bool = True) -> float:
+                           data_parallel: bool = True, largest_block_params: float = 0.0,
+                           kept_gathered_params: float = 0.0, pipelined: bool = False) -> float:
     """Communication and gather buffers on one rank (bytes).
 
     ``stage_params``: parameters this rank holds before sharding; ``largest_layer_params``:
     the largest module the framework gathers at once (per TP shard); ``data_parallel``: False
-    when there is a single replica (no DDP buckets, nothing to reduce).
+    when there is a single replica (no DDP buckets, nothing to reduce). torchtitan's FSDP2 also
+    takes ``largest_block_params`` (the largest transformer block), ``kept_gathered_params``
+    (modules never resharded after forward: its ``[norm, output]`` group on the last stage)
+    and ``pipelined`` (see ``torchtitan_fsdp_buffer_bytes``).
     """
     compute_bytes = 4 if fp32 else 2
     if framework == "ideal":
@@ -123,6 +141,11 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
         if zero_stage == 3:
             return 2 * compute_bytes * largest_layer_params
         return 0.0
+    if framework == "torchtitan" and zero_stage >= 2:
+        return torchtitan_fsdp_buffer_bytes(
+            reshard_after_forward=zero_stage == 3 and not pipelined, stage_params=stage_params,
+            largest_block_params=largest_block_params or largest_layer_params,
+            kept_gathered_params=kept_gathered_params, compute_bytes=compute_bytes)
     # meshplan / torchtitan
     if zero_stage <= 1:  # DDP gradient buckets: one more copy of the gradients
         return FP32_BYTES * stage_params if data_parallel else 0.0
@@ -132,10 +155,36 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
     return (2 * compute_bytes + FP32_BYTES) * largest_layer_params
 
 
+def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: float,
+                                 largest_block_params: float, kept_gathered_params: float,
+                                 compute_bytes: int) -> float:
+    """FSDP2 buffers of torchtitan 0.2.2 at the backward peak (bytes on one rank).
+
+    torchtitan's ``apply_fsdp`` (models/llama3/infra/parallelize.py) calls ``fully_shard`` on
+    the token embedding, on every transformer block and on the ``[norm, output]`` pair, with
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and
+    ``reshard_after_forward = not pp`` (the pair: never, since it is the first module
+    backward needs). In a block's backward FSDP2 holds its gathered parameters, the next
+    block's prefetched ones (both in the compute dtype), the block's unsharded gradients in
+    the compute dtype and their fp32 copy, the reduce-scatter input:
+    ``(3 c + 4) x block``. Not resharding after forward (under PP, or ZeRO-2 here) keeps the
+    whole stage gathered instead of the two blocks: ``c x stage + (c + 4) x block``. The
+    embedding is gathered again only at the very end of backward, when no activations are
+    left, so it does not add to the peak.
+    """
+    grads = (compute_bytes + FP32_BYTES) * largest_block_params
+    if not reshard_after_forward:
+        return compute_bytes * stage_params + grads
+    return 2 * compute_bytes * largest_block_params + grads \
+        + compute_bytes * kept_gathered_params
+
+
 def eager_autograd(framework: str) -> bool:
     """Whether the framework runs unfused PyTorch modules, which keep a few more tensors for
-    backward than Megatron's fused kernels (see ``activations.layer_activation_bytes``)."""
-    return framework == "meshplan"
+    backward than Megatron's fused kernels (see ``activations.layer_activation_bytes``):
+    meshplan's runtime and torchtitan (``nn.RMSNorm``, complex RoPE, SwiGLU as three linears
+    and ``F.silu`` in its llama3 model)."""
+    return framework in ("meshplan", "torchtitan")
 
 
 def vocab_parallel_loss(framework: str) -> bool:
@@ -160,6 +209,8 @@ def logit_copies(framework: str, fp32: bool) -> float:
     """fp32-sized vocabulary tensors alive at the loss (see activations.head_activation_bytes)."""
     if framework in ("megatron", "ideal"):
         return 1.0
+    if framework == "torchtitan":
+        return TORCHTITAN_LOGIT_COPIES + (0.0 if fp32 else TORCHTITAN_FREED_LOGITS_COPIES)
     # logits in compute dtype, an fp32 upcast and the saved log-softmax
     return 2.0 if fp32 else 2.5
 

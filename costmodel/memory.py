@@ -31,6 +31,11 @@ class StageParams:
     """Expert MLP weights, replicated over dp * cp / ep."""
     largest_layer: float
     """The largest block gathered at once under ZeRO-3 (per TP shard)."""
+    largest_block: float = 0.0
+    """The largest transformer layer (per TP shard), embeddings and head left out; 0: as
+    ``largest_layer``."""
+    head: float = 0.0
+    """Final norm and LM head (per TP shard) on the last stage, 0 elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,8 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
         else:
             dense += layer
             largest = max(largest, layer / t)
+    block = largest
+    head = 0.0
     if stage == 0:
         dense += model.embedding_params
         largest = max(largest, model.vocab_rows * model.hidden_size / t)
@@ -91,7 +98,9 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
         if model.tied_embeddings and config.pp > 1:
             dense += model.vocab_rows * model.hidden_size
         largest = max(largest, model.vocab_rows * model.hidden_size / t)
-    return StageParams(dense=dense / t, expert=expert / (t * config.ep), largest_layer=largest)
+        head = model.head_params / t
+    return StageParams(dense=dense / t, expert=expert / (t * config.ep), largest_layer=largest,
+                       largest_block=block, head=head)
 
 
 def stage_states(model: ModelSpec, config: ParallelConfig, stage: int,
@@ -119,14 +128,9 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
         if stage == config.pp - 1:
             total += traced.extra_saved_bytes(model, config)
         return total
-    moe_layers = sum(1 for i in layer_range if model.is_moe_layer(i))
-    dense_layers = len(layer_range) - moe_layers
-    eager = eager_autograd(framework)
-    per_mb = dense_layers * act.layer_activation_bytes(model, config, recompute=mode,
-                                                       eager=eager)
-    if moe_layers:
-        per_mb += moe_layers * act.layer_activation_bytes(model, config, recompute=mode,
-                                                          moe=True, eager=eager)
+    per_mb = sum(_layer_bytes(model, config, framework, layer_mode, moe=model.is_moe_layer(i))
+                 for i, layer_mode in zip(layer_range, layer_modes(config, framework, stage,
+                                                                   len(layer_range))))
     in_flight = act.in_flight_microbatches(config, stage)
     total = in_flight * per_mb
     if stage == 0:
@@ -138,25 +142,61 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     return total
 
 
+def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int) -> list[str]:
+    """What each of the stage's ``layers`` blocks does for backward: ``none``, ``full``,
+    ``selective`` or ``op`` (a per-op policy, ``activations.op_policy_layer_bytes``).
+
+    Selective means each framework's own policy: Korthikanti et al. 2022's attention-core
+    recomputation for Megatron-LM and DeepSpeed (Megatron-DeepSpeed's ``selective``
+    granularity; under fused attention only the log-sum-exp is left to drop, so it is nearly
+    ``none``); torchtitan's ``selective_ac``, its per-op policy or every Nth block fully
+    recomputed and the others kept whole (torchtitan 0.2.2 ``_apply_layer_sac``: a counter over
+    the blocks the rank wraps, block k (from 1) recomputed when N divides k); meshplan's
+    runtime's per-op policy.
+    """
+    mode = config.stage_recompute(stage)
+    if mode != "selective" or framework not in ("torchtitan", "meshplan"):
+        return [mode] * layers
+    every = config.selective_every_n_layers if framework == "torchtitan" else 0
+    if not every:
+        return ["op"] * layers
+    return ["full" if (k + 1) % every == 0 else "none" for k in range(layers)]
+
+
+def _layer_bytes(model: ModelSpec, config: ParallelConfig, framework: str, mode: str, *,
+                 moe: bool) -> float:
+    if mode == "op":
+        return act.op_policy_layer_bytes(model, config, moe=moe, policy=framework)
+    return act.layer_activation_bytes(model, config, recompute=mode, moe=moe,
+                                      eager=eager_autograd(framework))
+
+
 def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: int, *,
-                              eager: bool = False) -> float:
+                              framework: str = "megatron") -> float:
     """Activations rebuilt by recomputation during one layer's backward, on top of those stored.
 
     Full: the layer's whole activations less its stored input (the recomputation starts from
-    that same tensor). Selective: the attention core. None: nothing. Counted as a buffer, not
-    as stored activations (Megatron-LM's and Korthikanti's counts leave it out).
+    that same tensor). Selective: the attention core (Korthikanti), or under a per-op policy
+    what the policy does not keep. None: nothing. Counted as a buffer, not as stored
+    activations (Megatron-LM's and Korthikanti's counts leave it out).
     """
     mode = config.stage_recompute(stage)
     if model.is_traced:
         return traced.recompute_workspace_bytes(model, config, mode,
                                                 stage_layer_range(model, config, stage))
-    if mode == "none":
-        return 0.0
-    if mode == "selective":
+    layer_range = stage_layer_range(model, config, stage)
+    modes = set(layer_modes(config, framework, stage, len(layer_range)))
+    moe = any(model.is_moe_layer(i) for i in layer_range)
+    eager = eager_autograd(framework)
+    whole = act.layer_activation_bytes(model, config, recompute="none", moe=moe, eager=eager)
+    if "full" in modes:
+        return whole - act.layer_activation_bytes(model, config, recompute="full")
+    if "op" in modes:
+        return max(0.0, whole - act.op_policy_layer_bytes(model, config, moe=moe,
+                                                          policy=framework))
+    if "selective" in modes:
         return act.attention_core_bytes(model, config)
-    moe = any(model.is_moe_layer(i) for i in stage_layer_range(model, config, stage))
-    return (act.layer_activation_bytes(model, config, recompute="none", moe=moe, eager=eager)
-            - act.layer_activation_bytes(model, config, recompute="full"))
+    return 0.0
 
 
 def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
@@ -172,12 +212,12 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     buffers = framework_buffer_bytes(
         framework, zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
         largest_layer_params=params.largest_layer, fp32=config.dtype == "fp32",
-        data_parallel=config.dp * config.cp > 1)
+        data_parallel=config.dp * config.cp > 1, largest_block_params=params.largest_block,
+        kept_gathered_params=params.head, pipelined=config.pp > 1)
     persistent = buffers if framework in ("meshplan", "torchtitan") and \
         config.zero_stage <= 1 else 0.0
     if framework != "ideal":
-        buffers += recompute_workspace_bytes(model, config, stage,
-                                             eager=eager_autograd(framework))
+        buffers += recompute_workspace_bytes(model, config, stage, framework=framework)
     optimizer_params = 0.0 if config.offload != "none" else (
         params.dense / (config.dp * config.cp if config.zero_stage >= 1 else 1)
         + params.expert / (max(1, config.dp * config.cp // config.ep)
