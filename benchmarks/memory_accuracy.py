@@ -1,8 +1,8 @@
 """Accuracy of predicted peak memory against measured runs.
 
 For every run in ``costmodel/data/memory_runs.json`` (torchtitan's published FSDP2 runs, the
-runs torchtitan reports as fitting or out of memory on 80 GB A100s, and meshplan's runtime on
-this CPU) print the measured and predicted peak and the error, then per framework the mean
+runs torchtitan reports as fitting or out of memory on 80 GB A100s, torchtitan's own train step
+on this CPU (``benchmarks/torchtitan_cpu_memory.py``) and meshplan's runtime on this CPU) print the measured and predicted peak and the error, then per framework the mean
 and worst error and the fit checks that disagree. Acceptance (torchtitan, meshplan): within
 10% of every measurement and never under-predicted by more than 5%.
 

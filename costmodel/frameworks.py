@@ -36,17 +36,13 @@ allocate one gradient buffer of that size up front, whatever the model size."""
 
 
 TORCHTITAN_LOGIT_COPIES = 3.0
-"""fp32 vocabulary tensors alive at torchtitan's loss backward. Its ``cross_entropy_loss``
-(components/loss.py) is ``F.cross_entropy(pred.float(), ...)``, i.e. log_softmax + nll_loss,
-and train.py deletes ``pred`` before ``loss.backward()``. Forward holds the logits in compute
-dtype, the fp32 upcast and the saved log-softmax (2.5 copies in bf16); backward holds the
-saved log-softmax, nll_loss's dense fp32 gradient and log_softmax_backward's result: 3."""
-TORCHTITAN_FREED_LOGITS_COPIES = 0.5
-"""In bf16 the logits' own block (half an fp32 copy), freed by ``del pred``, stays reserved
-by the caching allocator through that backward peak: none of the three fp32 tensors fits in
-it, so the third one takes a new segment. torchtitan reports reserved memory
-(``max_reserved``), which includes it. In fp32 ``.float()`` returns ``pred`` itself and its
-block is reused by nll_loss's gradient."""
+"""fp32 vocabulary tensors alive at torchtitan's loss backward (and meshplan's runtime's, whose
+``train.lm_loss`` is the same). torchtitan's ``cross_entropy_loss`` (components/loss.py) is
+``F.cross_entropy(pred.float(), ...)``, i.e. log_softmax + nll_loss, and train.py deletes
+``pred`` before ``loss.backward()``. Forward holds the logits in compute dtype, the fp32 upcast
+and the saved log-softmax (2.5 copies in bf16); backward holds the saved log-softmax,
+nll_loss's dense fp32 gradient and log_softmax_backward's result: 3. Measured on CPU with
+torchtitan's own step (benchmarks/torchtitan_cpu_memory.py)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +175,31 @@ def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: f
         + compute_bytes * kept_gathered_params
 
 
+def torchtitan_cached_bytes(*, freed_grads: float, freed_logits: float, fsdp: bool,
+                            compute_bytes: int, largest_gather_params: float,
+                            largest_block_params: float, head_params: float) -> float:
+    """Bytes the CUDA caching allocator keeps reserved but cannot use at torchtitan's forward /
+    backward peak (on top of the allocated peak).
+
+    * ``freed_grads``: the sharded gradients freed by ``zero_grad`` at the start of the step.
+      Their blocks (one per parameter shard) are far smaller than the activation tensors that
+      follow and stay cached.
+    * ``freed_logits``: the compute-dtype logits freed by ``del pred``; none of the three fp32
+      tensors of the loss backward fits in that block, so the third takes a new segment.
+    * FSDP2 all-gathers on its own all-gather stream and reduce-scatters on its own
+      reduce-scatter stream (torch ``_fsdp_param_group.py``), and the allocator only reuses a
+      block on the stream it was allocated on. The all-gather pool holds the gather outputs in
+      flight at the loss backward (the ``[norm, output]`` group and the prefetched last block,
+      compute dtype); the reduce-scatter pool the largest fp32 reduce-scatter input, that of
+      the largest gathered group (the embedding or the head).
+    """
+    cached = freed_grads + freed_logits
+    if fsdp:
+        cached += compute_bytes * (head_params + largest_block_params)
+        cached += FP32_BYTES * largest_gather_params
+    return cached
+
+
 def eager_autograd(framework: str) -> bool:
     """Whether the framework runs unfused PyTorch modules, which keep a few more tensors for
     backward than Megatron's fused kernels (see ``activations.layer_activation_bytes``):
@@ -196,23 +217,29 @@ def vocab_parallel_loss(framework: str) -> bool:
 def optimizer_workspace_bytes(framework: str, *, optimizer_params: float) -> float:
     """Temporary device bytes of the optimizer step over ``optimizer_params`` parameters.
 
-    PyTorch's foreach AdamW (meshplan's runtime, torchtitan) allocates one fp32 tensor per
-    parameter for sqrt(v) + eps before the in-place update (torch/optim/adam.py,
-    ``_multi_tensor_adam``); Megatron's and DeepSpeed's fused Adam kernels update in place.
+    PyTorch's foreach AdamW (meshplan's runtime) allocates one fp32 tensor per parameter for
+    sqrt(v) + eps before the in-place update (torch/optim/adam.py, ``_multi_tensor_adam``);
+    torchtitan's default fused AdamW (``optimizer.implementation = "fused"``) and Megatron's
+    and DeepSpeed's fused Adam kernels update in place.
     """
-    if framework in ("meshplan", "torchtitan"):
+    if framework == "meshplan":
         return FP32_BYTES * optimizer_params
     return 0.0
 
 
 def logit_copies(framework: str, fp32: bool) -> float:
-    """fp32-sized vocabulary tensors alive at the loss (see activations.head_activation_bytes)."""
+    """fp32-sized vocabulary tensors alive at the loss (see activations.head_activation_bytes).
+
+    Megatron's fused vocab-parallel cross entropy keeps one; DeepSpeed is counted at its
+    forward (logits, fp32 upcast, log-softmax). torchtitan and meshplan's runtime both run
+    ``F.cross_entropy(logits.float(), ...)`` and drop the logits before backward:
+    ``TORCHTITAN_LOGIT_COPIES`` at the loss backward.
+    """
     if framework in ("megatron", "ideal"):
         return 1.0
-    if framework == "torchtitan":
-        return TORCHTITAN_LOGIT_COPIES + (0.0 if fp32 else TORCHTITAN_FREED_LOGITS_COPIES)
-    # logits in compute dtype, an fp32 upcast and the saved log-softmax
-    return 2.0 if fp32 else 2.5
+    if framework == "deepspeed":  # logits in compute dtype, an fp32 upcast, the log-softmax
+        return 2.0 if fp32 else 2.5
+    return TORCHTITAN_LOGIT_COPIES
 
 
 def deepspeed_host_bytes_per_node(*, total_params: float, zero_stage: int, offload: str,

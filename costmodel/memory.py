@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from meshplan.costmodel import activations as act
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
-from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import (StateBytes, deepspeed_host_bytes_per_node,
                                   framework_buffer_bytes, logit_copies, model_state_bytes,
                                   eager_autograd, optimizer_workspace_bytes,
-                                  vocab_parallel_loss)
+                                  torchtitan_cached_bytes, vocab_parallel_loss)
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.model import ModelSpec
 
@@ -118,8 +118,9 @@ def stage_states(model: ModelSpec, config: ParallelConfig, stage: int,
 
 
 def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
-                           framework: str) -> float:
-    """Peak activation bytes of ``stage``: in-flight micro-batches of its layers and extras."""
+                           framework: str, *, device_key: str = "") -> float:
+    """Peak activation bytes of ``stage``: in-flight micro-batches of its layers and extras.
+    ``device_key``: the GPU catalog key (some policies differ on the ``cpu`` pseudo-device)."""
     mode = config.stage_recompute(stage)
     layer_range = stage_layer_range(model, config, stage)
     if model.is_traced:
@@ -128,7 +129,8 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
         if stage == config.pp - 1:
             total += traced.extra_saved_bytes(model, config)
         return total
-    per_mb = sum(_layer_bytes(model, config, framework, layer_mode, moe=model.is_moe_layer(i))
+    per_mb = sum(_layer_bytes(model, config, framework, layer_mode, moe=model.is_moe_layer(i),
+                              device_key=device_key)
                  for i, layer_mode in zip(layer_range, layer_modes(config, framework, stage,
                                                                    len(layer_range))))
     in_flight = act.in_flight_microbatches(config, stage)
@@ -164,15 +166,18 @@ def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int)
 
 
 def _layer_bytes(model: ModelSpec, config: ParallelConfig, framework: str, mode: str, *,
-                 moe: bool) -> float:
+                 moe: bool, device_key: str = "") -> float:
     if mode == "op":
-        return act.op_policy_layer_bytes(model, config, moe=moe, policy=framework)
+        return act.op_policy_layer_bytes(
+            model, config, moe=moe, policy=framework,
+            saves_attention=framework != "torchtitan" or device_key != CPU_DEVICE_KEY)
     return act.layer_activation_bytes(model, config, recompute=mode, moe=moe,
-                                      eager=eager_autograd(framework))
+                                      eager=eager_autograd(framework),
+                                      rope_tables=framework != "torchtitan")
 
 
 def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: int, *,
-                              framework: str = "megatron") -> float:
+                              framework: str = "megatron", device_key: str = "") -> float:
     """Activations rebuilt by recomputation during one layer's backward, on top of those stored.
 
     Full: the layer's whole activations less its stored input (the recomputation starts from
@@ -187,13 +192,12 @@ def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: i
     layer_range = stage_layer_range(model, config, stage)
     modes = set(layer_modes(config, framework, stage, len(layer_range)))
     moe = any(model.is_moe_layer(i) for i in layer_range)
-    eager = eager_autograd(framework)
-    whole = act.layer_activation_bytes(model, config, recompute="none", moe=moe, eager=eager)
+    whole = _layer_bytes(model, config, framework, "none", moe=moe)
     if "full" in modes:
         return whole - act.layer_activation_bytes(model, config, recompute="full")
     if "op" in modes:
-        return max(0.0, whole - act.op_policy_layer_bytes(model, config, moe=moe,
-                                                          policy=framework))
+        return max(0.0, whole - _layer_bytes(model, config, framework, "op", moe=moe,
+                                             device_key=device_key))
     if "selective" in modes:
         return act.attention_core_bytes(model, config)
     return 0.0
@@ -208,7 +212,12 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     recomputation workspace) and the optimizer step (its temporaries; activations are freed).
     """
     states, params = stage_states(model, config, stage, framework)
-    activations = stage_activation_bytes(model, config, stage, framework)
+    activations = stage_activation_bytes(model, config, stage, framework,
+                                         device_key=cluster.gpu.key)
+    if framework == "torchtitan" and not model.is_traced:
+        return _torchtitan_stage_memory(model, config, stage, calibration=calibration,
+                                        states=states, params=params, activations=activations,
+                                        device_key=cluster.gpu.key)
     buffers = framework_buffer_bytes(
         framework, zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
         largest_layer_params=params.largest_layer, fp32=config.dtype == "fp32",
@@ -231,6 +240,66 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                        params_bytes=states.params, grads_bytes=states.grads,
                        optimizer_bytes=states.optimizer, activations_bytes=activations,
                        buffers_bytes=buffers, offloaded_bytes=states.offloaded,
+                       peak_bytes=peak, reserved_bytes=reserved)
+
+
+def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: int, *,
+                             calibration: Calibration, states: StateBytes, params: StageParams,
+                             activations: float, device_key: str) -> StageMemory:
+    """torchtitan's train step, phase by phase (torchtitan 0.2.2 train.py and apply_fsdp).
+
+    Each step starts with ``optimizer.zero_grad()`` (gradients set to None), so with a single
+    micro-batch no gradient exists before backward. Forward/backward peaks at one of:
+
+    * the loss backward (last stage): every stored activation and the loss's logit copies, with
+      the ``[norm, output]`` group still gathered and the last block prefetched (or, without
+      resharding, the whole stage gathered);
+    * a block's backward: the stored activations less the loss's, the block's gather and
+      gradient buffers (``torchtitan_fsdp_buffer_bytes``) and what its recomputation rebuilds.
+
+    The optimizer step (fused AdamW, in place) holds parameters, gradients and Adam states.
+    Reserved adds blocks the CUDA caching allocator keeps but cannot reuse at that peak
+    (``torchtitan_cached_bytes``), then the allocator's fragmentation and the communicator.
+    """
+    fp32 = config.dtype == "fp32"
+    compute_bytes = 4 if fp32 else 2
+    buffers = framework_buffer_bytes(
+        "torchtitan", zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
+        largest_layer_params=params.largest_layer, fp32=fp32,
+        data_parallel=config.dp * config.cp > 1, largest_block_params=params.largest_block,
+        kept_gathered_params=params.head, pipelined=config.pp > 1)
+    workspace = recompute_workspace_bytes(model, config, stage, framework="torchtitan",
+                                          device_key=device_key)
+    last = stage == config.pp - 1
+    loss = act.logit_bytes(model, config, copies=logit_copies("torchtitan", fp32)) if last \
+        else 0.0
+    if config.zero_stage <= 1:  # DDP: buckets stay allocated, nothing is gathered
+        at_loss = in_block = buffers
+    elif config.zero_stage == 3 and config.pp == 1:
+        at_loss = compute_bytes * (params.head + params.largest_block)
+        in_block = buffers
+    else:
+        at_loss = compute_bytes * (params.dense + params.expert)
+        in_block = buffers
+    live_grads = states.grads if config.grad_accum_steps > 1 else 0.0
+    forward_backward = states.params + states.optimizer + live_grads + max(
+        activations + at_loss if last else 0.0, activations - loss + in_block + workspace)
+    step = states.params + states.grads + states.optimizer + (
+        buffers if config.zero_stage <= 1 else 0.0)
+    peak = max(forward_backward, step)
+    cached = torchtitan_cached_bytes(
+        freed_grads=states.grads - live_grads, freed_logits=act.logit_bytes(
+            model, config, copies=1, element_bytes=compute_bytes) if last and not fp32 else 0.0,
+        fsdp=config.zero_stage >= 2, compute_bytes=compute_bytes,
+        largest_gather_params=params.largest_layer, largest_block_params=params.largest_block,
+        head_params=params.head)
+    comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
+    reserved = max(forward_backward + cached, step) * (1 + calibration.allocator_fragmentation) \
+        + comm
+    return StageMemory(stage=stage, layers=len(stage_layer_range(model, config, stage)),
+                       params_bytes=states.params, grads_bytes=states.grads,
+                       optimizer_bytes=states.optimizer, activations_bytes=activations,
+                       buffers_bytes=buffers + workspace, offloaded_bytes=states.offloaded,
                        peak_bytes=peak, reserved_bytes=reserved)
 
 

@@ -79,16 +79,16 @@ def _run_from_dict(raw: dict[str, Any]) -> MemoryRun:
 def compare(run: MemoryRun, calibration: Calibration | None = None) -> MemoryComparison:
     """The model's prediction of what ``run`` measured.
 
-    Reserved peaks are compared with the allocator's part of the predicted reserve, peak x
-    (1 + ``allocator_fragmentation``): torch's ``reserved_bytes`` leaves out the communicator
-    buffers (NCCL allocates them itself) that the model's ``reserved_bytes`` adds for the fit.
+    Reserved peaks are compared with the allocator's part of the predicted reserve: the
+    model's ``reserved_bytes`` less the communicator buffers, which NCCL allocates itself,
+    outside torch's ``reserved_bytes``.
     """
     cal = calibration or default_calibration()
     est = estimate(run.model, run.cluster, run.config, framework=run.framework, calibration=cal)
     if run.measure == "fits":
         return MemoryComparison(run=run, predicted=est.fits)
     stages = est.memory.per_stage if run.stage is None else (est.memory.per_stage[run.stage],)
-    peak = max(s.peak_bytes for s in stages)
     if run.measure == "peak_reserved_GiB":
-        return MemoryComparison(run=run, predicted=peak * (1 + cal.allocator_fragmentation))
-    return MemoryComparison(run=run, predicted=peak)
+        comm = cal.communicator_bytes if run.config.world_size > 1 else 0.0
+        return MemoryComparison(run=run, predicted=max(s.reserved_bytes for s in stages) - comm)
+    return MemoryComparison(run=run, predicted=max(s.peak_bytes for s in stages))
