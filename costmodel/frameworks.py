@@ -45,6 +45,13 @@ nll_loss's dense fp32 gradient and log_softmax_backward's result: 3. Measured on
 torchtitan's own step (benchmarks/torchtitan_cpu_memory.py)."""
 
 
+DS_PREFETCH_BUCKET_ELEMENTS = 50_000_000
+"""DeepSpeed's default ``stage3_prefetch_bucket_size`` (elements gathered ahead of use)."""
+DS_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's default ``stage3_param_persistence_threshold``: parameters with fewer
+elements are never partitioned and stay gathered on every rank."""
+
+
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes of model states on one rank (device) and what was moved off it (host)."""
@@ -149,6 +156,23 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
         return compute_bytes * stage_params
     # ZeRO-3: current + prefetched block in compute dtype, one block of unsharded fp32 grads
     return (2 * compute_bytes + FP32_BYTES) * largest_layer_params
+
+
+def deepspeed_zero3_extra_buffer_bytes(*, largest_layer_params: float,
+                                       persistent_params: float, compute_bytes: int) -> float:
+    """ZeRO-3 device buffers that DeepSpeed's estimator (``framework_buffer_bytes``: the
+    largest layer's fp16 parameters and gradients) leaves out, at DeepSpeed 0.19's defaults:
+
+    * the contiguous gradient (IPG) bucket, ``reduce_bucket_size`` = 5e8 elements in the
+      gradient dtype, allocated whole at start-up when ``contiguous_gradients`` is on
+      (runtime/zero/stage3.py, ``bucket.buffer = torch.empty(self.reduce_bucket_size, ...)``);
+    * the prefetched parameters, up to ``stage3_prefetch_bucket_size`` = 5e7 elements (or one
+      more largest layer, whichever is less) gathered while the current module computes;
+    * ``persistent_params``: parameters under ``stage3_param_persistence_threshold`` (1e5
+      elements: norms and biases) that stay gathered (parameter_offload.py).
+    """
+    prefetch = min(DS_PREFETCH_BUCKET_ELEMENTS, largest_layer_params)
+    return compute_bytes * (DS_BUCKET_ELEMENTS + prefetch + persistent_params)
 
 
 def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: float,

@@ -13,10 +13,12 @@ from meshplan.costmodel import activations as act
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
-from meshplan.costmodel.frameworks import (StateBytes, deepspeed_host_bytes_per_node,
+from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, StateBytes,
+                                  deepspeed_host_bytes_per_node,
+                                  deepspeed_zero3_extra_buffer_bytes, eager_autograd,
                                   framework_buffer_bytes, logit_copies, model_state_bytes,
-                                  eager_autograd, optimizer_workspace_bytes,
-                                  torchtitan_cached_bytes, vocab_parallel_loss)
+                                  optimizer_workspace_bytes, torchtitan_cached_bytes,
+                                  vocab_parallel_loss)
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.model import ModelSpec
 
@@ -36,6 +38,8 @@ class StageParams:
     ``largest_layer``."""
     head: float = 0.0
     """Final norm and LM head (per TP shard) on the last stage, 0 elsewhere."""
+    layers: int = 0
+    """Transformer layers of the stage."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,23 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
         largest = max(largest, model.vocab_rows * model.hidden_size / t)
         head = model.head_params / t
     return StageParams(dense=dense / t, expert=expert / (t * config.ep), largest_layer=largest,
-                       largest_block=block, head=head)
+                       largest_block=block, head=head,
+                       layers=len(stage_layer_range(model, config, stage)))
+
+
+def persistent_layer_params(model: ModelSpec) -> int:
+    """Parameters of one dense layer held by tensors under DeepSpeed's persistence threshold
+    (``DS_PERSISTENCE_THRESHOLD`` elements): its norms' weights and biases and, with biases,
+    the projections' biases (QKV, attention output, MLP)."""
+    h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
+    norm_tensors = [h] * (4 if model.norm == "layernorm" else 2)
+    biases = []
+    if model.linear_bias:
+        up = 2 if model.activation == "swiglu" else 1
+        biases = [q + 2 * kv, h, up * f, h]
+    elif model.qkv_bias:
+        biases = [q + 2 * kv]
+    return sum(n for n in norm_tensors + biases if n < DS_PERSISTENCE_THRESHOLD)
 
 
 def stage_states(model: ModelSpec, config: ParallelConfig, stage: int,
@@ -151,7 +171,8 @@ def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int)
     Selective means each framework's own policy: Korthikanti et al. 2022's attention-core
     recomputation for Megatron-LM and DeepSpeed (Megatron-DeepSpeed's ``selective``
     granularity; under fused attention only the log-sum-exp is left to drop, so it is nearly
-    ``none``); torchtitan's ``selective_ac``, its per-op policy or every Nth block fully
+    ``none``; DeepSpeed's own ``deepspeed.checkpointing`` recomputes whole layers, ``full``,
+    and its ``partition_activations`` / ``cpu_checkpointing`` options are not modelled); torchtitan's ``selective_ac``, its per-op policy or every Nth block fully
     recomputed and the others kept whole (torchtitan 0.2.2 ``_apply_layer_sac``: a counter over
     the blocks the rank wraps, block k (from 1) recomputed when N divides k); meshplan's
     runtime's per-op policy.
@@ -223,6 +244,11 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         largest_layer_params=params.largest_layer, fp32=config.dtype == "fp32",
         data_parallel=config.dp * config.cp > 1, largest_block_params=params.largest_block,
         kept_gathered_params=params.head, pipelined=config.pp > 1)
+    if framework == "deepspeed" and config.zero_stage == 3:
+        buffers += deepspeed_zero3_extra_buffer_bytes(
+            largest_layer_params=params.largest_layer,
+            persistent_params=persistent_layer_params(model) * params.layers,
+            compute_bytes=4 if config.dtype == "fp32" else 2)
     persistent = buffers if framework in ("meshplan", "torchtitan") and \
         config.zero_stage <= 1 else 0.0
     if framework != "ideal":

@@ -149,3 +149,21 @@ def test_selective_ac_flag_bad_value_is_one_line_exit_2():
     line = usage_error("estimate", "--model", "tiny", "--cluster", "cpu", "--global-batch", "8",
                        "--selective-ac", "sometimes")
     assert "selective_ac must be op or a positive integer" in line
+
+
+# ----- DeepSpeed ZeRO-3 buffers beyond its estimator ------------------------------------------
+def test_deepspeed_zero3_buffers_are_estimator_plus_ipg_prefetch_and_persistent():
+    """GPT-3 175B, ZeRO-3 over 8 ranks, no recompute: DeepSpeed's estimator's 4 bytes per
+    parameter of the largest layer (12 h^2 + 13 h), plus, in bf16, the 5e8-element IPG bucket,
+    a 5e7-element prefetch (less than a layer) and the parameters under 1e5 elements that stay
+    gathered: per layer 2 LayerNorms (weight, bias: 4h) and the biases QKV 3h, output h,
+    MLP 4h and h (13h in all), 96 layers."""
+    model = load_model("gpt3-175b")
+    cluster = load_cluster("dgx-a100-80gb", nodes=1)
+    config = ParallelConfig(dp=8, zero_stage=3, micro_batch_size=1, global_batch_size=8,
+                            seq_len=2048)
+    stage = estimate(model, cluster, config, framework="deepspeed").memory.per_stage[0]
+    h = 12288
+    largest = 12 * h * h + 13 * h
+    expected = 4 * largest + 2 * (500_000_000 + 50_000_000 + 96 * 13 * h)
+    assert stage.buffers_bytes == pytest.approx(expected, rel=EXACT)
