@@ -175,6 +175,26 @@ def deepspeed_zero3_extra_buffer_bytes(*, largest_layer_params: float,
     return compute_bytes * (DS_BUCKET_ELEMENTS + prefetch + persistent_params)
 
 
+def pipeline_recv_buffer_bytes(framework: str, *, boundary_bytes: float, micro_batches: int,
+                               stage: int, stages: int, vpp: int = 1) -> float:
+    """Receive buffers torch.distributed.pipelining keeps for the whole run (bytes per rank).
+
+    ``PipelineStage._prepare_forward_infra`` allocates one activation receive buffer per
+    micro-batch for every stage but the first, and ``_prepare_backward_infra`` one gradient
+    receive buffer per micro-batch for every stage but the last (torch
+    distributed/pipelining/stage.py); a rank holding ``vpp`` chunks (virtual stages
+    ``stage + k * stages``) has them per chunk. ``boundary_bytes``: one micro-batch's hidden
+    states at a stage boundary. meshplan's runtime and torchtitan use these schedules;
+    Megatron-LM and DeepSpeed allocate receive tensors per transfer.
+    """
+    if framework not in ("meshplan", "torchtitan") or stages == 1:
+        return 0.0
+    last = stages * vpp - 1
+    chunks = [stage + k * stages for k in range(vpp)]
+    directions = sum((j > 0) + (j < last) for j in chunks)
+    return directions * micro_batches * boundary_bytes
+
+
 def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: float,
                                  largest_block_params: float, kept_gathered_params: float,
                                  compute_bytes: int) -> float:

@@ -17,8 +17,8 @@ from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, StateBytes,
                                   deepspeed_host_bytes_per_node,
                                   deepspeed_zero3_extra_buffer_bytes, eager_autograd,
                                   framework_buffer_bytes, logit_copies, model_state_bytes,
-                                  optimizer_workspace_bytes, torchtitan_cached_bytes,
-                                  vocab_parallel_loss)
+                                  optimizer_workspace_bytes, pipeline_recv_buffer_bytes,
+                                  torchtitan_cached_bytes, vocab_parallel_loss)
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.model import ModelSpec
 
@@ -121,6 +121,17 @@ def persistent_layer_params(model: ModelSpec) -> int:
     elif model.qkv_bias:
         biases = [q + 2 * kv]
     return sum(n for n in norm_tensors + biases if n < DS_PERSISTENCE_THRESHOLD)
+
+
+def stage_recv_buffer_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
+                            framework: str) -> float:
+    """Pipeline receive buffers of ``stage`` (``frameworks.pipeline_recv_buffer_bytes``); the
+    boundary tensor is one micro-batch's hidden states, sequence-split under SP."""
+    boundary = (config.bytes_per_activation * act.tokens_per_microbatch(config)
+                * model.hidden_size / (config.tp if config.sp else 1))
+    return pipeline_recv_buffer_bytes(framework, boundary_bytes=boundary,
+                                      micro_batches=config.grad_accum_steps, stage=stage,
+                                      stages=config.pp, vpp=config.vpp)
 
 
 def stage_states(model: ModelSpec, config: ParallelConfig, stage: int,
@@ -251,6 +262,9 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
             compute_bytes=4 if config.dtype == "fp32" else 2)
     persistent = buffers if framework in ("meshplan", "torchtitan") and \
         config.zero_stage <= 1 else 0.0
+    recv = stage_recv_buffer_bytes(model, config, stage, framework)
+    buffers += recv
+    persistent += recv
     if framework != "ideal":
         buffers += recompute_workspace_bytes(model, config, stage, framework=framework)
     optimizer_params = 0.0 if config.offload != "none" else (
@@ -258,8 +272,11 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         + params.expert / (max(1, config.dp * config.cp // config.ep)
                            if config.zero_stage >= 1 else 1))
     step_workspace = optimizer_workspace_bytes(framework, optimizer_params=optimizer_params)
+    in_block = activations + buffers - persistent  # a block's backward: the loss is freed
+    if framework == "meshplan" and not model.is_traced:
+        in_block += _block_backward_bytes(model, config, stage)
     peak = (states.params + states.grads + states.optimizer + persistent
-            + max(activations + buffers - persistent, step_workspace))
+            + max(activations + buffers - persistent, in_block, step_workspace))
     comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
     reserved = peak * (1 + calibration.allocator_fragmentation) + comm
     return StageMemory(stage=stage, layers=len(stage_layer_range(model, config, stage)),
@@ -267,6 +284,20 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                        optimizer_bytes=states.optimizer, activations_bytes=activations,
                        buffers_bytes=buffers, offloaded_bytes=states.offloaded,
                        peak_bytes=peak, reserved_bytes=reserved)
+
+
+def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
+    """What a block's backward adds once the loss's logits are freed: the backward workspace
+    (``activations.backward_workspace_bytes``) less the loss's logit copies on the last stage;
+    never negative (the sum with the loss phase is kept as the larger bound)."""
+    fp32 = config.dtype == "fp32"
+    weight_bytes = 4 if fp32 or config.zero_stage <= 1 else 2  # DDP: fp32 weights' grads
+    workspace = act.backward_workspace_bytes(model, config, weight_grad_bytes=weight_bytes,
+                                             accumulating=config.grad_accum_steps > 1)
+    if stage == config.pp - 1:
+        workspace -= act.logit_bytes(model, config, copies=logit_copies("meshplan", fp32),
+                                     vocab_parallel=vocab_parallel_loss("meshplan"))
+    return max(0.0, workspace)
 
 
 def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: int, *,
@@ -307,10 +338,11 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     else:
         at_loss = compute_bytes * (params.dense + params.expert)
         in_block = buffers
+    recv = stage_recv_buffer_bytes(model, config, stage, "torchtitan")
     live_grads = states.grads if config.grad_accum_steps > 1 else 0.0
-    forward_backward = states.params + states.optimizer + live_grads + max(
+    forward_backward = states.params + states.optimizer + live_grads + recv + max(
         activations + at_loss if last else 0.0, activations - loss + in_block + workspace)
-    step = states.params + states.grads + states.optimizer + (
+    step = states.params + states.grads + states.optimizer + recv + (
         buffers if config.zero_stage <= 1 else 0.0)
     peak = max(forward_backward, step)
     cached = torchtitan_cached_bytes(
@@ -325,7 +357,8 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     return StageMemory(stage=stage, layers=len(stage_layer_range(model, config, stage)),
                        params_bytes=states.params, grads_bytes=states.grads,
                        optimizer_bytes=states.optimizer, activations_bytes=activations,
-                       buffers_bytes=buffers + workspace, offloaded_bytes=states.offloaded,
+                       buffers_bytes=buffers + workspace + recv,
+                       offloaded_bytes=states.offloaded,
                        peak_bytes=peak, reserved_bytes=reserved)
 
 
