@@ -23,6 +23,10 @@ from common import print_table  # noqa: E402
 GIB = 2**30
 
 
+def _bytes_text(value: float) -> str:
+    return f"{value / GIB:.4g} GiB" if value >= GIB else f"{value / 2**20:.4g} MiB"
+
+
 def memory_table(calibration_path: str | None = None) -> pd.DataFrame:
     cal = load_calibration(calibration_path)
     rows = []
@@ -30,9 +34,9 @@ def memory_table(calibration_path: str | None = None) -> pd.DataFrame:
         result = compare(run, cal)
         fits = run.measure == "fits"
         rows.append({"run": run.id, "framework": run.framework, "measure": run.measure,
-                     "measured": str(run.measured) if fits else f"{run.measured / GIB:.4g} GiB",
+                     "measured": str(run.measured) if fits else _bytes_text(run.measured),
                      "predicted": str(result.predicted) if fits
-                     else f"{result.predicted / GIB:.4g} GiB",
+                     else _bytes_text(result.predicted),
                      "error": result.error if not fits else float("nan"),
                      "agrees": (result.predicted == run.measured) if fits
                      else -0.05 <= result.error <= 0.10})
