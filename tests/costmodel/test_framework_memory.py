@@ -26,20 +26,12 @@ UNDER_LIMIT = 0.05
 """... and never more than 5% below it."""
 EXACT = 1e-12
 
-KNOWN_UNDER = {"meshplan-cpu-tiny-tp2-rank0", "meshplan-cpu-tiny-tp2-rank1"}
-"""Runtime runs the model under-predicts by 6.6% (tensor parallel without SP: something the
-runtime's DTensor layers hold that the count misses). Kept visible as strict xfails: fixing
-them turns these into failures to remove from the set."""
-
-
 def _byte_runs():
     return [r for r in memory_runs() if r.measure != "fits"]
 
 
 @pytest.mark.parametrize("run", _byte_runs(), ids=lambda r: r.id)
-def test_peak_within_acceptance_of_measurement(run, request):
-    if run.id in KNOWN_UNDER:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known under-prediction"))
+def test_peak_within_acceptance_of_measurement(run):
     error = compare(run).error
     assert -UNDER_LIMIT <= error <= OVER_LIMIT, f"{run.id}: {error:+.3f}"
 
