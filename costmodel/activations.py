@@ -41,7 +41,8 @@ def tokens_per_microbatch(config: ParallelConfig) -> int:
 
 
 def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recompute: str,
-                           moe: bool = False, eager: bool = False) -> float:
+                           moe: bool = False, eager: bool = False,
+                           rope_tables: bool = True) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank.
 
     ``eager``: unfused PyTorch modules (meshplan's runtime) also keep, per layer, SiLU's output
@@ -50,8 +51,10 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     (RMSNorm its reciprocal RMS, LayerNorm its mean and reciprocal deviation), RoPE's cos and
     sin tables, and with eager (unfused) attention a second copy of the attention output (the
     head-merging reshape copies it for the output projection; a fused kernel returns it laid
-    out so that the reshape is a view). Reconciled term by term with a trace of the runtime's
-    layers in tests/costmodel/test_tracing.py.
+    out so that the reshape is a view); under SP the inputs of the QKV and first MLP matmuls
+    are kept all-gathered, h wide. Reconciled term by term with a trace of the runtime's
+    layers in tests/costmodel/test_tracing.py. ``rope_tables`` False: the RoPE table is one
+    buffer of the model shared by all layers (torchtitan's ``freqs_cis``), not per layer.
     """
     t, act = config.tp, config.bytes_per_activation
     tokens = tokens_per_microbatch(config)
@@ -68,7 +71,7 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
             attention += act * tokens * model.q_size
         stats = 1 if model.norm == "rmsnorm" else 2
         seq_split += 2 * stats * FP32_BYTES * tokens
-        if model.position_embedding == "rope":
+        if model.position_embedding == "rope" and rope_tables:
             seq_split += 2 * act * config.seq_len * model.head_size * seq_div
         if model.activation == "swiglu":
             f = model.expert_ffn_size * model.moe_top_k if moe else model.ffn_hidden_size
@@ -76,9 +79,80 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
         if model.norm == "rmsnorm":
             seq_split += 2 * act * tokens * h
     total = seq_split / seq_div + (attention + mlp) / t
+    if eager and config.sp and t > 1:
+        # DTensor's SP -> TP all-gather hands the QKV and first MLP matmuls a gathered input,
+        # which autograd keeps whole (Megatron keeps the sequence shard and gathers again).
+        total += 2 * act * tokens * h * (1 - 1 / t)
     if recompute == "none":
         total += attention_core_bytes(model, config)
     return total
+
+
+def matmul_output_bytes(model: ModelSpec, config: ParallelConfig, *,
+                        moe: bool = False) -> tuple[float, ...]:
+    """Bytes of each matmul output of one layer and micro-batch on one rank, in forward order.
+
+    A Llama/GPT block runs ``wq``, ``wk``, ``wv`` (column-parallel: q, kv and kv wide over tp),
+    ``wo`` (row-parallel: a full h-wide output per token, partial sums before the TP
+    reduction), then ``w1`` and, for SwiGLU, ``w3`` (f wide over tp) and ``w2`` (h wide, like
+    ``wo``). MoE layers count the routed tokens' expert matmuls (``top_k`` tokens each).
+    The order matters to torchtitan's per-op policy, which keeps every other one.
+    """
+    act, t = config.bytes_per_activation, config.tp
+    tokens = tokens_per_microbatch(config)
+    h = model.hidden_size
+    f, ffn_tokens = ((model.expert_ffn_size, tokens * model.moe_top_k) if moe
+                     else (model.ffn_hidden_size, tokens))
+    attention = (act * tokens * model.q_size / t, act * tokens * model.kv_size / t,
+                 act * tokens * model.kv_size / t, act * tokens * h)
+    up = (act * ffn_tokens * f / t,) * (2 if model.activation == "swiglu" else 1)
+    return attention + up + (act * ffn_tokens * h,)
+
+
+def op_policy_layer_bytes(model: ModelSpec, config: ParallelConfig, *, policy: str,
+                          moe: bool = False, saves_attention: bool = True) -> float:
+    """Bytes one layer keeps for backward under a per-op selective checkpointing policy.
+
+    Both policies wrap each block in ``checkpoint_wrapper`` with
+    ``create_selective_checkpoint_contexts``: the block input (``b s h / cp``, divided by tp
+    under SP) is kept to restart the recomputation, the outputs of the ops the policy saves are
+    kept, everything else (norms, RoPE, activation function, residual adds) is rebuilt in
+    backward.
+
+    * ``torchtitan`` (torchtitan 0.2.2 ``distributed/activation_checkpoint.py``
+      ``_apply_op_sac`` with ``models/llama3/infra/parallelize.py`` ``_op_sac_save_list``):
+      every odd-numbered ``aten.mm`` of the block (``wq``, ``wv``, ``w1``, ``w2``; the
+      even ones are recomputed), the fused attention outputs (output, and the fp32
+      log-sum-exp per head and query) and, under SP, the reduce-scatter outputs of ``wo`` and
+      ``w2`` (h wide, sequence-split). Eager (math) attention also returns, and so keeps, its
+      softmax probabilities (``attention_core_bytes``). ``saves_attention`` False: the
+      attention op is not in the list, as on CPU, where SDPA runs
+      ``_scaled_dot_product_flash_attention_for_cpu``; it is recomputed.
+    * ``meshplan`` (runtime/parallelize.py ``_SAVED_OPS``): every matmul output and every TP
+      collective output (under SP the two all-gathered block inputs, h wide, and the two
+      reduce-scatter outputs; without SP the two all-reduce outputs); the attention core is
+      recomputed. Under TP that can keep more than no recomputation does (the row-parallel
+      outputs and collective outputs are tensors plain autograd frees).
+    """
+    act, t = config.bytes_per_activation, config.tp
+    tokens = tokens_per_microbatch(config)
+    h = model.hidden_size
+    seq_div = t if config.sp else 1
+    matmuls = matmul_output_bytes(model, config, moe=moe)
+    total = act * tokens * h / seq_div
+    if policy == "torchtitan":
+        total += sum(matmuls[0::2])
+        if saves_attention:
+            total += act * tokens * model.q_size / t + attention_core_bytes(model, config)
+        if t > 1 and config.sp:
+            total += 2 * act * tokens * h / t
+        return total
+    if policy == "meshplan":
+        total += sum(matmuls)
+        if t > 1:
+            total += 2 * act * tokens * h * ((1 + 1 / t) if config.sp else 1)
+        return total
+    raise ValueError(f"policy must be torchtitan or meshplan, got {policy!r}")
 
 
 def _mlp_activation_bytes(model: ModelSpec, config: ParallelConfig, *, tokens: int,
@@ -133,9 +207,32 @@ def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
     tokens = tokens_per_microbatch(config)
     act = config.bytes_per_activation
     h_part = 2 * act * tokens * model.hidden_size / (config.tp if config.sp else 1)
+    return h_part + logit_bytes(model, config, copies=logit_copies,
+                                vocab_parallel=vocab_parallel)
+
+
+def logit_bytes(model: ModelSpec, config: ParallelConfig, *, copies: float,
+                vocab_parallel: bool = True, element_bytes: int = LOGIT_BYTES) -> float:
+    """``copies`` tensors of one micro-batch's logits on one rank, ``element_bytes`` each
+    (fp32 by default), over the vocabulary shard (``vocab_parallel``) or the whole vocabulary."""
     shards = config.tp if vocab_parallel else 1
-    logits = logit_copies * LOGIT_BYTES * tokens * model.vocab_rows / shards
-    return h_part + logits
+    return copies * element_bytes * tokens_per_microbatch(config) * model.vocab_rows / shards
+
+
+def backward_workspace_bytes(model: ModelSpec, config: ParallelConfig, *,
+                             weight_grad_bytes: int, accumulating: bool) -> float:
+    """Bytes one layer's eager PyTorch backward holds above the stored activations.
+
+    Two ffn-wide activation gradients (b s f / (cp t) each, in the activation dtype) and, when
+    gradients accumulate into an existing ``.grad``, the fresh gradient of the largest weight
+    (h x f / t, ``weight_grad_bytes`` each) before it is added. Measured on meshplan's runtime
+    layers with its live-tensor tracker (peak over stored, with gradients present): tiny 180 KB
+    (model 225 KB), GPT-3 125M 10.2 MB (11.0), Llama 3.2 1B 69.2 MB (71.3), 64 tokens each.
+    """
+    f = model.ffn_hidden_size
+    activation_grads = 2 * config.bytes_per_activation * tokens_per_microbatch(config) * f
+    weight = weight_grad_bytes * model.hidden_size * f if accumulating else 0.0
+    return (activation_grads + weight) / config.tp
 
 
 def in_flight_microbatches(config: ParallelConfig, stage: int) -> float:

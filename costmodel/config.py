@@ -56,6 +56,12 @@ class ParallelConfig:
     """Where offloaded states live: host memory (``cpu``) or local ``nvme``."""
     recompute: tuple[str, ...] | str = "none"
     """Activation recomputation, one mode or one per pipeline stage."""
+    selective_ac: str = "op"
+    """What selective recompute means under --framework torchtitan (its
+    activation_checkpoint.selective_ac_option): ``op``, its per-op policy (keeps the outputs of
+    every other matmul, of attention and of TP reduce-scatters, recomputes the rest), or a
+    positive integer N, every Nth transformer block fully recomputed and the others not at all.
+    Other frameworks have one selective policy and ignore it."""
     micro_batch_size: int = 1
     """Sequences per micro-batch per data-parallel replica (b)."""
     global_batch_size: int = 1
@@ -97,6 +103,10 @@ class ParallelConfig:
         if not isinstance(self.recompute, str) and len(self.recompute) != self.pp:
             raise ValueError(f"recompute lists {len(self.recompute)} modes for "
                              f"{self.pp} pipeline stages")
+        if self.selective_ac != "op" and not (self.selective_ac.isdigit()
+                                              and int(self.selective_ac) > 0):
+            raise ValueError(f"selective_ac must be op or a positive integer (every Nth layer), "
+                             f"got {self.selective_ac!r}")
         if sorted(self.mesh_order) != sorted(MESH_AXES):
             raise ValueError(f"mesh_order must be a permutation of {MESH_AXES}, "
                              f"got {self.mesh_order!r}")
@@ -128,6 +138,11 @@ class ParallelConfig:
 
     def stage_recompute(self, stage: int) -> str:
         return self.recompute if isinstance(self.recompute, str) else self.recompute[stage]
+
+    @property
+    def selective_every_n_layers(self) -> int:
+        """N of torchtitan's every-Nth-layer selective policy; 0 for its per-op policy."""
+        return 0 if self.selective_ac == "op" else int(self.selective_ac)
 
     def stage_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers on each pipeline stage."""

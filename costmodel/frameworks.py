@@ -35,6 +35,23 @@ DS_BUCKET_ELEMENTS = 500_000_000
 allocate one gradient buffer of that size up front, whatever the model size."""
 
 
+TORCHTITAN_LOGIT_COPIES = 3.0
+"""fp32 vocabulary tensors alive at torchtitan's loss backward (and meshplan's runtime's, whose
+``train.lm_loss`` is the same). torchtitan's ``cross_entropy_loss`` (components/loss.py) is
+``F.cross_entropy(pred.float(), ...)``, i.e. log_softmax + nll_loss, and train.py deletes
+``pred`` before ``loss.backward()``. Forward holds the logits in compute dtype, the fp32 upcast
+and the saved log-softmax (2.5 copies in bf16); backward holds the saved log-softmax,
+nll_loss's dense fp32 gradient and log_softmax_backward's result: 3. Measured on CPU with
+torchtitan's own step (benchmarks/torchtitan_cpu_memory.py)."""
+
+
+DS_PREFETCH_BUCKET_ELEMENTS = 50_000_000
+"""DeepSpeed's default ``stage3_prefetch_bucket_size`` (elements gathered ahead of use)."""
+DS_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's default ``stage3_param_persistence_threshold``: parameters with fewer
+elements are never partitioned and stay gathered on every rank."""
+
+
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes of model states on one rank (device) and what was moved off it (host)."""
@@ -103,12 +120,16 @@ def model_state_bytes(framework: str, *, params: float, shard: int, zero_stage: 
 
 def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: float,
                            largest_layer_params: float, fp32: bool = False,
-                           data_parallel: bool = True) -> float:
+                           data_parallel: bool = True, largest_block_params: float = 0.0,
+                           kept_gathered_params: float = 0.0, pipelined: bool = False) -> float:
     """Communication and gather buffers on one rank (bytes).
 
     ``stage_params``: parameters this rank holds before sharding; ``largest_layer_params``:
     the largest module the framework gathers at once (per TP shard); ``data_parallel``: False
-    when there is a single replica (no DDP buckets, nothing to reduce).
+    when there is a single replica (no DDP buckets, nothing to reduce). torchtitan's FSDP2 also
+    takes ``largest_block_params`` (the largest transformer block), ``kept_gathered_params``
+    (modules never resharded after forward: its ``[norm, output]`` group on the last stage)
+    and ``pipelined`` (see ``torchtitan_fsdp_buffer_bytes``).
     """
     compute_bytes = 4 if fp32 else 2
     if framework == "ideal":
@@ -123,6 +144,11 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
         if zero_stage == 3:
             return 2 * compute_bytes * largest_layer_params
         return 0.0
+    if framework == "torchtitan" and zero_stage >= 2:
+        return torchtitan_fsdp_buffer_bytes(
+            reshard_after_forward=zero_stage == 3 and not pipelined, stage_params=stage_params,
+            largest_block_params=largest_block_params or largest_layer_params,
+            kept_gathered_params=kept_gathered_params, compute_bytes=compute_bytes)
     # meshplan / torchtitan
     if zero_stage <= 1:  # DDP gradient buckets: one more copy of the gradients
         return FP32_BYTES * stage_params if data_parallel else 0.0
@@ -132,10 +158,98 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
     return (2 * compute_bytes + FP32_BYTES) * largest_layer_params
 
 
+def deepspeed_zero3_extra_buffer_bytes(*, largest_layer_params: float,
+                                       persistent_params: float, compute_bytes: int) -> float:
+    """ZeRO-3 device buffers that DeepSpeed's estimator (``framework_buffer_bytes``: the
+    largest layer's fp16 parameters and gradients) leaves out, at DeepSpeed 0.19's defaults:
+
+    * the contiguous gradient (IPG) bucket, ``reduce_bucket_size`` = 5e8 elements in the
+      gradient dtype, allocated whole at start-up when ``contiguous_gradients`` is on
+      (runtime/zero/stage3.py, ``bucket.buffer = torch.empty(self.reduce_bucket_size, ...)``);
+    * the prefetched parameters, up to ``stage3_prefetch_bucket_size`` = 5e7 elements (or one
+      more largest layer, whichever is less) gathered while the current module computes;
+    * ``persistent_params``: parameters under ``stage3_param_persistence_threshold`` (1e5
+      elements: norms and biases) that stay gathered (parameter_offload.py).
+    """
+    prefetch = min(DS_PREFETCH_BUCKET_ELEMENTS, largest_layer_params)
+    return compute_bytes * (DS_BUCKET_ELEMENTS + prefetch + persistent_params)
+
+
+def pipeline_recv_buffer_bytes(framework: str, *, boundary_bytes: float, micro_batches: int,
+                               stage: int, stages: int, vpp: int = 1) -> float:
+    """Receive buffers torch.distributed.pipelining keeps for the whole run (bytes per rank).
+
+    ``PipelineStage._prepare_forward_infra`` allocates one activation receive buffer per
+    micro-batch for every stage but the first, and ``_prepare_backward_infra`` one gradient
+    receive buffer per micro-batch for every stage but the last (torch
+    distributed/pipelining/stage.py); a rank holding ``vpp`` chunks (virtual stages
+    ``stage + k * stages``) has them per chunk. ``boundary_bytes``: one micro-batch's hidden
+    states at a stage boundary. meshplan's runtime and torchtitan use these schedules;
+    Megatron-LM and DeepSpeed allocate receive tensors per transfer.
+    """
+    if framework not in ("meshplan", "torchtitan") or stages == 1:
+        return 0.0
+    last = stages * vpp - 1
+    chunks = [stage + k * stages for k in range(vpp)]
+    directions = sum((j > 0) + (j < last) for j in chunks)
+    return directions * micro_batches * boundary_bytes
+
+
+def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: float,
+                                 largest_block_params: float, kept_gathered_params: float,
+                                 compute_bytes: int) -> float:
+    """FSDP2 buffers of torchtitan 0.2.2 at the backward peak (bytes on one rank).
+
+    torchtitan's ``apply_fsdp`` (models/llama3/infra/parallelize.py) calls ``fully_shard`` on
+    the token embedding, on every transformer block and on the ``[norm, output]`` pair, with
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and
+    ``reshard_after_forward = not pp`` (the pair: never, since it is the first module
+    backward needs). In a block's backward FSDP2 holds its gathered parameters, the next
+    block's prefetched ones (both in the compute dtype), the block's unsharded gradients in
+    the compute dtype and their fp32 copy, the reduce-scatter input:
+    ``(3 c + 4) x block``. Not resharding after forward (under PP, or ZeRO-2 here) keeps the
+    whole stage gathered instead of the two blocks: ``c x stage + (c + 4) x block``. The
+    embedding is gathered again only at the very end of backward, when no activations are
+    left, so it does not add to the peak.
+    """
+    grads = (compute_bytes + FP32_BYTES) * largest_block_params
+    if not reshard_after_forward:
+        return compute_bytes * stage_params + grads
+    return 2 * compute_bytes * largest_block_params + grads \
+        + compute_bytes * kept_gathered_params
+
+
+def torchtitan_cached_bytes(*, freed_grads: float, freed_logits: float, fsdp: bool,
+                            compute_bytes: int, largest_gather_params: float,
+                            largest_block_params: float, head_params: float) -> float:
+    """Bytes the CUDA caching allocator keeps reserved but cannot use at torchtitan's forward /
+    backward peak (on top of the allocated peak).
+
+    * ``freed_grads``: the sharded gradients freed by ``zero_grad`` at the start of the step.
+      Their blocks (one per parameter shard) are far smaller than the activation tensors that
+      follow and stay cached.
+    * ``freed_logits``: the compute-dtype logits freed by ``del pred``; none of the three fp32
+      tensors of the loss backward fits in that block, so the third takes a new segment.
+    * FSDP2 all-gathers on its own all-gather stream and reduce-scatters on its own
+      reduce-scatter stream (torch ``_fsdp_param_group.py``), and the allocator only reuses a
+      block on the stream it was allocated on. The all-gather pool holds the gather outputs in
+      flight at the loss backward (the ``[norm, output]`` group and the prefetched last block,
+      compute dtype); the reduce-scatter pool the largest fp32 reduce-scatter input, that of
+      the largest gathered group (the embedding or the head).
+    """
+    cached = freed_grads + freed_logits
+    if fsdp:
+        cached += compute_bytes * (head_params + largest_block_params)
+        cached += FP32_BYTES * largest_gather_params
+    return cached
+
+
 def eager_autograd(framework: str) -> bool:
     """Whether the framework runs unfused PyTorch modules, which keep a few more tensors for
-    backward than Megatron's fused kernels (see ``activations.layer_activation_bytes``)."""
-    return framework == "meshplan"
+    backward than Megatron's fused kernels (see ``activations.layer_activation_bytes``):
+    meshplan's runtime and torchtitan (``nn.RMSNorm``, complex RoPE, SwiGLU as three linears
+    and ``F.silu`` in its llama3 model)."""
+    return framework in ("meshplan", "torchtitan")
 
 
 def eager_kernels(framework: str) -> bool:
@@ -155,21 +269,29 @@ def vocab_parallel_loss(framework: str) -> bool:
 def optimizer_workspace_bytes(framework: str, *, optimizer_params: float) -> float:
     """Temporary device bytes of the optimizer step over ``optimizer_params`` parameters.
 
-    PyTorch's foreach AdamW (meshplan's runtime, torchtitan) allocates one fp32 tensor per
-    parameter for sqrt(v) + eps before the in-place update (torch/optim/adam.py,
-    ``_multi_tensor_adam``); Megatron's and DeepSpeed's fused Adam kernels update in place.
+    PyTorch's foreach AdamW (meshplan's runtime) allocates one fp32 tensor per parameter for
+    sqrt(v) + eps before the in-place update (torch/optim/adam.py, ``_multi_tensor_adam``);
+    torchtitan's default fused AdamW (``optimizer.implementation = "fused"``) and Megatron's
+    and DeepSpeed's fused Adam kernels update in place.
     """
-    if framework in ("meshplan", "torchtitan"):
+    if framework == "meshplan":
         return FP32_BYTES * optimizer_params
     return 0.0
 
 
 def logit_copies(framework: str, fp32: bool) -> float:
-    """fp32-sized vocabulary tensors alive at the loss (see activations.head_activation_bytes)."""
+    """fp32-sized vocabulary tensors alive at the loss (see activations.head_activation_bytes).
+
+    Megatron's fused vocab-parallel cross entropy keeps one; DeepSpeed is counted at its
+    forward (logits, fp32 upcast, log-softmax). torchtitan and meshplan's runtime both run
+    ``F.cross_entropy(logits.float(), ...)`` and drop the logits before backward:
+    ``TORCHTITAN_LOGIT_COPIES`` at the loss backward.
+    """
     if framework in ("megatron", "ideal"):
         return 1.0
-    # logits in compute dtype, an fp32 upcast and the saved log-softmax
-    return 2.0 if fp32 else 2.5
+    if framework == "deepspeed":  # logits in compute dtype, an fp32 upcast, the log-softmax
+        return 2.0 if fp32 else 2.5
+    return TORCHTITAN_LOGIT_COPIES
 
 
 def deepspeed_host_bytes_per_node(*, total_params: float, zero_stage: int, offload: str,

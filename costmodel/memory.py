@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from meshplan.costmodel import activations as act
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
-from meshplan.costmodel.config import ParallelConfig
-from meshplan.costmodel.frameworks import (StateBytes, deepspeed_host_bytes_per_node,
+from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
+from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, StateBytes,
+                                  deepspeed_host_bytes_per_node,
+                                  deepspeed_zero3_extra_buffer_bytes, eager_autograd,
                                   framework_buffer_bytes, logit_copies, model_state_bytes,
-                                  eager_autograd, optimizer_workspace_bytes,
-                                  vocab_parallel_loss)
+                                  optimizer_workspace_bytes, pipeline_recv_buffer_bytes,
+                                  torchtitan_cached_bytes, vocab_parallel_loss)
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.model import ModelSpec
 
@@ -31,6 +33,13 @@ class StageParams:
     """Expert MLP weights, replicated over dp * cp / ep."""
     largest_layer: float
     """The largest block gathered at once under ZeRO-3 (per TP shard)."""
+    largest_block: float = 0.0
+    """The largest transformer layer (per TP shard), embeddings and head left out; 0: as
+    ``largest_layer``."""
+    head: float = 0.0
+    """Final norm and LM head (per TP shard) on the last stage, 0 elsewhere."""
+    layers: int = 0
+    """Transformer layers of the stage."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,8 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
         else:
             dense += layer
             largest = max(largest, layer / t)
+    block = largest
+    head = 0.0
     if stage == 0:
         dense += model.embedding_params
         largest = max(largest, model.vocab_rows * model.hidden_size / t)
@@ -91,7 +102,36 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
         if model.tied_embeddings and config.pp > 1:
             dense += model.vocab_rows * model.hidden_size
         largest = max(largest, model.vocab_rows * model.hidden_size / t)
-    return StageParams(dense=dense / t, expert=expert / (t * config.ep), largest_layer=largest)
+        head = model.head_params / t
+    return StageParams(dense=dense / t, expert=expert / (t * config.ep), largest_layer=largest,
+                       largest_block=block, head=head,
+                       layers=len(stage_layer_range(model, config, stage)))
+
+
+def persistent_layer_params(model: ModelSpec) -> int:
+    """Parameters of one dense layer held by tensors under DeepSpeed's persistence threshold
+    (``DS_PERSISTENCE_THRESHOLD`` elements): its norms' weights and biases and, with biases,
+    the projections' biases (QKV, attention output, MLP)."""
+    h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
+    norm_tensors = [h] * (4 if model.norm == "layernorm" else 2)
+    biases = []
+    if model.linear_bias:
+        up = 2 if model.activation == "swiglu" else 1
+        biases = [q + 2 * kv, h, up * f, h]
+    elif model.qkv_bias:
+        biases = [q + 2 * kv]
+    return sum(n for n in norm_tensors + biases if n < DS_PERSISTENCE_THRESHOLD)
+
+
+def stage_recv_buffer_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
+                            framework: str) -> float:
+    """Pipeline receive buffers of ``stage`` (``frameworks.pipeline_recv_buffer_bytes``); the
+    boundary tensor is one micro-batch's hidden states, sequence-split under SP."""
+    boundary = (config.bytes_per_activation * act.tokens_per_microbatch(config)
+                * model.hidden_size / (config.tp if config.sp else 1))
+    return pipeline_recv_buffer_bytes(framework, boundary_bytes=boundary,
+                                      micro_batches=config.grad_accum_steps, stage=stage,
+                                      stages=config.pp, vpp=config.vpp)
 
 
 def stage_states(model: ModelSpec, config: ParallelConfig, stage: int,
@@ -109,8 +149,9 @@ def stage_states(model: ModelSpec, config: ParallelConfig, stage: int,
 
 
 def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
-                           framework: str) -> float:
-    """Peak activation bytes of ``stage``: in-flight micro-batches of its layers and extras."""
+                           framework: str, *, device_key: str = "") -> float:
+    """Peak activation bytes of ``stage``: in-flight micro-batches of its layers and extras.
+    ``device_key``: the GPU catalog key (some policies differ on the ``cpu`` pseudo-device)."""
     mode = config.stage_recompute(stage)
     layer_range = stage_layer_range(model, config, stage)
     if model.is_traced:
@@ -119,14 +160,10 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
         if stage == config.pp - 1:
             total += traced.extra_saved_bytes(model, config)
         return total
-    moe_layers = sum(1 for i in layer_range if model.is_moe_layer(i))
-    dense_layers = len(layer_range) - moe_layers
-    eager = eager_autograd(framework)
-    per_mb = dense_layers * act.layer_activation_bytes(model, config, recompute=mode,
-                                                       eager=eager)
-    if moe_layers:
-        per_mb += moe_layers * act.layer_activation_bytes(model, config, recompute=mode,
-                                                          moe=True, eager=eager)
+    per_mb = sum(_layer_bytes(model, config, framework, layer_mode, moe=model.is_moe_layer(i),
+                              device_key=device_key)
+                 for i, layer_mode in zip(layer_range, layer_modes(config, framework, stage,
+                                                                   len(layer_range))))
     in_flight = act.in_flight_microbatches(config, stage)
     total = in_flight * per_mb
     if stage == 0:
@@ -138,25 +175,64 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     return total
 
 
+def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int) -> list[str]:
+    """What each of the stage's ``layers`` blocks does for backward: ``none``, ``full``,
+    ``selective`` or ``op`` (a per-op policy, ``activations.op_policy_layer_bytes``).
+
+    Selective means each framework's own policy: Korthikanti et al. 2022's attention-core
+    recomputation for Megatron-LM and DeepSpeed (Megatron-DeepSpeed's ``selective``
+    granularity; under fused attention only the log-sum-exp is left to drop, so it is nearly
+    ``none``; DeepSpeed's own ``deepspeed.checkpointing`` recomputes whole layers, ``full``,
+    and its ``partition_activations`` / ``cpu_checkpointing`` options are not modelled); torchtitan's ``selective_ac``, its per-op policy or every Nth block fully
+    recomputed and the others kept whole (torchtitan 0.2.2 ``_apply_layer_sac``: a counter over
+    the blocks the rank wraps, block k (from 1) recomputed when N divides k); meshplan's
+    runtime's per-op policy.
+    """
+    mode = config.stage_recompute(stage)
+    if mode != "selective" or framework not in ("torchtitan", "meshplan"):
+        return [mode] * layers
+    every = config.selective_every_n_layers if framework == "torchtitan" else 0
+    if not every:
+        return ["op"] * layers
+    return ["full" if (k + 1) % every == 0 else "none" for k in range(layers)]
+
+
+def _layer_bytes(model: ModelSpec, config: ParallelConfig, framework: str, mode: str, *,
+                 moe: bool, device_key: str = "") -> float:
+    if mode == "op":
+        return act.op_policy_layer_bytes(
+            model, config, moe=moe, policy=framework,
+            saves_attention=framework != "torchtitan" or device_key != CPU_DEVICE_KEY)
+    return act.layer_activation_bytes(model, config, recompute=mode, moe=moe,
+                                      eager=eager_autograd(framework),
+                                      rope_tables=framework != "torchtitan")
+
+
 def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: int, *,
-                              eager: bool = False) -> float:
+                              framework: str = "megatron", device_key: str = "") -> float:
     """Activations rebuilt by recomputation during one layer's backward, on top of those stored.
 
     Full: the layer's whole activations less its stored input (the recomputation starts from
-    that same tensor). Selective: the attention core. None: nothing. Counted as a buffer, not
-    as stored activations (Megatron-LM's and Korthikanti's counts leave it out).
+    that same tensor). Selective: the attention core (Korthikanti), or under a per-op policy
+    what the policy does not keep. None: nothing. Counted as a buffer, not as stored
+    activations (Megatron-LM's and Korthikanti's counts leave it out).
     """
     mode = config.stage_recompute(stage)
     if model.is_traced:
         return traced.recompute_workspace_bytes(model, config, mode,
                                                 stage_layer_range(model, config, stage))
-    if mode == "none":
-        return 0.0
-    if mode == "selective":
+    layer_range = stage_layer_range(model, config, stage)
+    modes = set(layer_modes(config, framework, stage, len(layer_range)))
+    moe = any(model.is_moe_layer(i) for i in layer_range)
+    whole = _layer_bytes(model, config, framework, "none", moe=moe)
+    if "full" in modes:
+        return whole - act.layer_activation_bytes(model, config, recompute="full")
+    if "op" in modes:
+        return max(0.0, whole - _layer_bytes(model, config, framework, "op", moe=moe,
+                                             device_key=device_key))
+    if "selective" in modes:
         return act.attention_core_bytes(model, config)
-    moe = any(model.is_moe_layer(i) for i in stage_layer_range(model, config, stage))
-    return (act.layer_activation_bytes(model, config, recompute="none", moe=moe, eager=eager)
-            - act.layer_activation_bytes(model, config, recompute="full"))
+    return 0.0
 
 
 def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
@@ -168,29 +244,121 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     recomputation workspace) and the optimizer step (its temporaries; activations are freed).
     """
     states, params = stage_states(model, config, stage, framework)
-    activations = stage_activation_bytes(model, config, stage, framework)
+    activations = stage_activation_bytes(model, config, stage, framework,
+                                         device_key=cluster.gpu.key)
+    if framework == "torchtitan" and not model.is_traced:
+        return _torchtitan_stage_memory(model, config, stage, calibration=calibration,
+                                        states=states, params=params, activations=activations,
+                                        device_key=cluster.gpu.key)
     buffers = framework_buffer_bytes(
         framework, zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
         largest_layer_params=params.largest_layer, fp32=config.dtype == "fp32",
-        data_parallel=config.dp * config.cp > 1)
+        data_parallel=config.dp * config.cp > 1, largest_block_params=params.largest_block,
+        kept_gathered_params=params.head, pipelined=config.pp > 1)
+    if framework == "deepspeed" and config.zero_stage == 3:
+        buffers += deepspeed_zero3_extra_buffer_bytes(
+            largest_layer_params=params.largest_layer,
+            persistent_params=persistent_layer_params(model) * params.layers,
+            compute_bytes=4 if config.dtype == "fp32" else 2)
     persistent = buffers if framework in ("meshplan", "torchtitan") and \
         config.zero_stage <= 1 else 0.0
+    recv = stage_recv_buffer_bytes(model, config, stage, framework)
+    buffers += recv
+    persistent += recv
     if framework != "ideal":
-        buffers += recompute_workspace_bytes(model, config, stage,
-                                             eager=eager_autograd(framework))
+        buffers += recompute_workspace_bytes(model, config, stage, framework=framework)
     optimizer_params = 0.0 if config.offload != "none" else (
         params.dense / (config.dp * config.cp if config.zero_stage >= 1 else 1)
         + params.expert / (max(1, config.dp * config.cp // config.ep)
                            if config.zero_stage >= 1 else 1))
     step_workspace = optimizer_workspace_bytes(framework, optimizer_params=optimizer_params)
+    in_block = activations + buffers - persistent  # a block's backward: the loss is freed
+    if framework == "meshplan" and not model.is_traced:
+        in_block += _block_backward_bytes(model, config, stage)
     peak = (states.params + states.grads + states.optimizer + persistent
-            + max(activations + buffers - persistent, step_workspace))
+            + max(activations + buffers - persistent, in_block, step_workspace))
     comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
     reserved = peak * (1 + calibration.allocator_fragmentation) + comm
     return StageMemory(stage=stage, layers=len(stage_layer_range(model, config, stage)),
                        params_bytes=states.params, grads_bytes=states.grads,
                        optimizer_bytes=states.optimizer, activations_bytes=activations,
                        buffers_bytes=buffers, offloaded_bytes=states.offloaded,
+                       peak_bytes=peak, reserved_bytes=reserved)
+
+
+def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
+    """What a block's backward adds once the loss's logits are freed: the backward workspace
+    (``activations.backward_workspace_bytes``) less the loss's logit copies on the last stage;
+    never negative (the sum with the loss phase is kept as the larger bound)."""
+    fp32 = config.dtype == "fp32"
+    weight_bytes = 4 if fp32 or config.zero_stage <= 1 else 2  # DDP: fp32 weights' grads
+    workspace = act.backward_workspace_bytes(model, config, weight_grad_bytes=weight_bytes,
+                                             accumulating=config.grad_accum_steps > 1)
+    if stage == config.pp - 1:
+        workspace -= act.logit_bytes(model, config, copies=logit_copies("meshplan", fp32),
+                                     vocab_parallel=vocab_parallel_loss("meshplan"))
+    return max(0.0, workspace)
+
+
+def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: int, *,
+                             calibration: Calibration, states: StateBytes, params: StageParams,
+                             activations: float, device_key: str) -> StageMemory:
+    """torchtitan's train step, phase by phase (torchtitan 0.2.2 train.py and apply_fsdp).
+
+    Each step starts with ``optimizer.zero_grad()`` (gradients set to None), so with a single
+    micro-batch no gradient exists before backward. Forward/backward peaks at one of:
+
+    * the loss backward (last stage): every stored activation and the loss's logit copies, with
+      the ``[norm, output]`` group still gathered and the last block prefetched (or, without
+      resharding, the whole stage gathered);
+    * a block's backward: the stored activations less the loss's, the block's gather and
+      gradient buffers (``torchtitan_fsdp_buffer_bytes``) and what its recomputation rebuilds.
+
+    The optimizer step (fused AdamW, in place) holds parameters, gradients and Adam states.
+    Reserved adds blocks the CUDA caching allocator keeps but cannot reuse at that peak
+    (``torchtitan_cached_bytes``), then the allocator's fragmentation and the communicator.
+    """
+    fp32 = config.dtype == "fp32"
+    compute_bytes = 4 if fp32 else 2
+    buffers = framework_buffer_bytes(
+        "torchtitan", zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
+        largest_layer_params=params.largest_layer, fp32=fp32,
+        data_parallel=config.dp * config.cp > 1, largest_block_params=params.largest_block,
+        kept_gathered_params=params.head, pipelined=config.pp > 1)
+    workspace = recompute_workspace_bytes(model, config, stage, framework="torchtitan",
+                                          device_key=device_key)
+    last = stage == config.pp - 1
+    loss = act.logit_bytes(model, config, copies=logit_copies("torchtitan", fp32)) if last \
+        else 0.0
+    if config.zero_stage <= 1:  # DDP: buckets stay allocated, nothing is gathered
+        at_loss = in_block = buffers
+    elif config.zero_stage == 3 and config.pp == 1:
+        at_loss = compute_bytes * (params.head + params.largest_block)
+        in_block = buffers
+    else:
+        at_loss = compute_bytes * (params.dense + params.expert)
+        in_block = buffers
+    recv = stage_recv_buffer_bytes(model, config, stage, "torchtitan")
+    live_grads = states.grads if config.grad_accum_steps > 1 else 0.0
+    forward_backward = states.params + states.optimizer + live_grads + recv + max(
+        activations + at_loss if last else 0.0, activations - loss + in_block + workspace)
+    step = states.params + states.grads + states.optimizer + recv + (
+        buffers if config.zero_stage <= 1 else 0.0)
+    peak = max(forward_backward, step)
+    cached = torchtitan_cached_bytes(
+        freed_grads=states.grads - live_grads, freed_logits=act.logit_bytes(
+            model, config, copies=1, element_bytes=compute_bytes) if last and not fp32 else 0.0,
+        fsdp=config.zero_stage >= 2, compute_bytes=compute_bytes,
+        largest_gather_params=params.largest_layer, largest_block_params=params.largest_block,
+        head_params=params.head)
+    comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
+    reserved = max(forward_backward + cached, step) * (1 + calibration.allocator_fragmentation) \
+        + comm
+    return StageMemory(stage=stage, layers=len(stage_layer_range(model, config, stage)),
+                       params_bytes=states.params, grads_bytes=states.grads,
+                       optimizer_bytes=states.optimizer, activations_bytes=activations,
+                       buffers_bytes=buffers + workspace + recv,
+                       offloaded_bytes=states.offloaded,
                        peak_bytes=peak, reserved_bytes=reserved)
 
 

@@ -138,7 +138,10 @@ def test_stage_activations_never_grow_with_more_recompute(plan, pp, m, framework
     the attention core that selective recomputation rebuilds for one layer during backward is
     counted; the model leaves that transient out, as Megatron-LM's theoretical memory and
     Korthikanti's Table 2 do (golden in test_golden_memory.py), so with eager attention and
-    only a few layers in flight the model's selective can sit below full by up to that core."""
+    only a few layers in flight the model's selective can sit below full by up to that core.
+    meshplan's selective is its runtime's op list, which under TP also keeps the row-parallel
+    matmul outputs and the TP collectives' outputs that plain autograd frees: there it can
+    keep more than no recomputation (GPT-3 125M, tp 4 with SP: 5.1 against 4.5 MB a layer)."""
     model, config = plan
     try:
         config = config.replace(pp=pp, global_batch_size=m * config.micro_batch_size)
@@ -149,7 +152,9 @@ def test_stage_activations_never_grow_with_more_recompute(plan, pp, m, framework
     none, selective, full = (
         stage_activation_bytes(model, config.replace(recompute=mode), stage, framework)
         for mode in RECOMPUTE_MODES)
-    assert _at_most(selective, none) and _at_most(full, none), (none, selective, full)
+    assert _at_most(full, none), (none, selective, full)
+    if not (framework == "meshplan" and config.tp > 1):
+        assert _at_most(selective, none), (none, selective, full)
     core = act.attention_core_bytes(model, config)
     assert _at_most(full, selective + core), (none, selective, full, core)
 

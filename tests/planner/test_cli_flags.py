@@ -18,7 +18,8 @@ from meshplan.costmodel import ParallelConfig
 
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "sp": "--sp",
          "zero_stage": "--zero", "offload": "--offload", "offload_device": "--offload-device",
-         "recompute": "--recompute", "micro_batch_size": "--micro-batch",
+         "recompute": "--recompute", "selective_ac": "--selective-ac",
+         "micro_batch_size": "--micro-batch",
          "global_batch_size": "--global-batch", "vpp": "--vpp", "seq_len": "--seq-len",
          "layers_per_stage": "--layers-per-stage", "mesh_order": "--mesh-order",
          "flash_attention": "--no-flash-attention", "dtype": "--dtype"}

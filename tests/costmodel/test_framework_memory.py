@@ -1,0 +1,190 @@
+"""Each framework's own recompute policy and buffers, held to measured peaks.
+
+Expected byte counts are derived here from the frameworks' sources (torchtitan 0.2.2
+``distributed/activation_checkpoint.py`` and ``models/llama3/infra/parallelize.py``, meshplan's
+``runtime/parallelize.py``), never from the code under test; measured peaks come from
+``costmodel/data/memory_runs.json`` with their sources.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.costmodel import activations as act
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.estimate import estimate
+from meshplan.costmodel.hardware import load_cluster
+from meshplan.costmodel.frameworks import pipeline_recv_buffer_bytes
+from meshplan.costmodel.memory import stage_activation_bytes
+from meshplan.costmodel.memory_runs import compare, memory_runs
+from meshplan.costmodel.models import load_model
+from meshplan.testing import usage_error
+
+OVER_LIMIT = 0.10
+"""Acceptance: predicted peak at most 10% above the measurement ..."""
+UNDER_LIMIT = 0.05
+"""... and never more than 5% below it."""
+EXACT = 1e-12
+
+def _byte_runs():
+    return [r for r in memory_runs() if r.measure != "fits"]
+
+
+@pytest.mark.parametrize("run", _byte_runs(), ids=lambda r: r.id)
+def test_peak_within_acceptance_of_measurement(run):
+    error = compare(run).error
+    assert -UNDER_LIMIT <= error <= OVER_LIMIT, f"{run.id}: {error:+.3f}"
+
+
+@pytest.mark.parametrize("run", [r for r in memory_runs() if r.measure == "fits"],
+                         ids=lambda r: r.id)
+def test_fits_as_torchtitan_reports(run):
+    """torchtitan trained these on 64 A100 80GB (or reports the OOM)."""
+    assert compare(run).predicted is run.measured
+
+
+def test_reference_data_covers_both_frameworks():
+    frameworks = {r.framework for r in _byte_runs()}
+    assert {"torchtitan", "meshplan"} <= frameworks
+    assert all(r.source for r in memory_runs())
+
+
+# ----- torchtitan's per-op policy, by hand -------------------------------------------------------
+def _llama3_8b_config(**changes) -> ParallelConfig:
+    base = dict(dp=8, zero_stage=3, recompute="selective", micro_batch_size=2,
+                global_batch_size=16, seq_len=8192)
+    return ParallelConfig(**{**base, **changes})
+
+
+def test_torchtitan_op_policy_saves_every_other_matmul_and_attention():
+    """Llama 3 8B block, b=2, s=8192, bf16, no TP: the block input, the 1st/3rd/5th/7th mm
+    outputs (wq: q, wv: kv, w1: f, w2: h wide), the flash attention output (q wide) and its
+    fp32 log-sum-exp per head and token."""
+    model = load_model("llama3-8b")
+    config = _llama3_8b_config()
+    tokens = 2 * 8192
+    h, q, kv, f, heads = 4096, 4096, 1024, 14336, 32
+    expected = 2 * tokens * (h + q + kv + f + h + q) + 4 * heads * tokens
+    assert act.op_policy_layer_bytes(model, config, policy="torchtitan") == \
+        pytest.approx(expected, rel=EXACT)
+
+
+def test_torchtitan_op_policy_under_tensor_and_sequence_parallel():
+    """tp=2 with SP: column outputs halve, w2's partial sums stay h wide, and the two
+    reduce-scatter outputs (h wide, sequence-split) are saved too; the block input is split."""
+    model = load_model("llama3-8b")
+    config = _llama3_8b_config(tp=2, sp=True, dp=4)
+    tokens, t = 2 * 8192, 2
+    h, q, kv, f, heads = 4096, 4096, 1024, 14336, 32
+    expected = (2 * tokens * (h / t + q / t + kv / t + f / t + h + q / t + 2 * h / t)
+                + 4 * heads / t * tokens)
+    assert act.op_policy_layer_bytes(model, config, policy="torchtitan") == \
+        pytest.approx(expected, rel=EXACT)
+
+
+def test_meshplan_policy_saves_every_matmul_and_collective():
+    """runtime/parallelize.py _SAVED_OPS: all seven mm outputs, the block input; with TP+SP
+    the two all-gathered inputs (h wide) and two reduce-scatter outputs (h/t)."""
+    model = load_model("tiny")
+    config = ParallelConfig(tp=2, sp=True, micro_batch_size=2, global_batch_size=8,
+                            seq_len=64, dtype="fp32", recompute="selective")
+    tokens, t, b = 2 * 64, 2, 4
+    h, q, kv, f = 64, 64, 32, 176
+    expected = b * tokens * (h / t + (q + 2 * kv + 2 * f) / t + 2 * h + 2 * h + 2 * h / t)
+    assert act.op_policy_layer_bytes(model, config, policy="meshplan") == \
+        pytest.approx(expected, rel=EXACT)
+
+
+def test_torchtitan_layer_policy_recomputes_every_nth_block():
+    """selective_ac N: blocks N, 2N, ... (counted from 1) fully recomputed, the rest keep all."""
+    model = load_model("llama3-8b")
+    config = _llama3_8b_config(selective_ac="3")
+    full = act.layer_activation_bytes(model, config, recompute="full")
+    # torchtitan's blocks are unfused PyTorch; its RoPE table is one model buffer
+    whole = act.layer_activation_bytes(model, config, recompute="none", eager=True,
+                                       rope_tables=False)
+    none_config = config.replace(recompute="none")
+    extras = (stage_activation_bytes(model, none_config, 0, "torchtitan")
+              - 32 * whole)  # embedding and head, the same under every policy
+    assert stage_activation_bytes(model, config, 0, "torchtitan") == pytest.approx(
+        10 * full + 22 * whole + extras, rel=1e-9)
+
+
+def test_selective_differs_by_framework_only_where_the_policy_does():
+    """Megatron's selective is Korthikanti's (attention core); with fused attention that is
+    only the log-sum-exp. torchtitan's per-op policy keeps much less than either."""
+    model = load_model("llama3-8b")
+    cluster = load_cluster("dgx-h100", nodes=1)
+    config = _llama3_8b_config()
+    megatron = estimate(model, cluster, config, framework="megatron").memory.per_stage[0]
+    none = estimate(model, cluster, config.replace(recompute="none"),
+                    framework="megatron").memory.per_stage[0]
+    layers, heads, tokens = 32, 32, 2 * 8192
+    assert none.activations_bytes - megatron.activations_bytes == pytest.approx(
+        layers * 4 * heads * tokens, rel=EXACT)
+    titan = estimate(model, cluster, config, framework="torchtitan").memory.per_stage[0]
+    titan_none = estimate(model, cluster, config.replace(recompute="none"),
+                          framework="torchtitan").memory.per_stage[0]
+    assert titan.activations_bytes < 0.6 * titan_none.activations_bytes
+
+
+# ----- the flag ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["0", "layer", "-2", ""])
+def test_selective_ac_rejects_what_torchtitan_rejects(bad):
+    with pytest.raises(ValueError, match="selective_ac must be op or a positive integer"):
+        ParallelConfig(selective_ac=bad)
+
+
+def test_selective_ac_flag_bad_value_is_one_line_exit_2():
+    line = usage_error("estimate", "--model", "tiny", "--cluster", "cpu", "--global-batch", "8",
+                       "--selective-ac", "sometimes")
+    assert "selective_ac must be op or a positive integer" in line
+
+
+# ----- DeepSpeed ZeRO-3 buffers beyond its estimator ------------------------------------------
+def test_deepspeed_zero3_buffers_are_estimator_plus_ipg_prefetch_and_persistent():
+    """GPT-3 175B, ZeRO-3 over 8 ranks, no recompute: DeepSpeed's estimator's 4 bytes per
+    parameter of the largest layer (12 h^2 + 13 h), plus, in bf16, the 5e8-element IPG bucket,
+    a 5e7-element prefetch (less than a layer) and the parameters under 1e5 elements that stay
+    gathered: per layer 2 LayerNorms (weight, bias: 4h) and the biases QKV 3h, output h,
+    MLP 4h and h (13h in all), 96 layers."""
+    model = load_model("gpt3-175b")
+    cluster = load_cluster("dgx-a100-80gb", nodes=1)
+    config = ParallelConfig(dp=8, zero_stage=3, micro_batch_size=1, global_batch_size=8,
+                            seq_len=2048)
+    stage = estimate(model, cluster, config, framework="deepspeed").memory.per_stage[0]
+    h = 12288
+    largest = 12 * h * h + 13 * h
+    expected = 4 * largest + 2 * (500_000_000 + 50_000_000 + 96 * 13 * h)
+    assert stage.buffers_bytes == pytest.approx(expected, rel=EXACT)
+
+
+# ----- torch.distributed.pipelining and eager backward -------------------------------------------
+@pytest.mark.parametrize("stage, stages, vpp, directions", [
+    (0, 2, 1, 1),  # first stage: gradient receive buffers only
+    (1, 2, 1, 1),  # last stage: activation receive buffers only
+    (1, 4, 1, 2),  # a middle stage: both
+    (0, 2, 2, 3),  # chunks 0 (gradients) and 2 (both) of 4 virtual stages
+    (1, 2, 2, 3),  # chunks 1 (both) and 3 (activations)
+    (0, 1, 1, 0),  # no pipeline
+])
+def test_pipeline_receive_buffers_one_per_microbatch_and_direction(stage, stages, vpp,
+                                                                    directions):
+    """PipelineStage allocates a receive buffer per micro-batch for each direction a virtual
+    stage receives in (torch distributed/pipelining/stage.py _prepare_*_infra)."""
+    assert pipeline_recv_buffer_bytes("meshplan", boundary_bytes=1000.0, micro_batches=4,
+                                      stage=stage, stages=stages, vpp=vpp) == \
+        directions * 4 * 1000.0
+    assert pipeline_recv_buffer_bytes("megatron", boundary_bytes=1000.0, micro_batches=4,
+                                      stage=stage, stages=stages, vpp=vpp) == 0.0
+
+
+def test_backward_workspace_of_the_tiny_layer():
+    """tiny (h 64, ffn 176), 2 x 64 tokens, fp32: two ffn-wide activation gradients and, when
+    gradients accumulate, one fresh 64 x 176 weight gradient."""
+    model = load_model("tiny")
+    config = ParallelConfig(micro_batch_size=2, global_batch_size=8, seq_len=64, dtype="fp32")
+    assert act.backward_workspace_bytes(model, config, weight_grad_bytes=4,
+                                        accumulating=True) == 2 * 4 * 128 * 176 + 4 * 64 * 176
+    assert act.backward_workspace_bytes(model, config, weight_grad_bytes=4,
+                                        accumulating=False) == 2 * 4 * 128 * 176
