@@ -8,7 +8,9 @@ not implemented, so ``cp`` (always 1 here) is left out of the mesh.
 
 torch APIs: ``torch.distributed.init_process_group`` (gloo on CPU, NCCL on CUDA, with a
 timeout), ``torch.distributed.device_mesh.init_device_mesh`` with ``backend_override`` carrying
-the same timeout to every sub-group (sub-groups would otherwise wait 30 minutes).
+the same timeout to every sub-group (sub-groups would otherwise wait 30 minutes). With
+``MESHPLAN_STRICT_COLLECTIVES=1`` on the CPU, collectives refuse host tensors as NCCL does
+(``strict.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshplan.costmodel import layout
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.model import ModelSpec
+from meshplan.runtime import strict
 
 DEFAULT_TIMEOUT_S = 60.0
 """Process-group timeout: a rank waiting this long on a collective fails instead of hanging."""
@@ -101,6 +104,8 @@ def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
+        if strict.enabled():
+            strict.install()
     if not dist.is_initialized():
         dist.init_process_group(backend=backend,
                                 timeout=datetime.timedelta(seconds=timeout_s))

@@ -237,7 +237,7 @@ def _timed_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor,
     loss = train_step(rank_model, plan, batch, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return loss, float(elapsed)
 
