@@ -8,7 +8,8 @@ Layout of ``--checkpoint-dir DIR``::
       step-4/
         .metadata           DCP: every key's global shape, and which file holds each shard
         __<r>_0.distcp      DCP data, one file per rank r that wrote shards
-        train_state.json    step, data stream, model, loss log and step times of steps 1..4
+        train_state.json    step, data stream, model, recipe; loss, step time, gradient
+                            norm and learning rate of steps 1..4
       step-6.tmp/           a save in progress, or an interrupted one: never read
 
 Keys, the same under every layout (DCP joins nested keys with dots)::
@@ -39,8 +40,11 @@ lists one loss per step even across restarts, the steps after K being run again.
 step k is a pure function of the data stream (seed, token file, batch shape) and k (data.py),
 so K is the data position; training draws nothing from global random generators (no dropout;
 weights and data use their own seeded generators), so there is no RNG state to keep. A resume
-with another data stream or model is refused (``check_compatible``). Not saved: the AdamW
-hyperparameters (fixed, ``optim.ADAMW``; there is no learning-rate schedule).
+with another data stream, model or training recipe is refused (``check_compatible``); the
+recipe (``recipe.Recipe``: learning-rate schedule, AdamW hyperparameters, clipping) is saved
+in ``train_state.json`` with the gradient norms and learning rates of steps 1..K, and the
+learning rate of a step is a function of the recipe and the step alone, so the schedule
+continues exactly.
 
 torch APIs: ``torch.distributed.checkpoint.save`` / ``load``;
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``set_model_state_dict``.
@@ -98,11 +102,19 @@ class TrainState:
     """The architecture (``architecture``)."""
     plan: dict[str, Any]
     """The plan that saved it (for people; a resume may use another)."""
+    recipe: dict[str, Any] | None = None
+    """The training recipe (``recipe.Recipe`` as a dict); a resume must use the same."""
+    grad_norms: tuple[float, ...] = ()
+    """Gradient norms of steps 1..K (before clipping)."""
+    lrs: tuple[float, ...] = ()
+    """Learning rates of steps 1..K."""
 
     def __post_init__(self) -> None:
-        if self.step < 1 or len(self.losses) != self.step or len(self.step_s) != self.step:
-            raise ValueError(f"a train state after step {self.step} needs {self.step} losses "
-                             f"and step times, got {len(self.losses)} and {len(self.step_s)}")
+        series = (self.losses, self.step_s, self.grad_norms, self.lrs)
+        if self.step < 1 or any(len(values) != self.step for values in series):
+            raise ValueError(f"a train state after step {self.step} needs {self.step} losses, "
+                             f"step times, gradient norms and learning rates, got "
+                             f"{[len(values) for values in series]}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
@@ -110,7 +122,8 @@ class TrainState:
     @classmethod
     def from_json(cls, text: str) -> "TrainState":
         data = json.loads(text)
-        return cls(**{**data, "losses": tuple(data["losses"]), "step_s": tuple(data["step_s"])})
+        series = ("losses", "step_s", "grad_norms", "lrs")
+        return cls(**{**data, **{key: tuple(data.get(key, ())) for key in series}})
 
 
 def data_stream(spec: DataSpec) -> dict[str, Any]:
@@ -158,10 +171,15 @@ def read_train_state(directory: str, step: int) -> TrainState:
 
 
 def check_compatible(state: TrainState, *, data: dict[str, Any], model: dict[str, Any],
-                     steps: int, where: str) -> None:
-    """Raise ValueError unless a run of ``steps`` steps on ``data`` and ``model`` can continue
-    from ``state`` (saved at ``where``): same data stream, same architecture, K <= steps."""
-    for what, saved, now in (("data stream", state.data, data), ("model", state.model, model)):
+                     recipe: dict[str, Any], steps: int, where: str) -> None:
+    """Raise ValueError unless a run of ``steps`` steps on ``data`` and ``model`` under
+    ``recipe`` can continue from ``state`` (saved at ``where``): same data stream, same
+    architecture, same recipe (so the learning-rate schedule continues exactly; a checkpoint
+    without one is taken as saved under this one), K <= steps."""
+    checks = [("data stream", state.data, data), ("model", state.model, model)]
+    if state.recipe is not None:
+        checks.append(("training recipe", state.recipe, recipe))
+    for what, saved, now in checks:
         changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
         if changed:
             detail = ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
@@ -172,7 +190,8 @@ def check_compatible(state: TrainState, *, data: dict[str, Any], model: dict[str
 
 
 def check_start(directory: str | None, *, resume: bool, saving: bool, restarted: bool,
-                data: dict[str, Any], model: dict[str, Any], steps: int) -> None:
+                data: dict[str, Any], model: dict[str, Any], recipe: dict[str, Any],
+                steps: int) -> None:
     """Raise ValueError when a run cannot start as asked (before any work): ``resume`` without
     a committed checkpoint, a checkpoint it would continue (``resume``, or ``restarted`` by
     torchrun) that is incompatible, or saving into a folder that holds checkpoints without
@@ -185,7 +204,7 @@ def check_start(directory: str | None, *, resume: bool, saving: bool, restarted:
             raise ValueError(f"--resume: no complete checkpoint in {directory} (no "
                              f"{os.path.join(directory, LATEST)})")
         check_compatible(read_train_state(directory, step), data=data, model=model,
-                         steps=steps, where=step_dir(directory, step))
+                         recipe=recipe, steps=steps, where=step_dir(directory, step))
     elif saving and step is not None:
         raise ValueError(f"--checkpoint-dir {directory} already holds checkpoints (latest: "
                          f"step-{step}); pass --resume to continue from it, or use another "

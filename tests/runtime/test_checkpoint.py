@@ -31,6 +31,7 @@ from meshplan.runtime import checkpoint, optim
 from meshplan.runtime.data import DataSpec
 from meshplan.runtime.fault import Fault
 from meshplan.runtime.model import build_decoder
+from meshplan.runtime.recipe import Recipe
 from meshplan.runtime.parallelize import apply_checkpointing
 
 TINY = load_model("tiny")
@@ -66,7 +67,8 @@ class Runs:
     def launch(self, plan: Path, *argv: str, env: dict[str, str] | None = None,
                timeout_s: float = 110):
         """``meshplan run PLAN --json ARGV`` (the completed process)."""
-        return self._meshplan("run", str(plan), "--json", *argv, env=env, timeout_s=timeout_s)
+        return self._meshplan("run", str(plan), "--json", "--oversubscribe", *argv, env=env,
+                              timeout_s=timeout_s)
 
     def run(self, plan: Path, *argv: str) -> dict[str, Any]:
         """The report of ``launch`` (which must succeed)."""
@@ -201,11 +203,13 @@ def _fake_checkpoint(folder: Path, step: int, *, seed: int = 0) -> None:
     """A committed-looking checkpoint of ``step`` steps (metadata empty) for the checks."""
     spec = DataSpec(global_batch_size=8, seq_len=64, vocab_size=TINY.vocab_size, seed=seed)
     state = checkpoint.TrainState(step=step, losses=(1.0,) * step, step_s=(0.1,) * step,
+                                  grad_norms=(1.0,) * step, lrs=(1e-3,) * step,
                                   data=checkpoint.data_stream(spec),
                                   model=checkpoint.architecture(TINY), plan={})
-    (folder / f"step-{step}").mkdir(parents=True)
-    (folder / f"step-{step}" / ".metadata").write_bytes(b"")
-    (folder / f"step-{step}" / "train_state.json").write_text(state.to_json())
+    where = folder / f"step-{step}"
+    where.mkdir(parents=True)
+    (where / ".metadata").write_bytes(b"")
+    (where / "train_state.json").write_text(state.to_json())
     (folder / "latest").write_text(f"step-{step}\n")
 
 
@@ -265,7 +269,7 @@ def test_adamw_states_are_created_without_moving_parameters(offload):
     model = build_decoder(TINY, layer_ids=[0], last=False)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer_class = optim.HostOffloadAdamW if offload else torch.optim.AdamW
-    optimizer = optimizer_class(list(model.parameters()), **optim.ADAMW)
+    optimizer = optimizer_class(list(model.parameters()), **Recipe().adamw_kwargs())
     states = optim.adamw_states(optimizer)
     assert [p for p, _ in states] == list(model.parameters())
     for param, state in states:
@@ -279,7 +283,7 @@ def test_adamw_states_are_created_without_moving_parameters(offload):
 def test_host_offload_states_are_the_optimizer_own_tensors():
     """Loading into the presented state (in place) changes the optimizer's next step."""
     model = build_decoder(TINY, layer_ids=[0], last=False)
-    optimizer = optim.HostOffloadAdamW(list(model.parameters()), **optim.ADAMW)
+    optimizer = optim.HostOffloadAdamW(list(model.parameters()), **Recipe().adamw_kwargs())
     param, state = optim.adamw_states(optimizer)[0]
     state["exp_avg"].fill_(1.0)
     assert torch.equal(optimizer.host_optimizer.state[optimizer.pairs[0][1]]["exp_avg"],

@@ -1,10 +1,11 @@
-"""Every parallel layout trains exactly like one process: same losses within 1e-4 relative.
+"""Every parallel layout trains exactly like one process: same losses and gradient norms within
+1e-4 relative.
 
 Each case is a plan run for ``STEPS`` steps on CPU (gloo, fp32, the ``tiny`` model or a
-variant); its global-batch losses must equal those of the single-process run of the same model
-and global batch (weights and data do not depend on the layout). Also checked on the same runs:
-the report's shape, and that measured per-rank memory falls with more ZeRO sharding and with
-recomputation.
+variant); its global-batch losses and global gradient norms must equal those of the single-
+process run of the same model and global batch (weights and data do not depend on the layout).
+Also checked on the same runs: the report's shape, and that measured per-rank memory falls with
+more ZeRO sharding and with recomputation.
 """
 
 from __future__ import annotations
@@ -140,6 +141,19 @@ def test_losses_equal_single_process(runs, name):
     losses = runs.report(name)["losses"]
     assert len(losses) == STEPS
     assert max_relative_difference(losses, reference) <= REL_TOL, (losses, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", PARALLEL)
+def test_gradient_norms_equal_single_process(runs, name):
+    """AdamW cancels a constant gradient scale, so equal losses alone would not show
+    gradients off by a factor (a missing average over replicas or micro-batches): the
+    global gradient norm of every step, before clipping, must match one process's too."""
+    reference = runs.report(CASES[name].reference)["grad_norms"]
+    norms = runs.report(name)["grad_norms"]
+    assert len(norms) == STEPS and min(norms) > 0
+    assert max_relative_difference(norms, reference) <= REL_TOL, (norms, reference)
 
 
 @pytest.mark.slow
