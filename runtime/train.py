@@ -84,10 +84,14 @@ class RunOptions:
     """Save after every this many steps; 0: never save (the folder is only read)."""
     resume: bool = False
     """Start from the latest checkpoint in ``checkpoint_dir`` (it must exist)."""
+    keep_last: int = 0
+    """Keep only this many newest checkpoints (``--keep-last``); 0: keep all."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.keep_last < 0:
+            raise ValueError(f"--keep-last must be >= 1 (0: keep all), got {self.keep_last}")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 1 (0: never save), got "
                              f"{self.checkpoint_every}")
@@ -415,7 +419,8 @@ def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
             done = step + 1
             if options.checkpoint_every and done % options.checkpoint_every == 0:
                 checkpoint.save(rank_model.modules, rank_model.optimizer,
-                                options.checkpoint_dir, log.state(plan, data_spec))
+                                options.checkpoint_dir, log.state(plan, data_spec),
+                                keep_last=options.keep_last)
             if fault is not None:
                 fault.after_step(done, dist.get_rank())
     finally:

@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runtime/checkpoint.py)")
     saving.add_argument("--checkpoint-every", type=positive_int, metavar="N",
                         help="save after every N steps (default: never; DIR is then only read)")
+    saving.add_argument("--keep-last", type=positive_int, metavar="K",
+                        help="keep only the K newest checkpoints (default: all)")
     saving.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint in DIR, under this "
                              "plan (it may differ from the one that saved it)")
@@ -99,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     options = RunOptions(steps=args.steps, seed=args.seed, data=args.data,
                          timeout_s=args.timeout, init_timeout_s=args.init_timeout,
                          recipe=recipe, metrics=metrics, checkpoint_dir=args.checkpoint_dir,
-                         checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
+                         checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
+                         keep_last=args.keep_last or 0)
     where = launch.Launch(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                           max_restarts=args.max_restarts, oversubscribe=args.oversubscribe)
