@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from meshplan.costmodel import ModelSpec, load_model
 
 STEPS = 5
 REL_TOL = 1e-4
+PLANS_PER_LAUNCH = 8
 TINY = load_model("tiny")
 TINY8 = dataclasses.replace(TINY, name="tiny8", num_layers=8, reported_params=None,
                             source="tiny with 8 layers, for an uneven interleaved split")
@@ -90,26 +92,37 @@ class Runs:
         self.root = root
         self._make_config, self._plan_file, self._torchrun = make_config, plan_file, torchrun
         self._reports: dict[str, dict[str, Any]] = {}
-        self._output: dict[int, str] = {}
+        self._output: dict[tuple[str, ...], str] = {}
 
     def world_size(self, name: str) -> int:
         return self._make_config(**CASES[name].config).world_size
 
+    def batch(self, name: str) -> tuple[str, ...]:
+        """The cases launched together with ``name``: its world size's, ``PLANS_PER_LAUNCH``
+        at a time (a launch must finish within the test timeout on a busy 2-core machine)."""
+        names = [n for n in CASES if self.world_size(n) == self.world_size(name)]
+        start = names.index(name) // PLANS_PER_LAUNCH * PLANS_PER_LAUNCH
+        return tuple(names[start:start + PLANS_PER_LAUNCH])
+
     def report(self, name: str) -> dict[str, Any]:
-        size = self.world_size(name)
-        if name not in self._reports and size not in self._output:
-            self._launch(size)
+        batch = self.batch(name)
+        if name not in self._reports and batch not in self._output:
+            self._launch(batch)
         if name not in self._reports:
-            pytest.fail(f"{name}: no report; torchrun output:\n{self._output[size]}")
+            pytest.fail(f"{name}: no report; torchrun output:\n{self._output[batch]}")
         return self._reports[name]
 
-    def _launch(self, size: int) -> None:
-        names = [n for n in CASES if self.world_size(n) == size]
+    def _launch(self, names: tuple[str, ...]) -> None:
+        size = self.world_size(names[0])
         plans = [self._plan_file(CASES[n].model, self._make_config(**CASES[n].config),
                                  self.root / f"{n}.plan.json") for n in names]
         reports = [self.root / f"{n}.report.json" for n in names]
-        done = self._torchrun(plans, reports, nproc=size, steps=STEPS)
-        self._output[size] = f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-8000:]}"
+        try:
+            done = self._torchrun(plans, reports, nproc=size, steps=STEPS)
+        except subprocess.TimeoutExpired as err:  # recorded: the other cases fail at once
+            self._output[names] = f"timed out after {err.timeout} s"
+            return
+        self._output[names] = f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-8000:]}"
         for name, path in zip(names, reports):
             if path.exists():
                 self._reports[name] = json.loads(path.read_text())

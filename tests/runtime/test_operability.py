@@ -134,7 +134,7 @@ RECIPE_ARGS = ("--lr", "3e-3", "--warmup-steps", "2", "--lr-schedule", "cosine",
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_recipe_warmup_cosine_clipping_and_an_exact_resume(meshplan, tmp_path, plan_file,
-                                                           make_config):
+                                                           make_config, capsys):
     plan = str(plan_file(TINY, make_config(), tmp_path / "ref.json"))
     whole = meshplan("run", plan, "--steps", "6", "--json", *RECIPE_ARGS)
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -164,6 +164,7 @@ def test_recipe_warmup_cosine_clipping_and_an_exact_resume(meshplan, tmp_path, p
         assert record["grad_norm_clipped"] == pytest.approx(0.5, rel=1e-5)
         assert record["tokens_per_s"] > 0 and record["mfu"] > 0
 
-    other = meshplan("run", plan, "--steps", "6", *RECIPE_ARGS[:-2], "--checkpoint-dir",
-                     str(folder), "--resume")
-    assert other.returncode == 2 and "another training recipe" in other.stderr
+    # in this process: the refusal comes before anything is launched
+    assert cli.main(["run", plan, "--steps", "6", *RECIPE_ARGS[:-2], "--checkpoint-dir",
+                     str(folder), "--resume"]) == 2
+    assert "another training recipe (max_grad_norm 0.5 -> 1.0)" in capsys.readouterr().err
