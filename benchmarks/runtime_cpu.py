@@ -59,7 +59,8 @@ def run(plan: Plan, steps: int, folder: Path) -> dict:
     plan_file, report_file = folder / "plan.json", folder / "report.json"
     write_plan(plan, plan_file)
     subprocess.run([sys.executable, "-m", "meshplan", "run", str(plan_file), "--steps",
-                    str(steps), "--report", str(report_file)], check=True, timeout=600,
+                    str(steps), "--report", str(report_file), "--oversubscribe"],
+                   check=True, timeout=600,
                    stdout=subprocess.DEVNULL)
     return json.loads(report_file.read_text())
 

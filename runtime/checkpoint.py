@@ -8,7 +8,9 @@ Layout of ``--checkpoint-dir DIR``::
       step-4/
         .metadata           DCP: every key's global shape, and which file holds each shard
         __<r>_0.distcp      DCP data, one file per rank r that wrote shards
-        train_state.json    step, data stream, model, loss log and step times of steps 1..4
+        train_state.json    step, data stream, model, recipe; loss, step time, gradient
+                            norm and learning rate of steps 1..4
+        checksums.json      size and SHA-256 of every other file (integrity.py)
       step-6.tmp/           a save in progress, or an interrupted one: never read
 
 Keys, the same under every layout (DCP joins nested keys with dots)::
@@ -28,10 +30,19 @@ a rank saves and loads the AdamW states of the parameters it owns only (``optim.
 Save (``save``, collective): rank 0 clears a stale ``step-K.tmp`` or uncommitted ``step-K`` and
 creates ``step-K.tmp``; barrier; every rank writes its shards with ``dcp.save`` (it returns after
 rank 0 has written ``.metadata``, which it does once every rank's data is written), rank 0 adds
-``train_state.json``; barrier; rank 0 renames ``step-K.tmp`` to ``step-K`` and then points
+``train_state.json``; barrier; the ranks hash the folder's files in parallel and rank 0
+writes ``checksums.json``; rank 0 renames ``step-K.tmp`` to ``step-K`` and then points
 ``latest`` at it (``latest.tmp`` written, fsynced, ``os.replace``d); barrier. ``latest`` is the
 commit record: a save interrupted anywhere before that ``os.replace`` leaves ``latest`` on the
 previous checkpoint. All nodes must see DIR (a shared file system).
+
+With ``keep_last`` K (``--keep-last``) rank 0 then deletes all but the K newest committed
+folders (``prune``); ``latest``'s is never deleted.
+
+Integrity: ``meshplan run --resume`` checks the sizes of the latest checkpoint's files against
+its manifest before any worker starts (a truncated shard is refused with exit code 2), and
+``load`` re-hashes every file first (the ranks share the work) and refuses, on every rank with
+one line, a checkpoint whose bytes changed (random bytes, zeroed blocks): it is never loaded.
 
 Resume (``load``, collective) restores the parameters, the AdamW moments and step counts, the
 step counter, and the loss log and step times of steps 1..K (``TrainState``), so a run's report
@@ -39,8 +50,11 @@ lists one loss per step even across restarts, the steps after K being run again.
 step k is a pure function of the data stream (seed, token file, batch shape) and k (data.py),
 so K is the data position; training draws nothing from global random generators (no dropout;
 weights and data use their own seeded generators), so there is no RNG state to keep. A resume
-with another data stream or model is refused (``check_compatible``). Not saved: the AdamW
-hyperparameters (fixed, ``optim.ADAMW``; there is no learning-rate schedule).
+with another data stream, model or training recipe is refused (``check_compatible``); the
+recipe (``recipe.Recipe``: learning-rate schedule, AdamW hyperparameters, clipping) is saved
+in ``train_state.json`` with the gradient norms and learning rates of steps 1..K, and the
+learning rate of a step is a function of the recipe and the step alone, so the schedule
+continues exactly.
 
 torch APIs: ``torch.distributed.checkpoint.save`` / ``load``;
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` / ``set_model_state_dict``.
@@ -69,6 +83,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from meshplan.costmodel.model import ModelSpec
+from meshplan.runtime import integrity
 from meshplan.runtime import optim as optim_mod
 from meshplan.runtime.data import DataSpec
 
@@ -98,11 +113,19 @@ class TrainState:
     """The architecture (``architecture``)."""
     plan: dict[str, Any]
     """The plan that saved it (for people; a resume may use another)."""
+    recipe: dict[str, Any] | None = None
+    """The training recipe (``recipe.Recipe`` as a dict); a resume must use the same."""
+    grad_norms: tuple[float, ...] = ()
+    """Gradient norms of steps 1..K (before clipping)."""
+    lrs: tuple[float, ...] = ()
+    """Learning rates of steps 1..K."""
 
     def __post_init__(self) -> None:
-        if self.step < 1 or len(self.losses) != self.step or len(self.step_s) != self.step:
-            raise ValueError(f"a train state after step {self.step} needs {self.step} losses "
-                             f"and step times, got {len(self.losses)} and {len(self.step_s)}")
+        series = (self.losses, self.step_s, self.grad_norms, self.lrs)
+        if self.step < 1 or any(len(values) != self.step for values in series):
+            raise ValueError(f"a train state after step {self.step} needs {self.step} losses, "
+                             f"step times, gradient norms and learning rates, got "
+                             f"{[len(values) for values in series]}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
@@ -110,7 +133,8 @@ class TrainState:
     @classmethod
     def from_json(cls, text: str) -> "TrainState":
         data = json.loads(text)
-        return cls(**{**data, "losses": tuple(data["losses"]), "step_s": tuple(data["step_s"])})
+        series = ("losses", "step_s", "grad_norms", "lrs")
+        return cls(**{**data, **{key: tuple(data.get(key, ())) for key in series}})
 
 
 def data_stream(spec: DataSpec) -> dict[str, Any]:
@@ -145,7 +169,7 @@ def latest_step(directory: str) -> int | None:
     if match is None:
         raise ValueError(f"{pointer}: expected 'step-<N>', found {name!r}")
     folder = os.path.join(directory, name)
-    for required in (DCP_METADATA, TRAIN_STATE):
+    for required in (DCP_METADATA, TRAIN_STATE, integrity.CHECKSUMS):
         if not os.path.isfile(os.path.join(folder, required)):
             raise ValueError(f"{pointer} names {folder}, which has no {required}: not a "
                              "complete checkpoint")
@@ -158,10 +182,15 @@ def read_train_state(directory: str, step: int) -> TrainState:
 
 
 def check_compatible(state: TrainState, *, data: dict[str, Any], model: dict[str, Any],
-                     steps: int, where: str) -> None:
-    """Raise ValueError unless a run of ``steps`` steps on ``data`` and ``model`` can continue
-    from ``state`` (saved at ``where``): same data stream, same architecture, K <= steps."""
-    for what, saved, now in (("data stream", state.data, data), ("model", state.model, model)):
+                     recipe: dict[str, Any], steps: int, where: str) -> None:
+    """Raise ValueError unless a run of ``steps`` steps on ``data`` and ``model`` under
+    ``recipe`` can continue from ``state`` (saved at ``where``): same data stream, same
+    architecture, same recipe (so the learning-rate schedule continues exactly; a checkpoint
+    without one is taken as saved under this one), K <= steps."""
+    checks = [("data stream", state.data, data), ("model", state.model, model)]
+    if state.recipe is not None:
+        checks.append(("training recipe", state.recipe, recipe))
+    for what, saved, now in checks:
         changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
         if changed:
             detail = ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
@@ -172,7 +201,8 @@ def check_compatible(state: TrainState, *, data: dict[str, Any], model: dict[str
 
 
 def check_start(directory: str | None, *, resume: bool, saving: bool, restarted: bool,
-                data: dict[str, Any], model: dict[str, Any], steps: int) -> None:
+                data: dict[str, Any], model: dict[str, Any], recipe: dict[str, Any],
+                steps: int) -> None:
     """Raise ValueError when a run cannot start as asked (before any work): ``resume`` without
     a committed checkpoint, a checkpoint it would continue (``resume``, or ``restarted`` by
     torchrun) that is incompatible, or saving into a folder that holds checkpoints without
@@ -184,8 +214,9 @@ def check_start(directory: str | None, *, resume: bool, saving: bool, restarted:
         if step is None:
             raise ValueError(f"--resume: no complete checkpoint in {directory} (no "
                              f"{os.path.join(directory, LATEST)})")
+        integrity.check_sizes(step_dir(directory, step))
         check_compatible(read_train_state(directory, step), data=data, model=model,
-                         steps=steps, where=step_dir(directory, step))
+                         recipe=recipe, steps=steps, where=step_dir(directory, step))
     elif saving and step is not None:
         raise ValueError(f"--checkpoint-dir {directory} already holds checkpoints (latest: "
                          f"step-{step}); pass --resume to continue from it, or use another "
@@ -269,9 +300,9 @@ def _commit(directory: str, step: int) -> None:
 
 
 def save(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, directory: str,
-         state: TrainState) -> None:
+         state: TrainState, *, keep_last: int = 0) -> None:
     """Write checkpoint ``step-<state.step>`` of this rank's chunks and optimizer (collective;
-    module docstring: the commit protocol)."""
+    module docstring: the commit protocol); then keep only the ``keep_last`` newest (0: all)."""
     final = step_dir(directory, state.step)
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -286,15 +317,61 @@ def save(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, directo
     if rank0:
         _sync_write(os.path.join(final + TMP_SUFFIX, TRAIN_STATE), state.to_json())
     dist.barrier()
+    _write_checksums(final + TMP_SUFFIX)
     if rank0:
         _commit(directory, state.step)
+        if keep_last:
+            prune(directory, keep_last)
     dist.barrier()
+
+
+def _write_checksums(folder: str) -> None:
+    """Every rank hashes every world-th file of ``folder``; rank 0 writes the manifest
+    (collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = integrity.checkpoint_files(folder)
+    mine = integrity.entries(folder, names[rank::world])
+    gathered: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        integrity.write_manifest(folder, {k: v for part in gathered for k, v in part.items()})
+
+
+def committed_steps(directory: str) -> list[int]:
+    """Steps of the committed checkpoint folders in ``directory`` (``step-K``), ascending."""
+    steps = []
+    for name in os.listdir(directory):
+        match = _STEP_NAME.fullmatch(name)
+        if match and os.path.isdir(os.path.join(directory, name)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def prune(directory: str, keep_last: int) -> None:
+    """Delete all but the ``keep_last`` newest committed checkpoints (never ``latest``'s)."""
+    latest = latest_step(directory)
+    for step in committed_steps(directory)[:-keep_last]:
+        if step != latest:
+            shutil.rmtree(step_dir(directory, step), ignore_errors=True)
+
+
+def verify(directory: str, step: int) -> None:
+    """``integrity.CorruptCheckpoint`` (on every rank) unless checkpoint ``step``'s files match
+    their manifest; the ranks hash the files in parallel (collective)."""
+    problem = integrity.verify_files(step_dir(directory, step), rank=dist.get_rank(),
+                                     world_size=dist.get_world_size())
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p]
+    if found:
+        raise integrity.CorruptCheckpoint(found[0])
 
 
 def load(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, directory: str,
          step: int) -> None:
     """Load checkpoint ``step-<step>`` into this rank's chunks and optimizer, resharding to
     their layout (collective). Its ``TrainState`` is ``read_train_state``'s."""
+    verify(directory, step)
     tensors, parts = _state_dict(modules, optimizer)
     dcp.load(tensors, checkpoint_id=step_dir(directory, step))
     for module, part in zip(modules, parts):

@@ -67,8 +67,13 @@ def global_batch(spec: DataSpec, step: int) -> torch.Tensor:
     return (start + stride * positions) % used
 
 
+def token_dtype(spec: DataSpec) -> str:
+    """The token file's dtype: ``spec.token_dtype``, else uint16 when V <= 65536, else int32."""
+    return spec.token_dtype or ("uint16" if spec.vocab_size <= 2 ** 16 else "int32")
+
+
 def _file_batch(spec: DataSpec, step: int) -> torch.Tensor:
-    dtype = spec.token_dtype or ("uint16" if spec.vocab_size <= 2 ** 16 else "int32")
+    dtype = token_dtype(spec)
     path = Path(spec.token_file)
     tokens = np.memmap(path, dtype=dtype, mode="r")
     row = spec.seq_len + 1

@@ -3,7 +3,8 @@
 ``MESHPLAN_FAULT_AT_STEP=k`` makes global rank ``MESHPLAN_FAULT_RANK`` (default 0) end with
 ``os._exit(1)`` right after step k (counted from 1; after that step's checkpoint when one is
 due), as a crashed or killed process would: no cleanup, its peers left waiting in a collective
-until torchrun stops them. ``MESHPLAN_FAULT_MARKER`` names a file that the rank creates just
+until torchrun stops them (with ``MESHPLAN_FAULT_NAN=1`` it writes NaN into a parameter before
+that step instead). ``MESHPLAN_FAULT_MARKER`` names a file that the rank creates just
 before it exits; while the file exists no fault is injected, so the job torchrun restarts (with
 ``--max-restarts``) runs through.
 """
@@ -15,6 +16,8 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,9 @@ class Fault:
     step: int
     rank: int
     marker: str
+    nan: bool = False
+    """Instead of ending the process, write NaN into the rank's first parameter before the
+    step (``MESHPLAN_FAULT_NAN=1``): the step's loss and gradients become NaN."""
 
     def __post_init__(self) -> None:
         if self.step < 1 or self.rank < 0:
@@ -44,12 +50,25 @@ class Fault:
                              "the fault happens only while it does not exist)")
         return cls(step=int(env["MESHPLAN_FAULT_AT_STEP"]),
                    rank=int(env.get("MESHPLAN_FAULT_RANK", "0")),
-                   marker=env["MESHPLAN_FAULT_MARKER"])
+                   marker=env["MESHPLAN_FAULT_MARKER"],
+                   nan=env.get("MESHPLAN_FAULT_NAN", "0") not in ("", "0"))
+
+    def before_step(self, step: int, rank: int, modules: list) -> None:
+        """With ``nan``: poison the first parameter of the faulty rank before step ``step``."""
+        if not self.nan or step != self.step or rank != self.rank:
+            return
+        param = next(p for m in modules for p in m.parameters())
+        local = param.to_local() if hasattr(param, "to_local") else param
+        logger.warning("fault injection: rank %d writes NaN into a parameter before step %d",
+                       rank, step)
+        with torch.no_grad():
+            local.fill_(float("nan"))
 
     def after_step(self, step: int, rank: int) -> None:
         """End this process if it is the faulty rank, ``step`` is the fault's, and the marker
         does not exist yet (creating it first)."""
-        if step != self.step or rank != self.rank or os.path.exists(self.marker):
+        if (self.nan or step != self.step or rank != self.rank
+                or os.path.exists(self.marker)):
             return
         with open(self.marker, "w") as handle:
             handle.write(f"rank {rank} exited after step {step}\n")

@@ -21,20 +21,37 @@ torch APIs: ``torch.distributed.run`` (torchrun) with ``--max-restarts``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
+import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 from meshplan.planner.plan import Plan, read_plan
 from meshplan.runtime import checkpoint
+from meshplan.runtime import recipe as recipe_mod
 from meshplan.runtime import mesh as mesh_mod
+from meshplan.runtime import preflight
 from meshplan.runtime.report import RunReport, read_report
 from meshplan.runtime.train import RunOptions, plan_data
 from meshplan.runtime.worker import Job, run_job_or_exit, under_torchrun
 
+STOP_GRACE_S = 10.0
+"""Seconds torchrun and its workers get after SIGTERM before they are killed."""
+NCCL_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed or timed-out collective ends the rank
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder: the last 2000 collectives
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",       # ... dumped by every rank on a timeout
+}
+"""NCCL error handling and flight recorder, as torchtitan sets them (torch 2.13 names)."""
+FLIGHT_RECORDER_FILE = "TORCH_FR_DUMP_TEMP_FILE"
 LOCAL_ENDPOINT = "127.0.0.1:0"
 """Single-node rendezvous: loopback, port chosen by the agent."""
 FRESH_STORE_PER_ATTEMPT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -57,6 +74,8 @@ class Launch:
     """Job id shared by all nodes; None picks a fresh one (single node only)."""
     max_restarts: int = 0
     """Times torchrun restarts the workers after a failure (they resume from a checkpoint)."""
+    oversubscribe: bool = False
+    """Allow more processes than CPU cores on the cpu cluster (``preflight.check_devices``)."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -86,19 +105,133 @@ def torchrun_command(job: Job, launch: Launch, *, nproc_per_node: int) -> list[s
             "-m", "meshplan.runtime.worker", job.to_json()]
 
 
-def start(job: Job, launch: Launch, *, nproc_per_node: int,
-          timeout_s: float | None = None) -> subprocess.CompletedProcess:
-    """Run torchrun for ``job`` and wait; output goes to this process's stdout and stderr."""
-    # PYTHONSAFEPATH: torchrun and its workers do not put the working directory first on
-    # sys.path, so a user's own `meshplan/` (or any) package there cannot replace meshplan's
-    # code inside the workers; a user's model factory is still found (load_factory appends it).
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
+def worker_environment(options: RunOptions, launch: Launch,
+                       base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of torchrun and its workers.
+
+    PYTHONSAFEPATH: torchrun and its workers do not put the working directory first on
+    sys.path, so a user's own `meshplan/` (or any) package there cannot replace meshplan's
+    code inside the workers; a user's model factory is still found (load_factory appends it).
+    On CUDA, NCCL's asynchronous error handling and flight recorder are on (``NCCL_DEFAULTS``;
+    a value the user set wins): a collective that times out ends its process instead of
+    hanging, and every rank dumps its last collectives to ``flight_recorder_prefix``.
+    """
+    env = dict(os.environ if base is None else base, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     if launch.max_restarts:
         env[FRESH_STORE_PER_ATTEMPT] = "1"
+    if torch.cuda.is_available():
+        for key, value in NCCL_DEFAULTS.items():
+            env.setdefault(key, value)
+        env.setdefault(FLIGHT_RECORDER_FILE, flight_recorder_prefix(options))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    return subprocess.run(torchrun_command(job, launch, nproc_per_node=nproc_per_node),
-                          env=env, timeout=timeout_s, check=False)
+    return env
+
+
+def flight_recorder_prefix(options: RunOptions) -> str:
+    """Where NCCL's flight recorder dumps (``<prefix><rank>``): the checkpoint folder's
+    ``flight_recorder/``, else the temporary folder's ``meshplan-flight-recorder/``."""
+    root = options.checkpoint_dir or tempfile.gettempdir()
+    name = "flight_recorder" if options.checkpoint_dir else "meshplan-flight-recorder"
+    folder = os.path.join(os.path.abspath(root), name)
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, "rank_")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (children first), read from /proc (Linux; [] elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _kill(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def stop(proc: subprocess.Popen, *, grace_s: float = STOP_GRACE_S) -> None:
+    """End torchrun ``proc`` and every process below it: SIGTERM to torchrun's process group
+    and to each worker (torchrun starts each in a session of its own), then, after
+    ``grace_s``, SIGKILL to any still alive. The workers' pids are taken first, while they are
+    still torchrun's children."""
+    tree = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    _kill(tree, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and (proc.poll() is None or _alive(tree)):
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    _kill([pid for pid in tree if _alive([pid])], signal.SIGKILL)
+    proc.wait()
+
+
+def _alive(pids: list[int]) -> bool:
+    """True when one of ``pids`` is still running (not a zombie)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+class Stopped(Exception):
+    """``meshplan run`` got SIGTERM or SIGINT; torchrun and its workers were ended."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def start(job: Job, launch: Launch, *, nproc_per_node: int) -> int:
+    """Run torchrun for ``job`` and wait; output goes to this process's stdout and stderr.
+
+    Returns torchrun's exit code. SIGTERM or SIGINT to this process (or its process group)
+    ends torchrun and every worker within ``STOP_GRACE_S`` seconds (``stop``) and raises
+    ``Stopped``; a checkpoint being written then stays uncommitted, ``latest`` keeps naming
+    the last complete one (checkpoint.py).
+    """
+    env = worker_environment(job.options, launch)
+    proc = subprocess.Popen(torchrun_command(job, launch, nproc_per_node=nproc_per_node),
+                            env=env, start_new_session=True)
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    except Stopped:
+        stop(proc)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:  # any other way out of the wait
+            stop(proc)
 
 
 @dataclass(frozen=True)
@@ -122,10 +255,16 @@ def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | No
     """
     plan = read_plan(plan_path)
     mesh_mod.check_supported(plan.config, plan.model)
+    recipe_mod.check_dtype(plan.config.dtype)
+    preflight.check_data(plan_data(plan, options))
+    preflight.check_checkpoint_dir(options.checkpoint_dir)
     _check_checkpoint_flags(plan, options)
     if not under_torchrun():
         nproc = processes_per_node(launch, plan.config.world_size)
         mesh_mod.check_world_size(plan.config, nproc * launch.nnodes)
+        preflight.check_devices(plan, nproc_per_node=nproc,
+                                cuda_devices=torch.cuda.device_count(),
+                                oversubscribe=launch.oversubscribe)
     else:
         mesh_mod.check_world_size(plan.config, int(os.environ["WORLD_SIZE"]))
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as scratch:
@@ -136,7 +275,7 @@ def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | No
             code = run_job_or_exit(job, plans=[plan])
             rank0 = os.environ["RANK"] == "0"
             return RunResult(code, _read_report(path) if code == 0 and rank0 else None)
-        code = start(job, launch, nproc_per_node=nproc).returncode
+        code = start(job, launch, nproc_per_node=nproc)
         return RunResult(code, _read_report(path) if code == 0 else None)
 
 
@@ -146,7 +285,8 @@ def _check_checkpoint_flags(plan: Plan, options: RunOptions) -> None:
                            saving=options.checkpoint_every > 0,
                            restarted=checkpoint.torchrun_restarts() > 0,
                            data=checkpoint.data_stream(plan_data(plan, options)),
-                           model=checkpoint.architecture(plan.model), steps=options.steps)
+                           model=checkpoint.architecture(plan.model),
+                           recipe=dataclasses.asdict(options.recipe), steps=options.steps)
 
 
 def _read_report(path: str | None) -> RunReport | None:

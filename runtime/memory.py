@@ -160,6 +160,20 @@ class PeakMemory:
         return int(self._tracker.peak_bytes) if self._tracker is not None else None
 
     @property
+    def allocated_bytes(self) -> int | None:
+        """Bytes allocated now (CUDA allocator, or live tensors on the CPU; None when off)."""
+        if self._cuda:
+            return int(torch.cuda.memory_allocated(self.device))
+        return int(self._tracker.live_bytes) if self._tracker is not None else None
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """Bytes the CUDA caching allocator holds now (on the CPU: ``allocated_bytes``)."""
+        if self._cuda:
+            return int(torch.cuda.memory_reserved(self.device))
+        return self.allocated_bytes
+
+    @property
     def peak_reserved_bytes(self) -> int | None:
         if self._cuda:
             return int(torch.cuda.max_memory_reserved(self.device))

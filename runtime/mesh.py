@@ -8,7 +8,10 @@ not implemented, so ``cp`` (always 1 here) is left out of the mesh.
 
 torch APIs: ``torch.distributed.init_process_group`` (gloo on CPU, NCCL on CUDA, with a
 timeout), ``torch.distributed.device_mesh.init_device_mesh`` with ``backend_override`` carrying
-the same timeout to every sub-group (sub-groups would otherwise wait 30 minutes).
+the same timeout to every sub-group (sub-groups would otherwise wait 30 minutes),
+``torch.distributed.distributed_c10d._set_pg_timeout`` to tighten it after the first step (as
+torchtitan does). With ``MESHPLAN_STRICT_COLLECTIVES=1`` on the CPU, collectives refuse host
+tensors as NCCL does (``strict.py``).
 """
 
 from __future__ import annotations
@@ -19,14 +22,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshplan.costmodel import layout
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.model import ModelSpec
+from meshplan.runtime import strict
 
 DEFAULT_TIMEOUT_S = 60.0
-"""Process-group timeout: a rank waiting this long on a collective fails instead of hanging."""
+"""Process-group timeout once training runs (after the first step): a rank waiting this long on
+a collective fails instead of hanging."""
+DEFAULT_INIT_TIMEOUT_S = 600.0
+"""Process-group timeout until the first step is done: building the model, loading a
+checkpoint and the first step (allocator warm-up, NCCL communicator set-up) take longest
+(torchtitan likewise runs a long init timeout, then a tighter training one)."""
 MESH_AXES = ("pp", "dp", "tp")
 """Axes the runtime builds (cp is refused when > 1)."""
 
@@ -93,7 +103,7 @@ def device_for_rank() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+def init_distributed(*, timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> str:
     """Join the torchrun job (env:// rendezvous); return the backend name (gloo or nccl)."""
     device = device_for_rank()
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -101,6 +111,8 @@ def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
+        if strict.enabled():
+            strict.install()
     if not dist.is_initialized():
         dist.init_process_group(backend=backend,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -136,3 +148,11 @@ def build_mesh(config: ParallelConfig, *, backend: str,
 def coords(mesh: DeviceMesh) -> MeshCoords:
     return MeshCoords(pp=mesh.get_local_rank("pp"), dp=mesh.get_local_rank("dp"),
                       tp=mesh.get_local_rank("tp"))
+
+
+def set_timeout(mesh: DeviceMesh, timeout_s: float) -> None:
+    """Give the default group and every sub-group of ``mesh`` the timeout ``timeout_s``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    distributed_c10d._set_pg_timeout(timeout, None)
+    for name in mesh.mesh_dim_names:
+        distributed_c10d._set_pg_timeout(timeout, mesh.get_group(name))

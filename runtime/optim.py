@@ -13,7 +13,8 @@
   Offload ``optimizer+params`` is FSDP2's ``CPUOffloadPolicy`` (parallelize.py) with plain
   AdamW: the sharded parameters, gradients and states all live on the host.
 
-Hyperparameters are fixed (``ADAMW``) so runs of different layouts are comparable.
+Hyperparameters come from the run's recipe (``recipe.Recipe``); ``set_lr`` sets the learning
+rate of a step on every optimizer a wrapper holds.
 
 For checkpoints (``checkpoint.py``) ``adamw_states`` presents the AdamW state this rank keeps,
 whichever wrapper holds it, per model parameter and in the parameter's layout;
@@ -31,8 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-ADAMW = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-"""AdamW hyperparameters of every run (GPT-3's betas and weight decay, a small-model lr)."""
+from meshplan.runtime.recipe import Recipe
+
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -134,11 +135,18 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
         return None
 
 
+def _kernel(impl: str, params: list[torch.Tensor]) -> dict:
+    """AdamW's kernel flags for ``--optimizer-impl`` (foreach only where ``foreach_ok``)."""
+    if impl == "fused":
+        return {"fused": True}
+    return {"foreach": impl == "foreach" and foreach_ok(params)}
+
+
 def build_optimizer(modules: list[nn.Module], *, zero_stage: int, offload: str,
-                    dp_mesh: DeviceMesh) -> torch.optim.Optimizer:
+                    dp_mesh: DeviceMesh, recipe: Recipe) -> torch.optim.Optimizer:
     """The optimizer over every parameter of ``modules`` (the rank's model chunks)."""
     params = [p for m in modules for p in m.parameters()]
-    hyper = dict(ADAMW, foreach=foreach_ok(params))
+    hyper = {**recipe.adamw_kwargs(), **_kernel(recipe.optimizer_impl, params)}
     inner = HostOffloadAdamW if offload == "optimizer" else torch.optim.AdamW
     if zero_stage == 1 and dp_mesh.size() > 1:
         if any(isinstance(p, DTensor) for p in params):
@@ -224,3 +232,23 @@ def reload_master_weights(optimizer: torch.optim.Optimizer) -> None:
     holder = _state_holder(optimizer)
     if isinstance(holder, HostOffloadAdamW):
         holder.reload_master_weights()
+
+
+def _nested(optimizer: torch.optim.Optimizer | None) -> Iterable[torch.optim.Optimizer]:
+    """``optimizer`` and every optimizer it wraps (ZeRO-1's inner, offload's host AdamW)."""
+    if optimizer is None:
+        return
+    yield optimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        yield from _nested(optimizer.optim)
+    elif isinstance(optimizer, ShardedStateOptimizer):
+        yield from _nested(optimizer.inner)
+    elif isinstance(optimizer, HostOffloadAdamW):
+        yield from _nested(optimizer.host_optimizer)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group of ``optimizer`` and of what it wraps."""
+    for inner in _nested(optimizer):
+        for group in inner.param_groups:
+            group["lr"] = lr

@@ -3,7 +3,7 @@
 ``RunReport`` is what a run measured next to what its plan predicted; ``to_dict`` is the one
 place its JSON is produced (the keys of DESIGN.md plus the extras the runtime adds:
 ``ratio``, ``peak_bytes``, ``step_s``, ``compute_dtype``, ``resumed_from_step``,
-``restarts``), and ``report_from_dict`` the one place it is read, strictly
+``restarts``, ``grad_norms``, ``lrs``, ``recipe``), and ``report_from_dict`` the one place it is read, strictly
 (``costmodel.jsonio``). Its ``plan`` object is the estimate's (``estimate.config_to_dict``).
 Derived values (median step, tokens/s, ratios, the largest peak) are computed from the
 measurements, never stored twice.
@@ -74,6 +74,12 @@ class RunReport:
     resumed_from_step: int | None = None
     restarts: int = 0
     """torchrun restarts before this report."""
+    grad_norms: tuple[float, ...] = ()
+    """Global gradient L2 norm of every step, before clipping."""
+    lrs: tuple[float, ...] = ()
+    """Learning rate of every step."""
+    recipe: dict[str, Any] | None = None
+    """The training recipe (``recipe.Recipe`` as a dict)."""
 
     @property
     def step_s_median(self) -> float:
@@ -104,7 +110,9 @@ class RunReport:
                 "peak_bytes": self.peak_bytes, "step_s": list(self.step_s),
                 "per_rank": [r.to_dict() for r in self.per_rank],
                 "compute_dtype": self.compute_dtype,
-                "resumed_from_step": self.resumed_from_step, "restarts": self.restarts}
+                "resumed_from_step": self.resumed_from_step, "restarts": self.restarts,
+                "grad_norms": list(self.grad_norms), "lrs": list(self.lrs),
+                "recipe": self.recipe}
 
 
 _RANK_SCHEMA = schema_of(RankReport, name="run report rank", extra_keys=True,
@@ -121,6 +129,7 @@ REPORT_SCHEMA = schema_of(
     exclude=("predicted_step_s", "predicted_peak_bytes"),
     rules={"schema_version": Rule(kind="int", limit=Limit(choices=(schema.RUN_REPORT,))),
            "plan": Rule(kind="object"),
+           "recipe": Rule(kind="object", nullable=True),
            "per_rank": Rule(kind="list", items=Rule(kind="object", schema=_RANK_SCHEMA)),
            "predicted": Rule(kind="object", schema=_PREDICTED_SCHEMA),
            "step_s_median": Rule(kind="float", limit=POSITIVE),
@@ -132,7 +141,8 @@ REPORT_SCHEMA = schema_of(
 and unknown extras tolerated, as DESIGN.md lets the report grow. Derived keys (median,
 tokens/s, ratios, the largest peak) are checked for type and recomputed, not read."""
 _RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankReport))
-_OPTIONAL_FIELDS = ("compute_dtype", "resumed_from_step", "restarts")
+_OPTIONAL_FIELDS = ("compute_dtype", "resumed_from_step", "restarts", "recipe")
+_OPTIONAL_SERIES = ("grad_norms", "lrs")
 
 
 def report_from_dict(data: Any, *, origin: str) -> RunReport:
@@ -143,7 +153,8 @@ def report_from_dict(data: Any, *, origin: str) -> RunReport:
                      losses=tuple(data["losses"]), step_s=tuple(data["step_s"]),
                      predicted_step_s=data["predicted"]["step_s"],
                      predicted_peak_bytes=data["predicted"]["peak_bytes"], per_rank=ranks,
-                     **{f: data[f] for f in _OPTIONAL_FIELDS if f in data})
+                     **{f: data[f] for f in _OPTIONAL_FIELDS if f in data},
+                     **{f: tuple(data[f]) for f in _OPTIONAL_SERIES if f in data})
 
 
 def read_report(path: str | Path) -> RunReport:

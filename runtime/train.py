@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ from meshplan.runtime import data as data_mod
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime import optim as optim_mod
 from meshplan.runtime import parallelize, pipeline
+from meshplan.runtime import recipe as recipe_mod
+from meshplan.runtime.metrics import MetricsLog, StepMetrics, mfu
+from meshplan.runtime.recipe import Recipe
 from meshplan.runtime.fault import Fault
 from meshplan.runtime.memory import PeakMemory, peak_rss_bytes
 from meshplan.runtime.chain import build_chain
@@ -64,7 +68,14 @@ class RunOptions:
     data: str | None = None
     """Token file (numpy memmap) instead of synthetic data."""
     timeout_s: float = mesh_mod.DEFAULT_TIMEOUT_S
-    """Process-group timeout of the mesh's sub-groups."""
+    """Process-group timeout once the first step is done (``--timeout``)."""
+    init_timeout_s: float = mesh_mod.DEFAULT_INIT_TIMEOUT_S
+    """Process-group timeout until then (``--init-timeout``): construction, loading a
+    checkpoint and the first step, which take longest."""
+    recipe: Recipe = Recipe()
+    """Learning-rate schedule, AdamW hyperparameters and clipping (recipe.py)."""
+    metrics: str | None = None
+    """JSONL file of per-step metrics (metrics.py), written by rank 0; None: console only."""
     track_memory: bool = True
     """Count live tensor bytes on the CPU (memory.py); costs dispatch time on every op."""
     checkpoint_dir: str | None = None
@@ -73,10 +84,14 @@ class RunOptions:
     """Save after every this many steps; 0: never save (the folder is only read)."""
     resume: bool = False
     """Start from the latest checkpoint in ``checkpoint_dir`` (it must exist)."""
+    keep_last: int = 0
+    """Keep only this many newest checkpoints (``--keep-last``); 0: keep all."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.keep_last < 0:
+            raise ValueError(f"--keep-last must be >= 1 (0: keep all), got {self.keep_last}")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every must be >= 1 (0: never save), got "
                              f"{self.checkpoint_every}")
@@ -84,8 +99,12 @@ class RunOptions:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.init_timeout_s <= 0:
+            raise ValueError(f"--timeout and --init-timeout must be > 0, got {self.timeout_s} "
+                             f"and {self.init_timeout_s}")
+        if isinstance(self.recipe, dict):  # from the job's JSON
+            object.__setattr__(self, "recipe", Recipe(**self.recipe))
+        object.__setattr__(self, "recipe", self.recipe.for_run(self.steps))
 
 
 def plan_data(plan: Plan, options: RunOptions) -> data_mod.DataSpec:
@@ -115,6 +134,8 @@ class RankModel:
     stage_indices: list[int]
     coords: mesh_mod.MeshCoords
     autocast_dtype: torch.dtype | None
+    pp_mesh: DeviceMesh | None = None
+    """The pipeline axis (gradient norms add up over it)."""
     num_stages: int = 1
 
     @property
@@ -147,8 +168,8 @@ def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
     return modules, indices
 
 
-def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int,
-                     device: torch.device) -> RankModel:
+def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.device,
+                     recipe: Recipe) -> RankModel:
     """Everything this rank needs to train ``plan``."""
     config = plan.config
     dtype = compute_dtype(plan, device)
@@ -159,7 +180,8 @@ def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int,
         param_dtype=dtype if dtype != torch.float32 else None)
     modules = [parallelize.apply_data_parallel(m, mesh["dp"], choice) for m in modules]
     optimizer = optim_mod.build_optimizer(modules, zero_stage=config.zero_stage,
-                                          offload=config.offload, dp_mesh=mesh["dp"])
+                                          offload=config.offload, dp_mesh=mesh["dp"],
+                                          recipe=recipe)
     schedule = None
     if config.pp > 1:
         schedule = pipeline.build_schedule(modules, indices, config=config, device=device,
@@ -167,7 +189,8 @@ def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int,
     autocast = dtype if dtype != torch.float32 and not choice.uses_fsdp else None
     return RankModel(modules=modules, optimizer=optimizer, schedule=schedule,
                      stage_indices=indices, coords=mesh_mod.coords(mesh),
-                     autocast_dtype=autocast, num_stages=config.pp * config.vpp)
+                     autocast_dtype=autocast, pp_mesh=mesh["pp"],
+                     num_stages=config.pp * config.vpp)
 
 
 def _autocast(rank_model: RankModel, device: torch.device):
@@ -212,34 +235,92 @@ def _pipeline_step(rank_model: RankModel, inputs: torch.Tensor, targets: torch.T
     return torch.stack([loss.detach().float() for loss in losses]).mean()
 
 
-def train_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor,
-               device: torch.device) -> float:
-    """One optimizer step on global batch ``batch`` [B, s + 1]; returns the global mean loss."""
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm of a step is NaN or infinite (the step is not applied)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What ``train_step`` returns: the same numbers on every rank."""
+
+    loss: float
+    """Global mean loss."""
+    grad_norm: float
+    """Global L2 norm of the gradients before clipping."""
+    grad_norm_clipped: float | None
+    """... measured after clipping (None without ``max_grad_norm``)."""
+    lr: float
+
+
+def _clip(rank_model: RankModel, recipe: Recipe, grad_norm: torch.Tensor,
+          device: torch.device) -> float | None:
+    """Clip to ``recipe.max_grad_norm`` and return the norm measured after clipping.
+
+    Clipping is branch-free (a factor min(1, max / norm) applied every step, as torch's
+    ``clip_grad_norm_``): ranks may see norms that differ in the last bit (replicated
+    parameters' gradients reduced in other orders), and a rank that skipped a step's
+    collectives while its peers ran them would hang the job.
+    """
+    if recipe.max_grad_norm is None:
+        return None
+    params = [p for m in rank_model.modules for p in m.parameters()]
+    recipe_mod.clip_grads(params, total_norm=grad_norm, max_norm=recipe.max_grad_norm)
+    return float(recipe_mod.global_grad_norm(params, device=device,
+                                             pp_mesh=rank_model.pp_mesh))
+
+
+def train_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor, device: torch.device,
+               *, recipe: Recipe, step: int) -> StepResult:
+    """Optimizer step ``step`` (0-based) on global batch ``batch`` [B, s + 1].
+
+    Order: learning rate of the step; forward and backward; the global loss (one all-reduce);
+    the global gradient norm, checked (``TrainingDiverged`` before anything is applied) and
+    clipped; the optimizer step.
+    """
     config = plan.config
+    lr = recipe_mod.lr_at(recipe, step + 1)
+    optim_mod.set_lr(rank_model.optimizer, lr)
     rows = data_mod.replica_rows(batch, dp_rank=rank_model.coords.dp, dp=config.dp)
     inputs, targets = (t.to(device) for t in data_mod.split_inputs_targets(rows))
     rank_model.optimizer.zero_grad(set_to_none=True)
-    step = _pipeline_step if rank_model.schedule is not None else _loop_step
-    replica_loss = step(rank_model, inputs, targets, config.grad_accum_steps)
-    rank_model.optimizer.step()
+    run = _pipeline_step if rank_model.schedule is not None else _loop_step
+    replica_loss = run(rank_model, inputs, targets, config.grad_accum_steps)
     reports = rank_model.last and rank_model.coords.tp == 0
     contribution = replica_loss / config.dp if reports else torch.zeros((), device=device)
     dist.all_reduce(contribution)
-    return float(contribution)
+    params = [p for m in rank_model.modules for p in m.parameters()]
+    grad_norm = recipe_mod.global_grad_norm(params, device=device,
+                                            pp_mesh=rank_model.pp_mesh)
+    loss, norm = float(contribution), float(grad_norm)
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        raise TrainingDiverged(f"step {step + 1}: loss {loss}, gradient norm {norm}: training "
+                               "diverged (the step was not applied; checkpoints before it "
+                               "are intact)")
+    clipped = _clip(rank_model, recipe, grad_norm, device)
+    rank_model.optimizer.step()
+    return StepResult(loss=loss, grad_norm=norm, grad_norm_clipped=clipped, lr=lr)
 
 
-def _timed_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor,
-                device: torch.device) -> tuple[float, float]:
-    """(global loss, step seconds: the slowest rank's)."""
+def _timed_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor, device: torch.device,
+                memory: PeakMemory, *, recipe: Recipe, step: int) -> StepMetrics:
+    """``train_step`` with the slowest rank's step time and the largest rank's memory."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    loss = train_step(rank_model, plan, batch, device)
+    result = train_step(rank_model, plan, batch, device, recipe=recipe, step=step)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return loss, float(elapsed)
+    allocated, reserved = memory.allocated_bytes, memory.reserved_bytes
+    gathered = torch.tensor([time.perf_counter() - start, allocated or 0, reserved or 0],
+                            dtype=torch.float64, device=device)
+    dist.all_reduce(gathered, op=dist.ReduceOp.MAX)
+    step_s, allocated_max, reserved_max = (float(v) for v in gathered)
+    tokens = plan.config.global_batch_size * plan.config.seq_len
+    return StepMetrics(step=step + 1, loss=result.loss, grad_norm=result.grad_norm,
+                       grad_norm_clipped=result.grad_norm_clipped, lr=result.lr,
+                       step_s=step_s, tokens_per_s=tokens / step_s, mfu=mfu(plan, step_s),
+                       allocated_bytes=None if allocated is None else int(allocated_max),
+                       reserved_bytes=None if reserved is None else int(reserved_max))
 
 
 def run_plan(plan: Plan, options: RunOptions, *, backend: str) -> RunReport | None:
@@ -253,22 +334,23 @@ def run_plan(plan: Plan, options: RunOptions, *, backend: str) -> RunReport | No
     mesh_mod.check_supported(config, plan.model)
     mesh_mod.check_world_size(config, dist.get_world_size())
     device = mesh_mod.device_for_rank()
-    mesh = mesh_mod.build_mesh(config, backend=backend, timeout_s=options.timeout_s)
+    recipe_mod.check_dtype(config.dtype)
+    mesh = mesh_mod.build_mesh(config, backend=backend, timeout_s=options.init_timeout_s)
     if compute_dtype(plan, device) != _DTYPES[config.dtype] and dist.get_rank() == 0:
         logger.warning("the plan's dtype %s runs in fp32 on the CPU", config.dtype)
     data_spec = plan_data(plan, options)
     restarts = checkpoint.torchrun_restarts()
     with PeakMemory(device, cpu_tracking=options.track_memory) as memory:
-        rank_model = build_rank_model(plan, mesh, seed=options.seed, device=device)
+        rank_model = build_rank_model(plan, mesh, seed=options.seed, device=device,
+                                      recipe=options.recipe)
         history = _resume(rank_model, plan, options, data_spec, restarted=restarts > 0)
         memory.reset()
-        losses, times_s = _train(rank_model, plan, data_spec, options, device, history)
-    report = _report(plan, backend, rank_model, memory, losses, times_s)
+        log = _Log(plan, options, history)
+        _train(rank_model, plan, data_spec, options, device, memory, mesh, log)
+    report = _report(plan, backend, rank_model, memory, log)
     if report is not None:
         report = dataclasses.replace(
-            report, compute_dtype=_DTYPE_NAMES[compute_dtype(plan, device)],
-            resumed_from_step=history.step if history is not None else None,
-            restarts=restarts)
+            report, compute_dtype=_DTYPE_NAMES[compute_dtype(plan, device)], restarts=restarts)
     dist.barrier()  # every rank is done with this plan's mesh (never on an error path)
     return report
 
@@ -282,7 +364,8 @@ def _resume(rank_model: RankModel, plan: Plan, options: RunOptions,
         return None
     state = checkpoint.read_train_state(options.checkpoint_dir, step)
     checkpoint.check_compatible(state, data=checkpoint.data_stream(data_spec),
-                                model=checkpoint.architecture(plan.model), steps=options.steps,
+                                model=checkpoint.architecture(plan.model),
+                                recipe=dataclasses.asdict(options.recipe), steps=options.steps,
                                 where=checkpoint.step_dir(options.checkpoint_dir, step))
     checkpoint.load(rank_model.modules, rank_model.optimizer, options.checkpoint_dir, step)
     if dist.get_rank() == 0:
@@ -290,38 +373,62 @@ def _resume(rank_model: RankModel, plan: Plan, options: RunOptions,
     return state
 
 
+class _Log:
+    """Per-step series of the run (the steps of a resumed checkpoint first) and their sinks."""
+
+    def __init__(self, plan: Plan, options: RunOptions,
+                 history: checkpoint.TrainState | None) -> None:
+        self.losses = list(history.losses) if history else []
+        self.step_s = list(history.step_s) if history else []
+        self.grad_norms = list(history.grad_norms) if history else []
+        self.lrs = list(history.lrs) if history else []
+        self.resumed_from = history.step if history is not None else None
+        self.recipe = dataclasses.asdict(options.recipe)
+        self.sink = MetricsLog(options.metrics, rank=dist.get_rank())
+
+    def add(self, metrics: StepMetrics) -> None:
+        self.losses.append(metrics.loss)
+        self.step_s.append(metrics.step_s)
+        self.grad_norms.append(metrics.grad_norm)
+        self.lrs.append(metrics.lr)
+        self.sink.write(metrics)
+
+    def state(self, plan: Plan, data_spec: data_mod.DataSpec) -> checkpoint.TrainState:
+        return checkpoint.TrainState(
+            step=len(self.losses), losses=tuple(self.losses), step_s=tuple(self.step_s),
+            grad_norms=tuple(self.grad_norms), lrs=tuple(self.lrs), recipe=self.recipe,
+            data=checkpoint.data_stream(data_spec), model=checkpoint.architecture(plan.model),
+            plan=config_to_dict(plan.config, plan.model))
+
+
 def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
-           options: RunOptions, device: torch.device,
-           history: checkpoint.TrainState | None) -> tuple[list[float], list[float]]:
-    """Steps after ``history``'s (all when None); losses and step times of every step."""
-    losses = list(history.losses) if history else []
-    times_s = list(history.step_s) if history else []
-    tokens = plan.config.global_batch_size * plan.config.seq_len
+           options: RunOptions, device: torch.device, memory: PeakMemory, mesh: DeviceMesh,
+           log: _Log) -> None:
+    """Steps after the resumed ones (all when none), logged into ``log``. After the first
+    step run here the process groups take the tighter ``options.timeout_s``."""
     fault = Fault.from_env()
-    for step in range(len(losses), options.steps):
-        loss, step_s = _timed_step(rank_model, plan, data_mod.global_batch(data_spec, step),
-                                   device)
-        losses.append(loss)
-        times_s.append(step_s)
-        if dist.get_rank() == 0:
-            logger.info("step %d loss %.6f step_time %.4f tokens/s %.1f", step, loss, step_s,
-                        tokens / step_s)
-        done = step + 1
-        if options.checkpoint_every and done % options.checkpoint_every == 0:
-            state = checkpoint.TrainState(
-                step=done, losses=tuple(losses), step_s=tuple(times_s),
-                data=checkpoint.data_stream(data_spec),
-                model=checkpoint.architecture(plan.model),
-                plan=config_to_dict(plan.config, plan.model))
-            checkpoint.save(rank_model.modules, rank_model.optimizer, options.checkpoint_dir,
-                            state)
-        if fault is not None:
-            fault.after_step(done, dist.get_rank())
-    return losses, times_s
+    first = len(log.losses)
+    try:
+        for step in range(first, options.steps):
+            if fault is not None:
+                fault.before_step(step + 1, dist.get_rank(), rank_model.modules)
+            log.add(_timed_step(rank_model, plan, data_mod.global_batch(data_spec, step),
+                                device, memory, recipe=options.recipe, step=step))
+            if step == first:
+                mesh_mod.set_timeout(mesh, options.timeout_s)
+            done = step + 1
+            if options.checkpoint_every and done % options.checkpoint_every == 0:
+                checkpoint.save(rank_model.modules, rank_model.optimizer,
+                                options.checkpoint_dir, log.state(plan, data_spec),
+                                keep_last=options.keep_last)
+            if fault is not None:
+                fault.after_step(done, dist.get_rank())
+    finally:
+        log.sink.close()
 
 
 def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
-            losses: list[float], times_s: list[float]) -> RunReport | None:
+            log: _Log) -> RunReport | None:
     """The run report (``runtime/report.py``), gathered on rank 0 (None elsewhere)."""
     mine = {"rank": dist.get_rank(), "stage": rank_model.coords.pp,
             "peak_bytes": memory.peak_bytes, "peak_reserved_bytes": memory.peak_reserved_bytes,
@@ -330,8 +437,10 @@ def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:
         return None
-    return build_report(plan, backend=backend, losses=losses, times_s=times_s,
-                        per_rank=gathered)
+    report = build_report(plan, backend=backend, losses=log.losses, times_s=log.step_s,
+                          per_rank=gathered)
+    return dataclasses.replace(report, grad_norms=tuple(log.grad_norms), lrs=tuple(log.lrs),
+                               recipe=log.recipe, resumed_from_step=log.resumed_from)
 
 
 def build_report(plan: Plan, *, backend: str, losses: list[float], times_s: list[float],

@@ -7,7 +7,10 @@ several plans in one launch saves the start-up of the processes (seconds per ran
 CPU machine), which is what the runtime tests use.
 
 Fail fast: plan checks run before the process group is joined and end the worker with exit
-code 2 and one line; any other error prints its traceback and ends the process at once
+code 2 and one line; a diverged run (NaN/Inf loss or gradient norm, seen alike by every rank)
+ends every worker with exit code 3 and one line from rank 0, a damaged checkpoint with exit
+code 2 and one line (``integrity.py``); any other error prints its
+traceback and ends the process at once
 (``os._exit``) so no rank lingers in a collective; torchrun then stops the other ranks.
 """
 
@@ -24,11 +27,14 @@ import torch.distributed as dist
 
 from meshplan.planner.plan import Plan, read_plan
 from meshplan.runtime import mesh as mesh_mod
+from meshplan.runtime.integrity import CorruptCheckpoint
 from meshplan.runtime.report import RunReport
-from meshplan.runtime.train import RunOptions, run_plan
+from meshplan.runtime.train import RunOptions, TrainingDiverged, run_plan
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+EXIT_DIVERGED = 3
+"""The loss or gradient norm became NaN/Inf (``train.TrainingDiverged``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,9 +116,18 @@ def run_job(job: Job, *, plans: list[Plan] | None = None) -> int:
         if rank == 0:
             print(f"meshplan: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    backend = mesh_mod.init_distributed(timeout_s=job.options.timeout_s)
+    backend = mesh_mod.init_distributed(timeout_s=job.options.init_timeout_s)
     for plan, report_path in zip(plans, job.reports):
-        report = run_plan(plan, job.options, backend=backend)
+        try:
+            report = run_plan(plan, job.options, backend=backend)
+        except TrainingDiverged as err:  # every rank sees the same loss and norm
+            if rank == 0:
+                print(f"meshplan: error: {err}", file=sys.stderr)
+            return EXIT_DIVERGED
+        except CorruptCheckpoint as err:  # every rank gets the same verdict
+            if rank == 0:
+                print(f"meshplan: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
         if report is not None and report_path:
             _write_report(report, report_path)
     dist.destroy_process_group()

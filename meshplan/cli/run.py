@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING
 
-from meshplan.cli.args import positive_float, positive_int
+from meshplan.cli.args import nonnegative_float, positive_float, positive_int
 from meshplan.cli.output import check_folder, print_json
 
 if TYPE_CHECKING:
     from meshplan.runtime.report import RunReport
+
+METRICS_FILE = "metrics.jsonl"
+"""Default per-step metrics file inside ``--checkpoint-dir``."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,13 +28,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="FILE",
                         help="write the run report JSON (schema_version 1) to FILE")
     parser.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
-                        help="process-group timeout in seconds (default 60)")
+                        help="process-group timeout in seconds once the first step is done "
+                             "(default 60)")
+    parser.add_argument("--init-timeout", type=positive_float, default=600.0, metavar="S",
+                        help="process-group timeout until then: construction, checkpoint "
+                             "loading, the first step (default 600)")
+    parser.add_argument("--metrics", metavar="FILE",
+                        help="append per-step metrics (loss, grad norm, lr, tokens/s, MFU, "
+                             "memory) as JSON lines to FILE (default: DIR/metrics.jsonl with "
+                             "--checkpoint-dir DIR, else none)")
+    recipe = parser.add_argument_group("training recipe (stored in checkpoints)")
+    recipe.add_argument("--lr", type=positive_float, default=3e-3,
+                        help="peak learning rate (default 3e-3)")
+    recipe.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                        help="linear warm-up steps (default 0)")
+    recipe.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"),
+                        default="constant", help="decay after warm-up, to --min-lr at the "
+                                                 "last step (default constant)")
+    recipe.add_argument("--min-lr", type=nonnegative_float, default=0.0,
+                        help="learning rate at the end of the decay (default 0)")
+    recipe.add_argument("--weight-decay", type=nonnegative_float, default=0.1,
+                        help="AdamW weight decay (default 0.1)")
+    recipe.add_argument("--max-grad-norm", type=nonnegative_float, default=1.0, metavar="X",
+                        help="clip the global gradient norm to X; 0: no clipping (default 1)")
+    recipe.add_argument("--optimizer-impl", choices=("foreach", "fused", "for-loop"),
+                        default="foreach", help="AdamW kernel (default foreach)")
     saving = parser.add_argument_group("checkpoints (torch.distributed.checkpoint)")
     saving.add_argument("--checkpoint-dir", metavar="DIR",
                         help="checkpoint folder, shared by all nodes (layout: "
                              "runtime/checkpoint.py)")
     saving.add_argument("--checkpoint-every", type=positive_int, metavar="N",
                         help="save after every N steps (default: never; DIR is then only read)")
+    saving.add_argument("--keep-last", type=positive_int, metavar="K",
+                        help="keep only the K newest checkpoints (default: all)")
     saving.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint in DIR, under this "
                              "plan (it may differ from the one that saved it)")
@@ -45,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-restarts", type=int, default=0, metavar="K",
                        help="restart the workers up to K times after a failure; they resume "
                             "from the latest checkpoint in DIR (default 0)")
+    group.add_argument("--oversubscribe", action="store_true",
+                       help="on a CPU-only machine, run more processes than CPU cores (tests, "
+                            "debugging); the memory check stays")
     parser.add_argument("--json", action="store_true",
                         help="print the run report JSON on stdout (progress goes to stderr)")
 
@@ -52,19 +85,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit code 0, or the workers' (1) when one failed; ValueError when refused."""
     from meshplan.runtime import launch
+    from meshplan.runtime.recipe import Recipe
     from meshplan.runtime.train import RunOptions
 
     if args.data and not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data!r}: no such file")
     check_folder("--report", args.report)
+    check_folder("--metrics", args.metrics)
+    metrics = args.metrics or (os.path.join(args.checkpoint_dir, METRICS_FILE)
+                               if args.checkpoint_dir else None)
+    recipe = Recipe(lr=args.lr, warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
+                    min_lr=args.min_lr, weight_decay=args.weight_decay,
+                    max_grad_norm=args.max_grad_norm or None,
+                    optimizer_impl=args.optimizer_impl)
     options = RunOptions(steps=args.steps, seed=args.seed, data=args.data,
-                         timeout_s=args.timeout, checkpoint_dir=args.checkpoint_dir,
-                         checkpoint_every=args.checkpoint_every or 0, resume=args.resume)
+                         timeout_s=args.timeout, init_timeout_s=args.init_timeout,
+                         recipe=recipe, metrics=metrics, checkpoint_dir=args.checkpoint_dir,
+                         checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
+                         keep_last=args.keep_last or 0)
     where = launch.Launch(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                          max_restarts=args.max_restarts)
-    result = launch.run(args.plan_file, options=options, launch=where, report=args.report,
-                        json_output=args.json)
+                          max_restarts=args.max_restarts, oversubscribe=args.oversubscribe)
+    try:
+        result = launch.run(args.plan_file, options=options, launch=where,
+                            report=args.report, json_output=args.json)
+    except launch.Stopped as stopped:
+        print(f"meshplan: stopped by {stopped}: torchrun and its workers were ended",
+              file=sys.stderr)
+        return 128 + stopped.signum
     if result.report is not None:
         if args.json:
             print_json(result.report.to_dict())

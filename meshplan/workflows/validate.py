@@ -208,7 +208,7 @@ def _run_plan(path: str, *, steps: int, timeout_s: float, nproc_per_node: int | 
     from meshplan.runtime import launch
     from meshplan.runtime.train import RunOptions
 
-    where = launch.Launch(nproc_per_node=nproc_per_node)
+    where = launch.Launch(nproc_per_node=nproc_per_node, oversubscribe=True)  # as before the check
     runs = ((steps, True),) if torch.cuda.is_available() else \
         ((steps, False), (min(steps, VALIDATE_MEMORY_STEPS), True))
     reports, foreign = [], None

@@ -20,6 +20,7 @@ import pytest
 
 from meshplan.costmodel import ModelSpec, ParallelConfig, estimate, load_cluster
 from meshplan.planner.plan import Plan, write_plan
+from meshplan.runtime.strict import ENV as STRICT_ENV
 
 LAUNCH_TIMEOUT_S = 110
 """A torchrun launch of the tests must finish within this (tests time out at 120 s)."""
@@ -40,9 +41,11 @@ def write_plan_file(model: ModelSpec, config: ParallelConfig, path: Path) -> Pat
 
 
 def worker_env() -> dict[str, str]:
-    """This environment without torchrun's variables, one thread per process."""
+    """This environment without torchrun's variables, one thread per process, and
+    device-only collectives (``runtime/strict.py``: a host tensor handed to a collective fails,
+    as under NCCL)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    return dict(env, OMP_NUM_THREADS="1")
+    return dict(env, OMP_NUM_THREADS="1", **{STRICT_ENV: "1"})
 
 
 def run_torchrun(plans: Sequence[Path], reports: Sequence[Path], *, nproc: int, steps: int,
@@ -79,6 +82,12 @@ def run_meshplan(*argv: str, timeout_s: float = LAUNCH_TIMEOUT_S,
     added to ``worker_env()``."""
     return subprocess.run([sys.executable, "-m", "meshplan", *argv], capture_output=True,
                           text=True, timeout=timeout_s, env={**worker_env(), **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def meshplan_env() -> dict[str, str]:
+    """The environment ``meshplan`` runs in (``worker_env``), for tests that start it."""
+    return worker_env()
 
 
 @pytest.fixture(scope="session")

@@ -22,21 +22,24 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from meshplan.costmodel import load_model
 from meshplan import cli
-from meshplan.runtime import checkpoint, optim
+from meshplan.runtime import checkpoint, integrity, optim
 from meshplan.runtime.data import DataSpec
 from meshplan.runtime.fault import Fault
 from meshplan.runtime.model import build_decoder
+from meshplan.runtime.recipe import Recipe
 from meshplan.runtime.parallelize import apply_checkpointing
 
 TINY = load_model("tiny")
 STEPS = 6
 SAVED_STEPS = 4
 RESHARD_REL_TOL = 1e-4
+SHARD_BYTES = 4096
 SAVE_PLAN = {"tp": 2, "dp": 2, "zero_stage": 1}
 RESHARD_PLANS = {
     # DDP + ZeroRedundancyOptimizer over HostOffloadAdamW, 1F1B pipeline
@@ -66,7 +69,8 @@ class Runs:
     def launch(self, plan: Path, *argv: str, env: dict[str, str] | None = None,
                timeout_s: float = 110):
         """``meshplan run PLAN --json ARGV`` (the completed process)."""
-        return self._meshplan("run", str(plan), "--json", *argv, env=env, timeout_s=timeout_s)
+        return self._meshplan("run", str(plan), "--json", "--oversubscribe", *argv, env=env,
+                              timeout_s=timeout_s)
 
     def run(self, plan: Path, *argv: str) -> dict[str, Any]:
         """The report of ``launch`` (which must succeed)."""
@@ -112,6 +116,21 @@ def test_resume_under_the_same_plan_is_bit_for_bit(runs, tmp_path):
     assert report["losses"] == runs.reference()  # steps 1-4 from the checkpoint, 5-6 run again
     assert len(report["step_s"]) == STEPS
     assert _committed(folder) == ["step-2", "step-4"]  # no --checkpoint-every: nothing written
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_damaged_shard_is_refused_at_resume_and_never_trained_on(runs, tmp_path):
+    folder = runs.saved(tmp_path / "ckpt")
+    shard = sorted((folder / f"step-{SAVED_STEPS}").glob("*.distcp"))[-1]
+    _damage(shard, "random")
+    done = runs.launch(runs.plan("save", SAVE_PLAN), "--steps", str(STEPS),
+                       "--checkpoint-dir", str(folder), "--resume")
+    assert done.returncode != 0 and done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("meshplan: error")]
+    assert len(errors) == 1 and f"{shard.name} does not match its sha256" in errors[0], \
+        done.stderr[-3000:]
+    assert f"step {SAVED_STEPS} loss" not in done.stderr  # no step ran
 
 
 @pytest.mark.slow
@@ -201,11 +220,16 @@ def _fake_checkpoint(folder: Path, step: int, *, seed: int = 0) -> None:
     """A committed-looking checkpoint of ``step`` steps (metadata empty) for the checks."""
     spec = DataSpec(global_batch_size=8, seq_len=64, vocab_size=TINY.vocab_size, seed=seed)
     state = checkpoint.TrainState(step=step, losses=(1.0,) * step, step_s=(0.1,) * step,
+                                  grad_norms=(1.0,) * step, lrs=(1e-3,) * step,
                                   data=checkpoint.data_stream(spec),
                                   model=checkpoint.architecture(TINY), plan={})
-    (folder / f"step-{step}").mkdir(parents=True)
-    (folder / f"step-{step}" / ".metadata").write_bytes(b"")
-    (folder / f"step-{step}" / "train_state.json").write_text(state.to_json())
+    where = folder / f"step-{step}"
+    where.mkdir(parents=True)
+    (where / ".metadata").write_bytes(b"")
+    (where / "__0_0.distcp").write_bytes(np.random.default_rng(step).bytes(SHARD_BYTES))
+    (where / "train_state.json").write_text(state.to_json())
+    integrity.write_manifest(str(where), integrity.entries(str(where),
+                                                           integrity.checkpoint_files(str(where))))
     (folder / "latest").write_text(f"step-{step}\n")
 
 
@@ -229,6 +253,48 @@ def test_resume_past_the_steps_is_refused(capsys, tmp_path, tp2_dp2_plan):
     assert cli.main(["run", str(tp2_dp2_plan), "--checkpoint-dir", str(tmp_path / "ckpt"),
                      "--resume", "--steps", "3"]) == 2
     assert "past --steps 3 (it holds 4 steps)" in capsys.readouterr().err
+
+
+def _damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "random":
+        data[len(data) // 2:len(data) // 2 + 64] = np.random.default_rng(1).bytes(64)
+    elif how == "zeroed":
+        data[:1024] = bytes(1024)
+    else:  # truncated
+        data = data[:len(data) // 3]
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, message", [("random", "does not match its sha256"),
+                                          ("zeroed", "does not match its sha256"),
+                                          ("truncated", "the manifest says 4096 bytes")])
+def test_damaged_shards_are_found(tmp_path, how, message):
+    _fake_checkpoint(tmp_path, 2)
+    folder = tmp_path / "step-2"
+    assert integrity.verify_files(str(folder)) is None
+    _damage(folder / "__0_0.distcp", how)
+    problems = [integrity.verify_files(str(folder), rank=r, world_size=2) for r in range(2)]
+    found = [p for p in problems if p]
+    assert found and message in found[0], problems
+
+
+def test_truncated_checkpoint_is_refused_before_launch(capsys, tmp_path, tp2_dp2_plan):
+    _fake_checkpoint(tmp_path / "ckpt", 2)
+    _damage(tmp_path / "ckpt" / "step-2" / "__0_0.distcp", "truncated")
+    assert cli.main(["run", str(tp2_dp2_plan), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "__0_0.distcp is 1365 bytes" in err, err
+
+
+def test_keep_last_deletes_all_but_the_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        _fake_checkpoint(tmp_path, step)
+    (tmp_path / "step-5.tmp").mkdir()  # a save in progress is not touched
+    checkpoint.prune(str(tmp_path), 2)
+    assert _committed(tmp_path) == ["step-3", "step-4", "step-5.tmp"]
+    assert checkpoint.latest_step(str(tmp_path)) == 4
 
 
 # ----- single-process pieces ---------------------------------------------------------------------
@@ -265,7 +331,7 @@ def test_adamw_states_are_created_without_moving_parameters(offload):
     model = build_decoder(TINY, layer_ids=[0], last=False)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer_class = optim.HostOffloadAdamW if offload else torch.optim.AdamW
-    optimizer = optimizer_class(list(model.parameters()), **optim.ADAMW)
+    optimizer = optimizer_class(list(model.parameters()), **Recipe().adamw_kwargs())
     states = optim.adamw_states(optimizer)
     assert [p for p, _ in states] == list(model.parameters())
     for param, state in states:
@@ -279,7 +345,7 @@ def test_adamw_states_are_created_without_moving_parameters(offload):
 def test_host_offload_states_are_the_optimizer_own_tensors():
     """Loading into the presented state (in place) changes the optimizer's next step."""
     model = build_decoder(TINY, layer_ids=[0], last=False)
-    optimizer = optim.HostOffloadAdamW(list(model.parameters()), **optim.ADAMW)
+    optimizer = optim.HostOffloadAdamW(list(model.parameters()), **Recipe().adamw_kwargs())
     param, state = optim.adamw_states(optimizer)[0]
     state["exp_avg"].fill_(1.0)
     assert torch.equal(optimizer.host_optimizer.state[optimizer.pairs[0][1]]["exp_avg"],

@@ -14,6 +14,7 @@ import pytest
 
 from meshplan.costmodel import load_model
 from meshplan import cli
+from meshplan.runtime.strict import ENV as STRICT_ENV
 
 TINY = load_model("tiny")
 
@@ -58,9 +59,10 @@ def test_missing_data_file_is_refused(capsys, dp2_plan, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_run_json_prints_the_report(meshplan, dp2_plan, tmp_path):
+    """Also the plain-gloo smoke test: the one run without device-only collectives."""
     report_path = tmp_path / "report.json"
     done = meshplan("run", str(dp2_plan), "--steps", "2", "--json", "--report",
-                    str(report_path))
+                    str(report_path), env={STRICT_ENV: "0"})
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout)
     assert report == json.loads(report_path.read_text())
@@ -72,14 +74,45 @@ def test_run_json_prints_the_report(meshplan, dp2_plan, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_failing_workers_end_the_run_at_once(meshplan, dp2_plan, tmp_path):
-    tokens = tmp_path / "tokens.bin"
-    np.full(4096, 60000, dtype=np.uint16).tofile(tokens)  # ids beyond the 256-token vocabulary
+    env = {"MESHPLAN_FAULT_AT_STEP": "1", "MESHPLAN_FAULT_MARKER": str(tmp_path / "fault")}
     start = time.monotonic()
-    done = meshplan("run", str(dp2_plan), "--steps", "2", "--data", str(tokens))
+    done = meshplan("run", str(dp2_plan), "--steps", "3", env=env)
     elapsed_s = time.monotonic() - start
     assert done.returncode == 1, done.stderr[-4000:]
-    assert "token id 60000 >= vocab size 256" in done.stderr, done.stderr[-4000:]
+    assert "fault injection: rank 0 exits after step 1" in done.stderr + done.stdout
     assert elapsed_s < 60  # well before the 60 s process-group timeout
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (np.zeros(0, dtype=np.uint16), "0 tokens, fewer than one sequence of 65"),
+    (np.arange(40, dtype=np.uint16), "40 tokens, fewer than one sequence of 65"),
+    (np.r_[np.zeros(5000, dtype=np.uint16), [60000]].astype(np.uint16),
+     "token id 60000 at position 5000 is >= the model's vocabulary size 256"),
+])
+def test_bad_data_files_are_refused_before_any_worker(capsys, dp2_plan, tmp_path, tokens,
+                                                      message):
+    path = tmp_path / "tokens.bin"
+    tokens.tofile(path)
+    assert cli.main(["run", str(dp2_plan), "--data", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_unusable_checkpoint_folder_is_refused(capsys, dp2_plan, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    argv = ["run", str(dp2_plan), "--checkpoint-dir", str(blocker / "ckpt"),
+            "--checkpoint-every", "1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a folder" in err, err
+
+
+def test_fp16_plan_is_refused(capsys, tmp_path, plan_file, make_config):
+    plan = plan_file(TINY, make_config(dtype="fp16"), tmp_path / "fp16.json")
+    assert cli.main(["run", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "loss scaler" in err and "bf16" in err, err
 
 
 def test_report_folder_must_exist(capsys, dp2_plan, tmp_path):

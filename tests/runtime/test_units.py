@@ -12,6 +12,7 @@ from meshplan.costmodel import ParallelConfig, load_model
 from meshplan.runtime import data, mesh, optim, pipeline
 from meshplan.runtime.memory import LiveStorageTracker
 from meshplan.runtime.model import build_decoder
+from meshplan.runtime.recipe import Recipe
 
 TINY = load_model("tiny")
 
@@ -156,8 +157,8 @@ def test_host_offload_adamw_matches_adamw():
     torch.manual_seed(0)
     a, b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
     b.load_state_dict(a.state_dict())
-    opt_a = torch.optim.AdamW(a.parameters(), **optim.ADAMW)
-    opt_b = optim.HostOffloadAdamW(b.parameters(), **optim.ADAMW)
+    opt_a = torch.optim.AdamW(a.parameters(), **Recipe().adamw_kwargs())
+    opt_b = optim.HostOffloadAdamW(b.parameters(), **Recipe().adamw_kwargs())
     for _ in range(3):
         x = torch.randn(5, 8)
         for model, opt in ((a, opt_a), (b, opt_b)):
