@@ -115,7 +115,10 @@ class Plan:
         """The plan file object; ``predicted`` repeats the configuration, as DESIGN.md says."""
         cluster = dataclasses.asdict(self.cluster)
         cluster["gpu"] = dataclasses.asdict(self.cluster.gpu)
+        extra = ({"selective_ac": self.config.selective_ac}
+                 if self.config.selective_ac != ParallelConfig.selective_ac else {})
         return {"schema_version": SCHEMA_VERSION, **config_to_dict(self.config, self.model),
+                **extra,
                 "framework": self.framework, "model": self.model.to_dict(), "cluster": cluster,
                 "predicted": estimate_to_dict(self.estimate), "provenance": self.provenance}
 
@@ -138,6 +141,8 @@ def plan_from_dict(data: dict[str, Any], *, origin: str = "plan") -> Plan:
     cluster = cluster_from_dict(data["cluster"], origin=f"{origin} cluster",
                                 name=str(data["cluster"].get("name", "cluster")))
     values = {k: data[k] for k in CONFIG_KEYS if k != "grad_accum_steps"}
+    if "selective_ac" in data:  # optional: torchtitan's selective policy when not "op"
+        values["selective_ac"] = data["selective_ac"]
     for key in ("recompute", "layers_per_stage", "mesh_order"):
         if isinstance(values[key], list):
             values[key] = tuple(values[key])
