@@ -145,3 +145,50 @@ def test_plan_table_fits_120_columns_and_names_the_sequence_source():
     assert "memory margin 5%" in stdout
     table = [line for line in stdout.splitlines() if re.match(r"\s+\d+\s", line)]
     assert table and "x3" in table[0]  # 105 layers on 35 stages: 35x3
+
+
+def test_no_plan_fits_names_host_memory_when_it_binds():
+    """13B on one A100 with 64 GiB of host memory: offloading fits the GPU, but the offloaded
+    states (about 12 bytes per parameter of fp32 master and Adam moments, 145 GiB) do not fit
+    the host."""
+    r = run_cli("plan", "--model", "llama2-13b", "--cluster", "dgx-a100-80gb", "--nodes", "1",
+                "--gpus-per-node", "1", "--host-memory-gib", "64", "--nvme-gib", "0",
+                "--global-batch", "8", "--seq-len", "4096", "--deterministic")
+    assert r.code == 3, r.err
+    line = r.err.strip()
+    assert "\n" not in line
+    assert "no plan fits: host memory per node binds" in line
+    need = float(re.search(r"need at least ([\d.]+) GiB of host memory", line).group(1))
+    assert need > 12 * 13e9 / 2**30 * 0.9  # fp32 master + two Adam moments, at least
+    assert "against 64.0 GiB" in line and "NVMe offload" in line
+
+
+def test_no_plan_fits_names_gpu_memory_and_the_binding_stage():
+    r = run_cli("plan", "--model", "llama3-70b", "--cluster", "dgx-a100-40gb", "--nodes", "1",
+                "--global-batch", "8", "--offload", "none", "--pp", "2", "--deterministic")
+    assert r.code == 3, r.err
+    line = r.err.strip()
+    assert "no plan fits: GPU memory binds" in line
+    assert re.search(r"reserved per stage \(stage [01] binds\) against 38\.0 GiB", line), line
+    assert "more GPUs (at least" in line
+
+
+def test_empty_space_names_the_nearest_batches_and_node_counts():
+    """Batch 1922 on 5 nodes of 8 GPUs with tp 8, pp 1 and cp 1 pinned: dp = 5 does not divide
+    1922 = 2 x 31^2."""
+    r = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "5",
+                "--global-batch", "1922", "--tp", "8", "--pp", "1", "--cp", "1",
+                "--deterministic")
+    assert r.code == 2
+    line = r.err.strip()
+    assert "the search space is empty" in line
+    # dp = 5 must divide the batch: 1920 and 1925 are the nearest below and above
+    batches = re.search(r"--global-batch ([\d or]+) \(or --global-batch-tolerance\)", line)
+    assert batches and {"1920", "1925"} <= set(batches.group(1).split(" or ")), line
+    # 1922 = 2 x 31^2: 1 and 2 nodes (dp 1, 2) work among the smaller counts
+    assert "--nodes" in line and "(or --allow-fewer-gpus)" in line
+    tolerant = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "5",
+                       "--global-batch", "1922", "--tp", "8", "--pp", "1", "--cp", "1",
+                       "--deterministic", "--global-batch-tolerance", "0.01", "--json")
+    assert tolerant.code == 0, tolerant.err
+    assert json.loads(tolerant.out)["plans"][0]["global_batch_size"] in (1920, 1925)
