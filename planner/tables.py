@@ -126,8 +126,6 @@ def layer_bounds(model: ModelSpec, config: ParallelConfig,
     p, total = config.pp, model.num_layers
     if pinned is not None:
         return tuple(pinned), tuple(pinned)
-    if p == 1:  # one stage holds every layer: its terms are read at that count, exactly
-        return (total,), (total,)
     lo = max(1, config.vpp)
     hi = total - (p - 1) * lo
     return (lo,) * p, (hi,) * p
@@ -170,6 +168,8 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     """Tables for ``config``; stages may use ``modes`` (or exactly ``pinned_modes[i]``)."""
     p = config.pp
     lo, hi = layer_bounds(model, config, pinned_layers)
+    if p == 1:  # one stage holds every layer: its terms are read at that count, exactly
+        lo, hi = (model.num_layers,), (model.num_layers,)
     allowed = tuple((pinned_modes[i],) for i in range(p)) if pinned_modes else (modes,) * p
     by_class: dict[tuple, StageTerms[Linear]] = {}
     times, memories = [], []
