@@ -169,6 +169,8 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     max(0, linear), in the count, so that minimum sits at an end of the range).
     """
     p, total_layers = config.pp, model.num_layers
+    if p == 1:  # one stage holds every layer: read the terms at that count, exactly
+        lo, hi = total_layers, total_layers + 1
     heavy = max(lo, min(hi, -(-total_layers // p)))
     # one representative per kind of stage: role and links (see costmodel.estimate._stage_key)
     counts = _stage_kinds(cluster, config, cache)
@@ -248,6 +250,9 @@ def recompute_deficit(model: ModelSpec, cluster: ClusterSpec, config: ParallelCo
     memory-saving mode holds fewer than L layers, nothing fits.
     """
     p, total_layers = config.pp, model.num_layers
+    if p == 1:
+        return _one_stage_deficit(model, cluster, config, framework=framework,
+                                  calibration=calibration, capacity=capacity, modes=modes)
     positions = [0] if p == 1 else ([0, 1] if p == 2 else [p - 2, p - 1])
     multiplicity = {positions[0]: p - 1 if p > 1 else 1, positions[-1]: 1} if p > 1 \
         else {0: 1}
@@ -279,6 +284,34 @@ def recompute_deficit(model: ModelSpec, cluster: ClusterSpec, config: ParallelCo
         per_layer[mode] = at[1] - at[0]
     extra = min(per_layer[m] - per_layer["none"] for m in modes if m != "none")
     return deficit * max(extra, 0.0)
+
+
+def _one_stage_deficit(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+                       framework: str, calibration: Calibration, capacity: float,
+                       modes: tuple[str, ...]) -> float | None:
+    """``recompute_deficit`` of a one-stage pipeline, exactly: its step under each mode is
+    ``m t + once`` with nothing left to split, so the per-micro-batch amount that lifts the
+    no-recompute step to the fastest fitting mode's step; None if no mode fits."""
+    total, m = model.num_layers, config.grad_accum_steps
+
+    def step(mode: str) -> float:
+        terms = stage_terms(model, cluster, stage_config(config, model, 0, total, mode), 0,
+                            framework=framework, calibration=calibration)
+        t = terms.micro
+        micro = composition.micro_total(linear=t.linear_s, zero_comm=t.zero_comm_s,
+                                        zero_hidden=t.zero_hidden_s,
+                                        offload_raw=t.offload_raw_s,
+                                        offload_hidden=t.offload_hidden_s)
+        once = composition.once_per_step(
+            dp_exposed=composition.exposed(terms.dp_comm_s, terms.dp_hidden_s),
+            optimizer=terms.optimizer_s, offload_step=terms.offload_s)
+        return m * micro + once
+
+    fitting = [r for r in modes if _reserved(model, cluster, config, 0, total, r, framework,
+                                             calibration) <= capacity]
+    if not fitting:
+        return None
+    return max(0.0, (min(step(r) for r in fitting) - step("none")) / m)
 
 
 def _reserved(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
