@@ -254,8 +254,6 @@ def _mark_differences(rows: list[dict]) -> None:
     so plans that differ in one choice read apart at a glance."""
     if len(rows) < 2:
         return
-    if len({r.get("gpus") for r in rows}) > 1:  # the cost objective: GPU counts differ
-        pass
     first = rows[0]
     for row in rows[1:]:
         for key in _IDENTITY:

@@ -519,7 +519,7 @@ class _Pass:
             self.solve(node)
 
     def solve(self, node: "_Node") -> None:
-        index, config, tables, _ = node.data
+        index, config, tables = node.data
         args = self.solve_args
         best = self.best
         solved = _solve_one(args["model"], args["cluster"], config, args["space"],
@@ -603,7 +603,6 @@ class _Refiner:
         self.capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
         self.cache: dict = {}
         self.seq = 0
-        self.nodes = 0
         self.evaluated = 0
         self.counted = 0
         self.indices: dict[ParallelConfig, int] = {}
@@ -617,7 +616,6 @@ class _Refiner:
 
     def node(self, bound: float, kind: str, data: object) -> _Node:
         self.seq += 1
-        self.nodes += 1
         return _Node(bound, self.seq, kind, data)
 
     def sample(self) -> list[ParallelConfig]:
@@ -707,27 +705,18 @@ class _Refiner:
         kind = node.kind
         if kind == "degrees":
             degrees, layouts = node.data
-            out, dropped = [], 0
+            pairs = []
             for b, sp, order in layouts:
                 vpps = self.vpps(degrees, b)
-                value = self.family_bound(degrees, b, sp, order, 1, flat=len(vpps) > 1)
-                if value is None:  # the leanest sibling fits no split: none does
-                    dropped += 1
-                    continue
-                out.append(self.node(max(value, node.bound), "layout",
-                                     (degrees, b, sp, order, vpps)))
-            return out, dropped
+                # None: the leanest sibling fits no split, so none does
+                pairs.append((self.family_bound(degrees, b, sp, order, 1, flat=len(vpps) > 1),
+                              (degrees, b, sp, order, vpps)))
+            return self.bounded(node, "layout", pairs)
         if kind == "layout":
             degrees, b, sp, order, vpps = node.data
-            out, dropped = [], 0
-            for v in vpps:
-                value = self.family_bound(degrees, b, sp, order, v)
-                if value is None:
-                    dropped += 1
-                    continue
-                out.append(self.node(max(value, node.bound), "chunks",
-                                     (degrees, b, sp, order, v)))
-            return out, dropped
+            return self.bounded(node, "chunks", [
+                (self.family_bound(degrees, b, sp, order, v), (degrees, b, sp, order, v))
+                for v in vpps])
         if kind == "chunks":
             degrees, b, sp, order, v = node.data
             out = []
@@ -788,6 +777,13 @@ class _Refiner:
             value = min(value, piece.micro_batches * (piece.per_micro_s + extra) / piece.stages)
         return value
 
+    def bounded(self, parent: _Node, kind: str, pairs) -> tuple[list[_Node], int]:
+        """Nodes of ``kind`` for the (bound, data) ``pairs`` (bounds at least the parent's);
+        pairs whose bound is None (nothing fits) are dropped and counted."""
+        out = [self.node(max(value, parent.bound), kind, data) for value, data in pairs
+               if value is not None]
+        return out, len(pairs) - len(out)
+
     def vpps(self, degrees, b) -> list[int]:
         tp, cp, pp, dp, ep = degrees
         m = self.space.global_batch_size // (dp * b)
@@ -801,7 +797,7 @@ class _Refiner:
                                     self.traced_modes, framework=self.framework,
                                     calibration=self.calibration)
             return self.node(max(floor, traced_bound(tables).value()), "solve",
-                             (index, config, tables, None))
+                             (index, config, tables))
         if self.space.layers_per_stage is None:
             lows, highs = layer_bounds(self.model, config, None)
             lo, hi = lows[0], highs[0]
@@ -849,8 +845,7 @@ class _Refiner:
             best[index] = greedy
             if greedy.status == "OPTIMAL":
                 return [], 0
-        hint = None
-        return [self.node(value, "solve", (index, config, tables, hint))], 0
+        return [self.node(value, "solve", (index, config, tables))], 0
 
 
 def _greedy_incumbent(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
