@@ -119,6 +119,9 @@ class TrainState:
     """Gradient norms of steps 1..K (before clipping)."""
     lrs: tuple[float, ...] = ()
     """Learning rates of steps 1..K."""
+    run_id: str | None = None
+    """The rendezvous id of the job that saved it (an elastic job's later attempts and nodes
+    continue their own run's checkpoints without ``--resume``)."""
 
     def __post_init__(self) -> None:
         series = (self.losses, self.step_s, self.grad_norms, self.lrs)
@@ -202,14 +205,17 @@ def check_compatible(state: TrainState, *, data: dict[str, Any], model: dict[str
 
 def check_start(directory: str | None, *, resume: bool, saving: bool, restarted: bool,
                 data: dict[str, Any], model: dict[str, Any], recipe: dict[str, Any],
-                steps: int) -> None:
+                steps: int, run_id: str | None = None) -> None:
     """Raise ValueError when a run cannot start as asked (before any work): ``resume`` without
     a committed checkpoint, a checkpoint it would continue (``resume``, or ``restarted`` by
     torchrun) that is incompatible, or saving into a folder that holds checkpoints without
-    ``resume`` (it would mix two runs)."""
+    ``resume`` (it would mix two runs). A checkpoint saved by the same job (``run_id``: an
+    elastic job's node joining late, or started again) counts as ``restarted``."""
     if directory is None:
         return
     step = latest_step(directory) if os.path.isdir(directory) else None
+    if run_id is not None and step is not None:
+        restarted = restarted or read_train_state(directory, step).run_id == run_id
     if resume or (restarted and step is not None):
         if step is None:
             raise ValueError(f"--resume: no complete checkpoint in {directory} (no "

@@ -68,6 +68,11 @@ class Launch:
     nproc_per_node: int | None = None
     """Processes on this node; None: the plan's world size divided by ``nnodes``."""
     nnodes: int = 1
+    """Nodes; with ``max_nnodes`` the fewest an elastic job runs on."""
+    max_nnodes: int | None = None
+    """The most nodes of an elastic job (``--nnodes MIN:MAX``); None: exactly ``nnodes``."""
+    rdzv_conf: str | None = None
+    """torchrun's ``--rdzv-conf`` (e.g. ``join_timeout=600,last_call_timeout=30``)."""
     rdzv_endpoint: str | None = None
     """host:port of the c10d rendezvous; None on one node means 127.0.0.1 and a free port."""
     rdzv_id: str | None = None
@@ -80,9 +85,26 @@ class Launch:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.nnodes > 1 and (self.rdzv_endpoint is None or self.rdzv_id is None):
-            raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT and "
+        if self.nnodes < 1 or (self.max_nnodes is not None and self.max_nnodes < self.nnodes):
+            raise ValueError(f"--nnodes {self.nodes_arg}: need 1 <= MIN <= MAX")
+        if self.most_nodes > 1 and (self.rdzv_endpoint is None or self.rdzv_id is None):
+            raise ValueError(f"--nnodes {self.nodes_arg} needs --rdzv-endpoint HOST:PORT and "
                              "--rdzv-id ID (the same on every node)")
+
+    @property
+    def elastic(self) -> bool:
+        """``--nnodes MIN:MAX`` with MIN < MAX: membership may change (elastic.py)."""
+        return self.max_nnodes is not None and self.max_nnodes > self.nnodes
+
+    @property
+    def most_nodes(self) -> int:
+        return self.max_nnodes if self.max_nnodes is not None else self.nnodes
+
+    @property
+    def nodes_arg(self) -> str:
+        """torchrun's ``--nnodes`` value: N or MIN:MAX."""
+        return f"{self.nnodes}:{self.max_nnodes}" if self.max_nnodes is not None else str(
+            self.nnodes)
 
 
 def processes_per_node(launch: Launch, world_size: int) -> int:
@@ -97,10 +119,11 @@ def processes_per_node(launch: Launch, world_size: int) -> int:
 
 def torchrun_command(job: Job, launch: Launch, *, nproc_per_node: int) -> list[str]:
     """The ``python -m torch.distributed.run ... -m meshplan.runtime.worker <job>`` command line."""
+    conf = ["--rdzv-conf", launch.rdzv_conf] if launch.rdzv_conf else []
     return [sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(launch.nnodes), "--nproc-per-node", str(nproc_per_node),
+            "--nnodes", launch.nodes_arg, "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint or LOCAL_ENDPOINT,
-            "--rdzv-id", launch.rdzv_id or uuid.uuid4().hex,
+            "--rdzv-id", launch.rdzv_id or uuid.uuid4().hex, *conf,
             "--max-restarts", str(launch.max_restarts),
             "-m", "meshplan.runtime.worker", job.to_json()]
 
@@ -117,7 +140,7 @@ def worker_environment(options: RunOptions, launch: Launch,
     hanging, and every rank dumps its last collectives to ``flight_recorder_prefix``.
     """
     env = dict(os.environ if base is None else base, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
-    if launch.max_restarts:
+    if launch.max_restarts or launch.elastic:
         env[FRESH_STORE_PER_ATTEMPT] = "1"
     if torch.cuda.is_available():
         for key, value in NCCL_DEFAULTS.items():
@@ -260,12 +283,15 @@ def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | No
     preflight.check_checkpoint_dir(options.checkpoint_dir)
     _check_checkpoint_flags(plan, options)
     if not under_torchrun():
-        nproc = processes_per_node(launch, plan.config.world_size)
-        mesh_mod.check_world_size(plan.config, nproc * launch.nnodes)
+        if launch.elastic:  # each attempt replans for the nodes present (elastic.py)
+            nproc = launch.nproc_per_node or plan.cluster.gpus_per_node
+        else:
+            nproc = processes_per_node(launch, plan.config.world_size)
+            mesh_mod.check_world_size(plan.config, nproc * launch.nnodes)
         preflight.check_devices(plan, nproc_per_node=nproc,
                                 cuda_devices=torch.cuda.device_count(),
                                 oversubscribe=launch.oversubscribe)
-    else:
+    elif not options.elastic:
         mesh_mod.check_world_size(plan.config, int(os.environ["WORLD_SIZE"]))
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as scratch:
         path = os.path.abspath(report) if report else os.path.join(scratch, "report.json")
@@ -286,7 +312,8 @@ def _check_checkpoint_flags(plan: Plan, options: RunOptions) -> None:
                            restarted=checkpoint.torchrun_restarts() > 0,
                            data=checkpoint.data_stream(plan_data(plan, options)),
                            model=checkpoint.architecture(plan.model),
-                           recipe=dataclasses.asdict(options.recipe), steps=options.steps)
+                           recipe=dataclasses.asdict(options.recipe), steps=options.steps,
+                           run_id=options.run_id if options.elastic else None)
 
 
 def _read_report(path: str | None) -> RunReport | None:

@@ -13,7 +13,9 @@ bytes at the end of the step (CUDA allocator; live tensors on the CPU, null when
 ``mfu`` = model FLOP per step (the cost model's count for the plan, 6 N per token plus
 attention, as in the plan's prediction) / ``step_s`` / world size / the cluster's peak FLOP/s
 of the plan's dtype (Chowdhery et al. 2022, arXiv:2204.02311, Appendix B).
-A resumed run appends to the file: the steps it runs again follow the saved ones.
+A resumed run (from the checkpoint of step K) first drops the file's records of steps after K
+(an earlier attempt ran them past its last checkpoint; they are run again), then appends: every
+step is in the file once, from the attempt whose result the run kept.
 """
 
 from __future__ import annotations
@@ -68,11 +70,13 @@ def mfu(plan: Plan, step_s: float) -> float:
 class MetricsLog:
     """Writes ``StepMetrics`` to the log and, on rank 0 with a path, to a JSONL file."""
 
-    def __init__(self, path: str | None, *, rank: int) -> None:
+    def __init__(self, path: str | None, *, rank: int, resumed_from: int | None = None) -> None:
         self._rank = rank
         self._file = None
         if path is not None and rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            if resumed_from is not None:
+                _keep_through(path, resumed_from)
             self._file = open(path, "a", buffering=1)  # a line per step, flushed
 
     def write(self, metrics: StepMetrics) -> None:
@@ -86,3 +90,22 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _keep_through(path: str, step: int) -> None:
+    """Drop the records of steps after ``step`` from the JSONL file ``path`` (atomically; a
+    line that is not a record is kept)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as handle:
+        for line in handle:
+            try:
+                record_step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                record_step = None
+            if not isinstance(record_step, int) or record_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as out:
+        out.writelines(kept)
+    os.replace(path + ".tmp", path)

@@ -80,6 +80,9 @@ class RunReport:
     """Learning rate of every step."""
     recipe: dict[str, Any] | None = None
     """The training recipe (``recipe.Recipe`` as a dict)."""
+    membership_changes: tuple[dict[str, Any], ...] = ()
+    """An elastic run's membership records (``elastic.report_changes``), oldest first; the
+    document has the key only when there was a change."""
 
     @property
     def step_s_median(self) -> float:
@@ -112,7 +115,9 @@ class RunReport:
                 "compute_dtype": self.compute_dtype,
                 "resumed_from_step": self.resumed_from_step, "restarts": self.restarts,
                 "grad_norms": list(self.grad_norms), "lrs": list(self.lrs),
-                "recipe": self.recipe}
+                "recipe": self.recipe,
+                **({"membership_changes": list(self.membership_changes)}
+                   if self.membership_changes else {})}
 
 
 _RANK_SCHEMA = schema_of(RankReport, name="run report rank", extra_keys=True,
@@ -130,6 +135,7 @@ REPORT_SCHEMA = schema_of(
     rules={"schema_version": Rule(kind="int", limit=Limit(choices=(schema.RUN_REPORT,))),
            "plan": Rule(kind="object"),
            "recipe": Rule(kind="object", nullable=True),
+           "membership_changes": Rule(kind="list", items=Rule(kind="object")),
            "per_rank": Rule(kind="list", items=Rule(kind="object", schema=_RANK_SCHEMA)),
            "predicted": Rule(kind="object", schema=_PREDICTED_SCHEMA),
            "step_s_median": Rule(kind="float", limit=POSITIVE),
@@ -142,7 +148,7 @@ and unknown extras tolerated, as DESIGN.md lets the report grow. Derived keys (m
 tokens/s, ratios, the largest peak) are checked for type and recomputed, not read."""
 _RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankReport))
 _OPTIONAL_FIELDS = ("compute_dtype", "resumed_from_step", "restarts", "recipe")
-_OPTIONAL_SERIES = ("grad_norms", "lrs")
+_OPTIONAL_SERIES = ("grad_norms", "lrs", "membership_changes")
 
 
 def report_from_dict(data: Any, *, origin: str) -> RunReport:

@@ -39,6 +39,7 @@ from meshplan.costmodel.estimate import config_to_dict
 from meshplan.planner.plan import Plan
 from meshplan.runtime import checkpoint
 from meshplan.runtime import data as data_mod
+from meshplan.runtime import elastic
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime import optim as optim_mod
 from meshplan.runtime import parallelize, pipeline
@@ -86,6 +87,13 @@ class RunOptions:
     """Start from the latest checkpoint in ``checkpoint_dir`` (it must exist)."""
     keep_last: int = 0
     """Keep only this many newest checkpoints (``--keep-last``); 0: keep all."""
+    elastic: bool = False
+    """An elastic job (``--nnodes MIN:MAX``, elastic.py): every attempt resumes from the latest
+    checkpoint of this run, under a plan for the world size it finds (replanned on rank 0)."""
+    run_id: str | None = None
+    """The job's rendezvous id: the checkpoints and membership records of this run carry it."""
+    replan_time_limit_s: float = 30.0
+    """Wall-clock bound of one replan of an elastic job (``--replan-time-limit``)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -97,6 +105,10 @@ class RunOptions:
                              f"{self.checkpoint_every}")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR")
+        if self.elastic and not (self.checkpoint_dir and self.checkpoint_every):
+            raise ValueError("an elastic run (--nnodes MIN:MAX) needs --checkpoint-dir DIR and "
+                             "--checkpoint-every N: a new membership continues from the last "
+                             "checkpoint")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.timeout_s <= 0 or self.init_timeout_s <= 0:
@@ -323,8 +335,13 @@ def _timed_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor, device: 
                        reserved_bytes=None if reserved is None else int(reserved_max))
 
 
-def run_plan(plan: Plan, options: RunOptions, *, backend: str) -> RunReport | None:
+def run_plan(plan: Plan, options: RunOptions, *, backend: str,
+             chosen: elastic.Chosen | None = None) -> RunReport | None:
     """Train ``plan`` for ``options.steps`` steps; the report on global rank 0, else None.
+
+    An elastic attempt (``options.elastic``; ``chosen``: how its plan was chosen) resumes
+    from the run's latest checkpoint whenever one exists and records the membership change
+    (elastic.py).
 
     The mesh's sub-groups stay alive until the job ends: DTensor caches redistribution plans
     by mesh *layout*, so a later plan of the same launch with an equal mesh may reach a group
@@ -343,14 +360,25 @@ def run_plan(plan: Plan, options: RunOptions, *, backend: str) -> RunReport | No
     with PeakMemory(device, cpu_tracking=options.track_memory) as memory:
         rank_model = build_rank_model(plan, mesh, seed=options.seed, device=device,
                                       recipe=options.recipe)
-        history = _resume(rank_model, plan, options, data_spec, restarted=restarts > 0)
+        started = time.perf_counter()
+        history = _resume(rank_model, plan, options, data_spec,
+                          restarted=restarts > 0 or options.elastic)
+        reshard_s = time.perf_counter() - started
+        if options.elastic and dist.get_rank() == 0:
+            elastic.record_start(options.checkpoint_dir, run_id=options.run_id,
+                                 chosen=chosen or elastic.Chosen(plan, 0.0, "given"),
+                                 resumed_step=history.step if history else 0,
+                                 reshard_s=reshard_s if history else 0.0)
         memory.reset()
         log = _Log(plan, options, history)
         _train(rank_model, plan, data_spec, options, device, memory, mesh, log)
     report = _report(plan, backend, rank_model, memory, log)
     if report is not None:
+        changes = (elastic.report_changes(options.checkpoint_dir, options.run_id, log.step_s)
+                   if options.elastic else ())
         report = dataclasses.replace(
-            report, compute_dtype=_DTYPE_NAMES[compute_dtype(plan, device)], restarts=restarts)
+            report, compute_dtype=_DTYPE_NAMES[compute_dtype(plan, device)], restarts=restarts,
+            membership_changes=changes)
     dist.barrier()  # every rank is done with this plan's mesh (never on an error path)
     return report
 
@@ -384,7 +412,9 @@ class _Log:
         self.lrs = list(history.lrs) if history else []
         self.resumed_from = history.step if history is not None else None
         self.recipe = dataclasses.asdict(options.recipe)
-        self.sink = MetricsLog(options.metrics, rank=dist.get_rank())
+        self.run_id = options.run_id
+        self.sink = MetricsLog(options.metrics, rank=dist.get_rank(),
+                               resumed_from=self.resumed_from)
 
     def add(self, metrics: StepMetrics) -> None:
         self.losses.append(metrics.loss)
@@ -398,7 +428,7 @@ class _Log:
             step=len(self.losses), losses=tuple(self.losses), step_s=tuple(self.step_s),
             grad_norms=tuple(self.grad_norms), lrs=tuple(self.lrs), recipe=self.recipe,
             data=checkpoint.data_stream(data_spec), model=checkpoint.architecture(plan.model),
-            plan=config_to_dict(plan.config, plan.model))
+            plan=config_to_dict(plan.config, plan.model), run_id=self.run_id)
 
 
 def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
@@ -421,6 +451,9 @@ def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
                 checkpoint.save(rank_model.modules, rank_model.optimizer,
                                 options.checkpoint_dir, log.state(plan, data_spec),
                                 keep_last=options.keep_last)
+            if options.elastic and dist.get_rank() == 0:
+                elastic.write_progress(options.checkpoint_dir, run_id=options.run_id,
+                                       step=done, plan=plan)
             if fault is not None:
                 fault.after_step(done, dist.get_rank())
     finally:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from meshplan.planner.plan import Plan, read_plan
+from meshplan.runtime import elastic
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime.integrity import CorruptCheckpoint
 from meshplan.runtime.report import RunReport
@@ -77,12 +78,14 @@ def under_torchrun() -> bool:
 
 def check_job(job: Job, world_size: int, *, plans: list[Plan] | None = None) -> list[Plan]:
     """Read (unless the caller already did: ``plans``) and check every plan before any work;
-    ValueError names the first problem."""
+    ValueError names the first problem. An elastic job's plan may have another world size
+    (``elastic.choose_plan`` replans)."""
     plans = [read_plan(path) for path in job.plans] if plans is None else plans
     for path, plan in zip(job.plans, plans):
         try:
             mesh_mod.check_supported(plan.config, plan.model)
-            mesh_mod.check_world_size(plan.config, world_size)
+            if not job.options.elastic:
+                mesh_mod.check_world_size(plan.config, world_size)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
     return plans
@@ -117,9 +120,21 @@ def run_job(job: Job, *, plans: list[Plan] | None = None) -> int:
             print(f"meshplan: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     backend = mesh_mod.init_distributed(timeout_s=job.options.init_timeout_s)
+    chosen = None
+    if job.options.elastic:  # one plan (Job checks): the one for this world size
+        try:
+            chosen = elastic.choose_plan(
+                plans[0], world_size=dist.get_world_size(),
+                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                time_limit_s=job.options.replan_time_limit_s)
+        except elastic.NoElasticPlan as err:
+            if rank == 0:
+                print(f"meshplan: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        plans = [chosen.plan]
     for plan, report_path in zip(plans, job.reports):
         try:
-            report = run_plan(plan, job.options, backend=backend)
+            report = run_plan(plan, job.options, backend=backend, chosen=chosen)
         except TrainingDiverged as err:  # every rank sees the same loss and norm
             if rank == 0:
                 print(f"meshplan: error: {err}", file=sys.stderr)

@@ -16,6 +16,23 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 """Default per-step metrics file inside ``--checkpoint-dir``."""
+ELASTIC_MAX_RESTARTS = 3
+"""Default ``--max-restarts`` of an elastic job. Each lost node costs one (its peers' step
+fails and torchrun restarts them); a node that joins costs none."""
+
+
+def node_range(text: str) -> tuple[int, int | None]:
+    """``N`` -> (N, None); ``MIN:MAX`` -> (MIN, MAX); argparse type of ``--nnodes``."""
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(parts) not in (1, 2) or len(values) != len(parts) or min(values) < 1 or (
+            len(values) == 2 and values[0] > values[1]):
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got "
+                                         f"{text!r}")
+    return values[0], (values[1] if len(values) == 2 else None)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,14 +84,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("torchrun (ignored when already under torchrun)")
     group.add_argument("--nproc-per-node", type=positive_int, metavar="K",
                        help="processes per node (default: the plan's world size / nodes)")
-    group.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
-                       help="nodes (default 1)")
+    group.add_argument("--nnodes", type=node_range, default=(1, None), metavar="N|MIN:MAX",
+                       help="nodes (default 1); MIN:MAX: an elastic job that replans and "
+                            "reshards from the last checkpoint when nodes leave or join "
+                            "(needs --checkpoint-dir and --checkpoint-every)")
+    group.add_argument("--rdzv-conf", metavar="K=V,...",
+                       help="torchrun's rendezvous settings, e.g. join_timeout=600,"
+                            "last_call_timeout=30,keep_alive_interval=5 (seconds)")
+    group.add_argument("--replan-time-limit", type=positive_float, default=30.0, metavar="S",
+                       help="elastic jobs: wall-clock bound of one replan on rank 0 (default 30)")
     group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="c10d rendezvous (default on one node: 127.0.0.1, a free port)")
     group.add_argument("--rdzv-id", metavar="ID", help="rendezvous job id, the same on all nodes")
-    group.add_argument("--max-restarts", type=int, default=0, metavar="K",
+    group.add_argument("--max-restarts", type=int, default=None, metavar="K",
                        help="restart the workers up to K times after a failure; they resume "
-                            "from the latest checkpoint in DIR (default 0)")
+                            "from the latest checkpoint in DIR (default 0; elastic jobs "
+                            f"{ELASTIC_MAX_RESTARTS}: a lost node fails its peers' step, "
+                            "which counts as one)")
     group.add_argument("--oversubscribe", action="store_true",
                        help="on a CPU-only machine, run more processes than CPU cores (tests, "
                             "debugging); the memory check stays")
@@ -98,14 +124,21 @@ def run(args: argparse.Namespace) -> int:
                     min_lr=args.min_lr, weight_decay=args.weight_decay,
                     max_grad_norm=args.max_grad_norm or None,
                     optimizer_impl=args.optimizer_impl)
+    min_nodes, max_nodes = args.nnodes
+    is_elastic = max_nodes is not None and max_nodes > min_nodes
+    restarts = args.max_restarts if args.max_restarts is not None else (
+        ELASTIC_MAX_RESTARTS if is_elastic else 0)
+    run_id = args.rdzv_id or os.environ.get("TORCHELASTIC_RUN_ID")
     options = RunOptions(steps=args.steps, seed=args.seed, data=args.data,
                          timeout_s=args.timeout, init_timeout_s=args.init_timeout,
                          recipe=recipe, metrics=metrics, checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
-                         keep_last=args.keep_last or 0)
-    where = launch.Launch(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+                         keep_last=args.keep_last or 0, elastic=is_elastic, run_id=run_id,
+                         replan_time_limit_s=args.replan_time_limit)
+    where = launch.Launch(nproc_per_node=args.nproc_per_node, nnodes=min_nodes,
+                          max_nnodes=max_nodes, rdzv_conf=args.rdzv_conf,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                          max_restarts=args.max_restarts, oversubscribe=args.oversubscribe)
+                          max_restarts=restarts, oversubscribe=args.oversubscribe)
     try:
         result = launch.run(args.plan_file, options=options, launch=where,
                             report=args.report, json_output=args.json)
@@ -134,6 +167,15 @@ def run_summary(report: RunReport) -> str:
     if report.resumed_from_step is not None:
         lines.append(f"resumed from checkpoint step-{report.resumed_from_step} "
                      f"({report.restarts} torchrun restarts)")
+    for change in report.membership_changes:
+        measured = change["measured_step_s"]
+        lines.append(
+            f"membership at step {change['step']}: {change['old_world_size']} -> "
+            f"{change['world_size']} processes ({change['reason']}); replan "
+            f"{change['replan_s']:.2f} s, reshard {change['reshard_s']:.2f} s, "
+            f"{change['steps_redone']} steps redone; step time predicted "
+            f"{change['predicted_step_s']:.4f} s, measured "
+            + (f"{measured:.4f} s" if measured is not None else "n/a"))
     if report.peak_bytes is not None:
         lines.append(f"peak/rank  measured {report.peak_bytes / 1e6:.2f} MB   predicted "
                      f"{report.predicted_peak_bytes / 1e6:.2f} MB   ratio "
