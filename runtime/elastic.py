@@ -106,9 +106,15 @@ def _decide(given: Plan, *, world_size: int, local_world_size: int,
         return {"error": f"{world_size} processes are not whole nodes of {local_world_size}"}
     nodes = world_size // local_world_size
     try:
+        pins = runtime_pins(given, world_size)
         done = replan(given, nodes=nodes, gpus_per_node=local_world_size,
-                      time_limit_s=time_limit_s, required=runtime_pins(given, world_size))
-        mesh_mod.check_supported(done.plan.config, done.plan.model)
+                      time_limit_s=time_limit_s, required=pins)
+        try:
+            mesh_mod.check_supported(done.plan.config, done.plan.model)
+        except mesh_mod.UnsupportedPlan:  # e.g. fewer micro-batches than stages: no pipeline
+            done = replan(given, nodes=nodes, gpus_per_node=local_world_size,
+                          time_limit_s=time_limit_s, required={**pins, "pp": [1]})
+            mesh_mod.check_supported(done.plan.config, done.plan.model)
         if done.plan.config.world_size != world_size:
             raise ValueError(f"the plan found uses {done.plan.config.world_size} of "
                              f"{world_size} processes")

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import dataclasses
@@ -219,6 +220,33 @@ def _alive(pids: list[int]) -> bool:
     return False
 
 
+RENDEZVOUS_ENDED = ("RendezvousTimeoutError", "RendezvousClosedError")
+"""What torchrun's agent raises when too few nodes joined within ``join_timeout`` (or the
+rendezvous was closed): seen on its stderr, the job ended for want of nodes."""
+
+
+def _forward(stream, seen: list[str]) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        if any(name in line for name in RENDEZVOUS_ENDED):
+            seen.append(line)
+    sys.stderr.flush()
+
+
+class TooFewNodes(Exception):
+    """An elastic job stopped because fewer than its minimum of nodes met at the rendezvous."""
+
+    def __init__(self, launch: Launch, options: RunOptions) -> None:
+        directory = options.checkpoint_dir
+        step = checkpoint.latest_step(directory) if directory and os.path.isdir(
+            directory) else None
+        kept = (f"its last checkpoint {checkpoint.step_dir(directory, step)} is intact; start "
+                f"the job again with --resume" if step is not None else "no checkpoint was "
+                "saved")
+        super().__init__(f"fewer than {launch.nnodes} nodes (--nnodes {launch.nodes_arg}) met "
+                         f"at the rendezvous within its join timeout; the job stopped, {kept}")
+
+
 class Stopped(Exception):
     """``meshplan run`` got SIGTERM or SIGINT; torchrun and its workers were ended."""
 
@@ -236,8 +264,16 @@ def start(job: Job, launch: Launch, *, nproc_per_node: int) -> int:
     the last complete one (checkpoint.py).
     """
     env = worker_environment(job.options, launch)
+    watch = launch.elastic
     proc = subprocess.Popen(torchrun_command(job, launch, nproc_per_node=nproc_per_node),
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True,
+                            stderr=subprocess.PIPE if watch else None,
+                            text=True if watch else None, errors="replace" if watch else None)
+    seen: list[str] = []
+    forwarder = None
+    if watch:  # copy torchrun's stderr through, noting how a rendezvous ended
+        forwarder = threading.Thread(target=_forward, args=(proc.stderr, seen), daemon=True)
+        forwarder.start()
     received: list[int] = []
 
     def on_signal(signum, frame):
@@ -246,7 +282,12 @@ def start(job: Job, launch: Launch, *, nproc_per_node: int) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait()
+        code = proc.wait()
+        if forwarder is not None:
+            forwarder.join(timeout=10)
+        if code and seen:
+            raise TooFewNodes(launch, job.options)
+        return code
     except Stopped:
         stop(proc)
         raise

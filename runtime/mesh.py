@@ -60,6 +60,11 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
         if size % config.tp:
             raise UnsupportedPlan(f"tp {config.tp} must divide {name} ({size}) for the "
                                   "runtime's even tensor-parallel split")
+    if config.pp > 1 and config.grad_accum_steps < config.pp:
+        raise UnsupportedPlan(f"the runtime's 1F1B schedules need at least pp = {config.pp} "
+                              f"micro-batches per step, the plan has {config.grad_accum_steps}"
+                              " (global batch / (dp x micro-batch)); pin a smaller "
+                              "--micro-batch")
     if config.cp > 1:
         raise UnsupportedPlan(f"context parallelism (cp {config.cp}) is not implemented by "
                               "the runtime yet; use cp 1")

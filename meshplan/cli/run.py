@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 """Default per-step metrics file inside ``--checkpoint-dir``."""
+EXIT_TOO_FEW_NODES = 4
+"""An elastic job ended because fewer than MIN nodes met at the rendezvous (its checkpoints
+are intact; start it again with --resume)."""
 ELASTIC_MAX_RESTARTS = 3
 """Default ``--max-restarts`` of an elastic job. Each lost node costs one (its peers' step
 fails and torchrun restarts them); a node that joins costs none."""
@@ -142,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = launch.run(args.plan_file, options=options, launch=where,
                             report=args.report, json_output=args.json)
+    except launch.TooFewNodes as err:
+        print(f"meshplan: error: {err}", file=sys.stderr)
+        return EXIT_TOO_FEW_NODES
     except launch.Stopped as stopped:
         print(f"meshplan: stopped by {stopped}: torchrun and its workers were ended",
               file=sys.stderr)
