@@ -2,7 +2,9 @@
 
 Everything is recomputed from the plan file with the cost model (so the explanation reflects
 the calibration in use) and one search of the same space for the runners-up and the what-ifs:
-one more node, twice the inter-node bandwidth, and the next ZeRO stage.
+one more node, twice the inter-node bandwidth, and the next ZeRO stage. Given a failure model
+(``--node-mtbf-hours``), also what a node failure costs and the best checkpoint interval
+(elasticity.py).
 
 The result is typed (``Explanation`` and the small frozen dataclasses below, which hold the
 estimates they describe); ``Explanation.to_dict`` is the one place its JSON (``explain --json``)
@@ -17,6 +19,7 @@ from typing import Any
 
 from meshplan.costmodel import Calibration, ParallelConfig, estimate
 from meshplan.costmodel.estimate import Estimate
+from meshplan.planner.elasticity import Elasticity, FailureModel, IntervalCost, failure_cost
 from meshplan.planner.plan import Plan
 from meshplan.planner.planning import summary
 from meshplan.planner.search import NoPlanFits, search
@@ -146,22 +149,27 @@ class Explanation:
     binding: Binding
     runners_up: tuple[RunnerUp, ...]
     what_if: tuple[WhatIf, ...]
+    elasticity: Elasticity | None = None
+    """What node failures cost, where a failure model was given."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``explain --json`` document."""
+        """The ``explain --json`` document (``elasticity`` only with a failure model)."""
         est = self.estimate
-        return {"plan": {**summary(est), "step_s": est.time.step_s,
+        data = {"plan": {**summary(est), "step_s": est.time.step_s,
                          "tokens_per_s": est.throughput.tokens_per_s,
                          "mfu": est.throughput.mfu, "fits": est.fits},
                 "binding": self.binding.to_dict(),
                 "runners_up": [r.to_dict() for r in self.runners_up],
                 "what_if": [w.to_dict() for w in self.what_if]}
+        if self.elasticity is not None:
+            data["elasticity"] = self.elasticity.to_dict()
+        return data
 
 
 def explain(plan: Plan, *, calibration: Calibration, runners_up: int = 3,
-            time_limit_s: float = 30.0) -> Explanation:
+            time_limit_s: float = 30.0, failures: FailureModel | None = None) -> Explanation:
     """Explain ``plan`` under ``calibration``; each search behind it is limited to
-    ``time_limit_s``."""
+    ``time_limit_s``. With ``failures``, also the cost of node failures (``elasticity``)."""
     est = estimate(plan.model, plan.cluster, plan.config, framework=plan.framework,
                    calibration=calibration)
     pins = plan.provenance.get("pinned", {})
@@ -172,7 +180,8 @@ def explain(plan: Plan, *, calibration: Calibration, runners_up: int = 3,
     return Explanation(
         estimate=est, binding=binding(est),
         runners_up=_runners_up(plan, est, space, calibration, runners_up, time_limit_s),
-        what_if=what_ifs(plan, est, space, calibration, time_limit_s))
+        what_if=what_ifs(plan, est, space, calibration, time_limit_s),
+        elasticity=failure_cost(est, failures) if failures is not None else None)
 
 
 def binding(est: Estimate) -> Binding:
@@ -303,4 +312,57 @@ def render(explanation: Explanation) -> str:
         lines.append("  (none found)")
     lines += ["", "what if:"]
     lines += [_what_if_line(w) for w in explanation.what_if]
+    if explanation.elasticity is not None:
+        lines += ["", *_elasticity_lines(explanation.elasticity)]
     return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that keeps it >= 1 (s, min, h, days), 3 digits or more."""
+    value, unit = next(((seconds / size, unit) for unit, size in
+                        (("days", 86400.0), ("h", 3600.0), ("min", 60.0)) if seconds >= size),
+                       (seconds, "s"))
+    return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:,.0f} s ({_duration(seconds)})" if seconds >= 60 else _duration(seconds)
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.3g}%"
+
+
+def _interval_line(label: str, cost: IntervalCost) -> str:
+    steps = f"{cost.every_steps:,} step{'s' if cost.every_steps > 1 else ''}"
+    return (f"  {label}: save every {steps} = {_seconds(cost.interval_s)}: "
+            f"{_percent(cost.loss_fraction)} "
+            f"of the time lost (saves {_percent(cost.save_fraction)}, failures "
+            f"{_percent(cost.loss_fraction - cost.save_fraction)}); a failure loses "
+            f"{_duration(cost.lost_per_failure_s)}")
+
+
+def _elasticity_lines(e: Elasticity) -> list[str]:
+    f, ckpt = e.failures, e.checkpoint
+    lines = [f"elasticity: node MTBF {f.node_mtbf_s / 3600:,.6g} h over {e.nodes} nodes: the job "
+             f"fails every {_duration(e.job_mtbf_s)} on average",
+             f"  checkpoint: {ckpt.total_bytes / 1e9:,.1f} GB of parameters and optimizer "
+             f"states; per node a save writes {ckpt.write_bytes_per_node / 1e9:,.1f} GB, a load "
+             f"reads {ckpt.load_bytes_per_node / 1e9:,.1f} GB",
+             f"  a save blocks training (saves are synchronous in meshplan's runtime) for "
+             f"{_duration(e.save_s)}: write {_duration(e.save_write_s)} at "
+             f"{f.write_bytes_per_s / 1e9:g} GB/s, hash read-back {_duration(e.verify_s)}",
+             f"  a failure costs restart {_duration(f.restart_s)} + replan "
+             f"{_duration(f.replan_s)} + reshard {_duration(e.reshard_s)} (hash "
+             f"{_duration(e.verify_s)}, read {_duration(e.load_s)} at "
+             f"{f.read_bytes_per_s / 1e9:g} GB/s) + the work since the last save (on average "
+             "half an interval and its save)",
+             f"  optimal interval: {_seconds(e.daly_interval_s)} of work (Daly 2006; Young "
+             f"1974: {e.young_interval_s:,.0f} s), in steps of {e.step_s:.3f} s:",
+             _interval_line("optimal", e.optimal)]
+    if e.chosen is not None:
+        lines.append(_interval_line(f"--checkpoint-every {e.chosen.every_steps}", e.chosen))
+    if e.job_mtbf_s < e.save_s + e.recovery_s:
+        lines.append(f"  the job fails more often than it can save and recover "
+                     f"({_duration(e.save_s + e.recovery_s)}): it makes almost no progress")
+    return lines

@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,14 @@ def positive_float(text: str) -> float:
 
 def nonnegative_float(text: str) -> float:
     return _number(text, accept=lambda v: v >= 0, rule=">= 0")
+
+
+def finite_positive_float(text: str) -> float:
+    return _number(text, accept=lambda v: 0 < v < math.inf, rule="a finite number > 0")
+
+
+def finite_nonnegative_float(text: str) -> float:
+    return _number(text, accept=lambda v: 0 <= v < math.inf, rule="a finite number >= 0")
 
 
 def _split_list(text: str) -> list[str]:
