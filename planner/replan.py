@@ -11,6 +11,10 @@ a wall-clock ``time_limit_s`` that bounds how long the job waits (anytime: the b
 by then; the status says whether it is proven optimal).
 
 The calibration is the built-in one unless the plan names a calibration file that exists here.
+
+A plan table (``with_table``; ``meshplan plan --elastic MIN:MAX``) holds the replanned plan of
+every node count from MIN to MAX in the plan's provenance (``TABLE_KEY``), searched ahead of
+the run, so an elastic job's replan is a lookup (``from_table``).
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from dataclasses import dataclass
 
 from meshplan.costmodel import load_calibration
 from meshplan.costmodel.calibration import default_calibration
-from meshplan.planner.plan import Plan
+from typing import Any
+
+from meshplan.planner.plan import Plan, plan_from_dict
 from meshplan.planner.planning import plan as plan_search
 from meshplan.planner.search import EmptySpace, NoPlanFits, SearchTimeout
 from meshplan.planner.space import space_with_pins
 
+TABLE_KEY = "elastic_plans"
+"""Provenance key of a plan's table: node count (a string) -> plan file of that size."""
 DEFAULT_TIME_LIMIT_S = 30.0
 """Wall-clock bound of one replan (the job waits for it)."""
 
@@ -78,3 +86,31 @@ def replan(plan: Plan, *, nodes: int, gpus_per_node: int | None = None,
                          status=result.status, pins_dropped=index > 0)
     raise ValueError(f"no plan for {plan.model.name} on {nodes} x {cluster.gpus_per_node} "
                      f"{cluster.gpu.key}: {failure}")
+
+
+def with_table(plan: Plan, nodes: range, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S
+               ) -> tuple[Plan, dict[int, str]]:
+    """``plan`` with the table of its replans for each node count in ``nodes`` (its own count
+    maps to itself), and the node counts nothing fits on, each with the reason."""
+    table: dict[str, Any] = {}
+    missing: dict[int, str] = {}
+    for n in nodes:
+        if n == plan.cluster.nodes:
+            entry = plan
+        else:
+            try:
+                entry = replan(plan, nodes=n, time_limit_s=time_limit_s).plan
+            except ValueError as err:
+                missing[n] = str(err)
+                continue
+        table[str(n)] = entry.to_dict()
+    provenance = {**plan.provenance, TABLE_KEY: table}
+    return dataclasses.replace(plan, provenance=provenance), missing
+
+
+def from_table(plan: Plan, *, nodes: int, gpus_per_node: int) -> Plan | None:
+    """The plan the table of ``plan`` holds for ``nodes`` x ``gpus_per_node``, or None."""
+    entry = (plan.provenance.get(TABLE_KEY) or {}).get(str(nodes))
+    if entry is None or entry.get("cluster", {}).get("gpus_per_node") != gpus_per_node:
+        return None
+    return plan_from_dict(entry, origin=f"the plan table's entry for {nodes} nodes")

@@ -100,11 +100,21 @@ def _decide(given: Plan, *, world_size: int, local_world_size: int,
     if given.config.world_size == world_size:
         return {"plan": given.to_dict(), "replan_s": 0.0, "status": "given",
                 "pins_dropped": False}
-    from meshplan.planner.replan import replan  # the planner (CP-SAT) only where it is needed
+    from meshplan.planner.replan import from_table, replan  # CP-SAT only where needed
 
     if world_size % local_world_size:
         return {"error": f"{world_size} processes are not whole nodes of {local_world_size}"}
     nodes = world_size // local_world_size
+    started = time.perf_counter()
+    listed = from_table(given, nodes=nodes, gpus_per_node=local_world_size)
+    if listed is not None:
+        try:
+            mesh_mod.check_supported(listed.config, listed.model)
+            return {"plan": listed.to_dict(), "replan_s": time.perf_counter() - started,
+                    "status": "table", "pins_dropped": False}
+        except ValueError as err:
+            logger.warning("the plan table's entry for %d nodes cannot run here (%s); "
+                           "replanning", nodes, err)
     try:
         pins = runtime_pins(given, world_size)
         done = replan(given, nodes=nodes, gpus_per_node=local_world_size,

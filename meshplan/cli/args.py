@@ -237,3 +237,17 @@ def config_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ParallelConfig fields the user set on the command line (unset flags are left out)."""
     return {name: getattr(args, name) for name in CONFIG_FIELDS
             if getattr(args, name, None) is not None}
+
+
+def node_range(text: str) -> tuple[int, int | None]:
+    """``N`` -> (N, None); ``MIN:MAX`` -> (MIN, MAX); argparse type of ``--nnodes``."""
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(parts) not in (1, 2) or len(values) != len(parts) or min(values) < 1 or (
+            len(values) == 2 and values[0] > values[1]):
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got "
+                                         f"{text!r}")
+    return values[0], (values[1] if len(values) == 2 else None)

@@ -4,12 +4,13 @@ pins that choice. Exit 3 when no plan fits."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
 from meshplan.cli.args import (add_config_arguments, add_target_arguments,
-                               config_kwargs_from_args, nonnegative_float, positive_float,
-                               positive_int)
+                               config_kwargs_from_args, node_range, nonnegative_float,
+                               positive_float, positive_int)
 from meshplan.cli.errors import EXIT_NO_PLAN, EXIT_OK, PROG, one_line
 from meshplan.cli.inputs import load_inputs
 from meshplan.cli.output import print_json, refuse_overwrite
@@ -56,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allow-fewer-gpus", action="store_true",
                        help="when no configuration divides the GPUs, plan on the nearest "
                             "smaller node count (leaving GPUs idle)")
+    group.add_argument("--elastic", type=node_range, metavar="MIN:MAX",
+                       help="also plan every node count from MIN to MAX and keep the table in "
+                            "the plan file: an elastic run (run --nnodes MIN:MAX) then replans "
+                            "by lookup when nodes leave or join")
     group.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
     group.add_argument("--workers", type=positive_int, default=1,
                        help="CP-SAT worker threads (default 1)")
@@ -146,6 +151,16 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NO_PLAN
     except SearchTimeout as err:
         raise ValueError(str(err)) from None
+    if args.elastic:
+        from meshplan.planner.replan import with_table
+
+        low, high = args.elastic[0], args.elastic[1] or args.elastic[0]
+        best, missing = with_table(result.plans[0], range(low, high + 1),
+                                   time_limit_s=args.time_limit)
+        result = dataclasses.replace(result, plans=(best, *result.plans[1:]))
+        for nodes, why in missing.items():
+            print(f"{PROG}: warning: --elastic: no plan for {nodes} nodes: {one_line(why)}",
+                  file=sys.stderr)
     if args.output:
         try:
             write_plan(result.plans[0], args.output)

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from meshplan.cli.args import nonnegative_float, positive_float, positive_int
+from meshplan.cli.args import node_range, nonnegative_float, positive_float, positive_int
 from meshplan.cli.output import check_folder, print_json
 
 if TYPE_CHECKING:
@@ -22,20 +22,6 @@ are intact; start it again with --resume)."""
 ELASTIC_MAX_RESTARTS = 3
 """Default ``--max-restarts`` of an elastic job. Each lost node costs one (its peers' step
 fails and torchrun restarts them); a node that joins costs none."""
-
-
-def node_range(text: str) -> tuple[int, int | None]:
-    """``N`` -> (N, None); ``MIN:MAX`` -> (MIN, MAX); argparse type of ``--nnodes``."""
-    parts = text.split(":")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        values = []
-    if len(parts) not in (1, 2) or len(values) != len(parts) or min(values) < 1 or (
-            len(values) == 2 and values[0] > values[1]):
-        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got "
-                                         f"{text!r}")
-    return values[0], (values[1] if len(values) == 2 else None)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -124,6 +124,12 @@ def reference(tmp_path_factory, meshplan):
     return json.loads(done.stdout)["losses"]
 
 
+def _reset(marker: Path) -> None:
+    """Before a test: no marker (ranks will hold) and no hold file of an earlier test."""
+    marker.unlink(missing_ok=True)
+    Path(str(marker) + ".held").unlink(missing_ok=True)
+
+
 def _metrics_steps(job: Job) -> list[int]:
     lines = (job.checkpoints / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["step"] for line in lines]
@@ -154,7 +160,7 @@ def _check_finished(job: Job, reference: list[float], *, world_sizes: tuple[int,
 def test_losing_a_node_replans_reshards_and_matches_an_uninterrupted_run(
         tmp_path, free_port, elastic_env, reference):
     marker, env = elastic_env
-    marker.unlink(missing_ok=True)
+    _reset(marker)
     plan = _plan(tmp_path / "two-nodes.json", nodes=2, gpus_per_node=2)
     job = Job(tmp_path, plan, free_port, nnodes="1:2", nproc=2, env=env)
     job.start_node()
@@ -174,7 +180,7 @@ def test_losing_a_node_replans_reshards_and_matches_an_uninterrupted_run(
 def test_a_node_joining_grows_the_job_and_matches_an_uninterrupted_run(
         tmp_path, free_port, elastic_env, reference):
     marker, env = elastic_env
-    marker.unlink(missing_ok=True)
+    _reset(marker)
     plan = _plan(tmp_path / "one-node.json", nodes=1, gpus_per_node=2)
     job = Job(tmp_path, plan, free_port, nnodes="1:2", nproc=2, env=env)
     job.start_node()
@@ -200,7 +206,7 @@ def test_a_node_lost_twice_in_a_row_still_matches(tmp_path, free_port, elastic_e
     """3 nodes of 1 process: one is killed at the hold, a second as soon as the job has
     replanned for 2 (before its next checkpoint); it finishes on the first node alone."""
     marker, env = elastic_env
-    marker.unlink(missing_ok=True)
+    _reset(marker)
     plan = _plan(tmp_path / "three-nodes.json", nodes=3, gpus_per_node=1)
     job = Job(tmp_path, plan, free_port, nnodes="1:3", nproc=1, env=env)
     for _ in range(3):
@@ -232,7 +238,7 @@ def test_falling_below_the_minimum_stops_clearly_and_keeps_the_checkpoint(
     from meshplan.runtime import checkpoint
 
     marker, env = elastic_env
-    marker.unlink(missing_ok=True)
+    _reset(marker)
     plan = _plan(tmp_path / "two-nodes.json", nodes=2, gpus_per_node=1)
     conf = RDZV_CONF.replace("join_timeout=90", "join_timeout=15")
     job = Job(tmp_path, plan, free_port, nnodes="2:3", nproc=1, env=env, rdzv_conf=conf)
