@@ -1,8 +1,8 @@
 """``meshplan``: the command line (DESIGN.md, "Command line (the contract)").
 
 One module per subcommand (``models``, ``clusters``, ``estimate``, ``plan``, ``explain``,
-``export``, ``run``, ``profile``, ``validate``), each with ``add_arguments(parser)`` and
-``run(args) -> exit code``; shared flags in ``args``, loading what they name in ``inputs``.
+``export``, ``run``, ``launch``, ``profile``, ``validate``), each with ``add_arguments(parser)``
+and ``run(args) -> exit code``; shared flags in ``args``, loading what they name in ``inputs``.
 argparse lives in this package and nowhere else: a handler turns its ``Namespace`` into
 cost-model objects (``ModelSpec``, ``ClusterSpec``, ``ParallelConfig``, ``Calibration``) and
 hands only those on. A subcommand's module is imported only when that subcommand is parsed,
@@ -10,7 +10,8 @@ so ``meshplan --help`` imports none of them and ``meshplan models`` only its own
 
 Exit codes: 0 success (``estimate`` also when the plan does not fit), 2 user error (one line
 ``meshplan: error: <message>`` on stderr, never a traceback), 3 "no plan fits", 1 ``run`` or
-``validate`` failed in a worker (its traceback is above).
+``validate`` failed in a worker (its traceback is above); ``launch --scheduler local`` returns
+the exit code of the node that failed first.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ COMMANDS: dict[str, Command] = {
     "explain": Command("why a plan: what binds, runners-up, what-ifs", "explain"),
     "export": Command("write a plan as a DeepSpeed / Megatron / torchtitan config", "export"),
     "run": Command("run a plan with torchrun and report measurements", "run"),
+    "launch": Command("run a plan on several nodes: a SLURM batch script, or local processes",
+                      "launch"),
     "profile": Command("measure this machine's compute and links into a calibration",
                        "profile"),
     "validate": Command("run a plan, compare measured vs predicted, refit", "validate"),

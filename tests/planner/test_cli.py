@@ -329,7 +329,7 @@ def test_unreadable_file_is_a_user_error(capsys, monkeypatch):
 def test_every_command_of_the_contract_exists(capsys):
     """DESIGN.md's command line: each subcommand answers --help."""
     for command in ("models", "clusters", "estimate", "plan", "explain", "export", "run",
-                    "profile", "validate"):
+                    "launch", "profile", "validate"):
         assert cli.main([command, "--help"]) == 0, command
         assert capsys.readouterr().out.startswith("usage: meshplan " + command)
 
