@@ -30,8 +30,10 @@ demo: $(STAMP)
 		--tp 8 --pp 35 --zero 1 --recompute full --micro-batch 1 --global-batch 1920 \
 		--framework megatron
 
+# Two workers (the CI machine has 2 cores; most planner tests use one), each test file on one
+# worker (its module fixtures, e.g. a reference run, are made once).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info

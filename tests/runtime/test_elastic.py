@@ -24,13 +24,13 @@ import pytest
 from meshplan.runtime.launch import _descendants
 from meshplan.testing import run_cli
 
-STEPS = 8
+STEPS = 6
 GLOBAL_BATCH = 12
 """Divides over 1 to 4 data-parallel replicas."""
 CHECKPOINT_EVERY = 3
 HOLD_AT = 4
 LOSS_TOL = 1e-4
-RDZV_CONF = ("join_timeout=90,last_call_timeout=6,close_timeout=10,keep_alive_interval=1,"
+RDZV_CONF = ("join_timeout=90,last_call_timeout=4,close_timeout=10,keep_alive_interval=1,"
              "keep_alive_max_attempt=3")
 PROCESS_TIMEOUT_S = 200
 COMMON = ("--steps", str(STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY), "--timeout", "30",
@@ -240,7 +240,7 @@ def test_falling_below_the_minimum_stops_clearly_and_keeps_the_checkpoint(
     marker, env = elastic_env
     _reset(marker)
     plan = _plan(tmp_path / "two-nodes.json", nodes=2, gpus_per_node=1)
-    conf = RDZV_CONF.replace("join_timeout=90", "join_timeout=15")
+    conf = RDZV_CONF.replace("join_timeout=90", "join_timeout=8")
     job = Job(tmp_path, plan, free_port, nnodes="2:3", nproc=1, env=env, rdzv_conf=conf)
     job.start_node()
     job.start_node()
