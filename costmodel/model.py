@@ -156,6 +156,17 @@ class ModelSpec:
     """Expert MLP inner width; None means ``ffn_hidden_size``."""
     moe_layer_freq: int = 1
     """Every k-th layer is MoE (1: all layers)."""
+    rope_theta: float = 10000.0
+    """RoPE base (Su et al. 2021; 10,000 in Llama 1/2, 500,000 in Llama 3); the runtime's
+    rotary tables. No effect on the cost model."""
+    norm_eps: float = 1e-5
+    """Epsilon of every norm (HF ``rms_norm_eps`` / ``layer_norm_epsilon``); runtime only."""
+    rope_scaling: str = ""
+    """HF ``rope_scaling.rope_type`` when the config scales RoPE ("" for none); the runtime
+    refuses what it does not implement."""
+    hf_model_type: str = ""
+    """HF ``model_type`` the spec was read from ("" otherwise): which HF architecture its
+    weights load from and save to (``runtime/hf.py``)."""
     reported_params: float | None = None
     """Parameter count the model's authors report, for reference only."""
     source: str = ""

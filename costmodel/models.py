@@ -275,7 +275,33 @@ def _from_llama(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
         tied_embeddings=_flag(config, "tie_word_embeddings", default=False, origin=origin),
         dropout=_dropout(config, {"attention_dropout": 0.0}, origin=origin),
         num_experts=experts,
-        moe_top_k=_get(config, "num_experts_per_tok", origin=origin, default=0) if experts else 0)
+        moe_top_k=_get(config, "num_experts_per_tok", origin=origin, default=0) if experts else 0,
+        **_rope_and_norm(config, origin=origin, eps_key="rms_norm_eps"))
+
+
+def _rope_and_norm(config: Mapping[str, Any], *, origin: str, eps_key: str) -> dict[str, Any]:
+    """``rope_theta``, ``norm_eps``, ``rope_scaling`` (its type) and ``hf_model_type``.
+
+    RoPE settings are top-level ``rope_theta`` and ``rope_scaling`` in configs of transformers
+    4, one ``rope_parameters`` object (``rope_theta``, ``rope_type``) in those of version 5."""
+    fields: dict[str, Any] = {}
+    rope = config.get("rope_parameters")
+    rope = rope if isinstance(rope, Mapping) else {}
+    sources = ((config, "rope_theta", "rope_theta"), (rope, "rope_theta", "rope_theta"),
+               (config, eps_key, "norm_eps"))
+    for where, key, field in sources:
+        value = _hf_value(where, key, Rule(kind="float"), origin=origin)
+        if value is not None:
+            if not value > 0:
+                raise ValueError(f"{origin}: {key} must be > 0, got {value}")
+            fields[field] = float(value)
+    scaling = config.get("rope_scaling") or rope
+    if isinstance(scaling, Mapping) and scaling:
+        kind = str(scaling.get("rope_type", scaling.get("type", "")))
+        fields["rope_scaling"] = "" if kind in ("default", "") else kind
+    if isinstance(config.get("model_type"), str):
+        fields["hf_model_type"] = config["model_type"]
+    return fields
 
 
 def _from_gpt2(config: Mapping[str, Any], origin: str) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import torch
 
 from meshplan.planner.plan import Plan, read_plan
 from meshplan.runtime import checkpoint
+from meshplan.runtime import hf
 from meshplan.runtime import recipe as recipe_mod
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime import preflight
@@ -322,6 +323,10 @@ def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | No
     recipe_mod.check_dtype(plan.config.dtype)
     preflight.check_data(plan_data(plan, options))
     preflight.check_checkpoint_dir(options.checkpoint_dir)
+    if options.init_from:
+        hf.check_directory(options.init_from, plan.model)
+    if options.save_hf:
+        hf.check_mappable(plan.model, what="--save-hf")
     _check_checkpoint_flags(plan, options)
     if not under_torchrun():
         if launch.elastic:  # each attempt replans for the nodes present (elastic.py)

@@ -77,6 +77,9 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
     if model.tied_embeddings and config.pp > 1:
         raise UnsupportedPlan("tied embeddings across pipeline stages are not implemented; "
                               "use pp 1 or an untied model")
+    if model.rope_scaling:
+        raise UnsupportedPlan(f"RoPE scaling {model.rope_scaling!r} (the config's rope_scaling)"
+                              " is not implemented by the runtime")
     if model.position_embedding == "alibi":
         raise UnsupportedPlan("ALiBi positions are not implemented; use rope or learned")
     if config.seq_len > model.seq_len and model.position_embedding == "learned":

@@ -39,25 +39,23 @@ from meshplan.costmodel.model import ModelSpec
 
 INIT_STD = 0.02
 """Standard deviation of weight initialisation (GPT-2 / Megatron ``init_method_std``)."""
-ROPE_THETA = 10000.0
-"""RoPE base (Su et al. 2021, arXiv:2104.09864; Llama 1/2)."""
-NORM_EPS = 1e-5
 
 
 def _norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
-        return nn.RMSNorm(spec.hidden_size, eps=NORM_EPS)
-    return nn.LayerNorm(spec.hidden_size, eps=NORM_EPS)
+        return nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+    return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, *, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(seq_len: int, head_dim: int, *, device: torch.device, dtype: torch.dtype,
+                 theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of rotary embeddings, each ``[seq_len, head_dim]``.
 
-    Frequencies ``theta^(-2i/d)`` for i < d/2 (Su et al. 2021, arXiv:2104.09864, Eq. 15),
-    duplicated to the full head width for the rotate-half formulation (HF Llama).
+    Frequencies ``theta^(-2i/d)`` for i < d/2 (Su et al. 2021, arXiv:2104.09864, Eq. 15; the
+    base ``theta`` is the spec's ``rope_theta``), duplicated to the full head width for the
+    rotate-half formulation (HF Llama).
     """
-    inv_freq = ROPE_THETA ** (-torch.arange(0, head_dim, 2, dtype=torch.float32,
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32,
                                             device=device) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
@@ -83,6 +81,7 @@ class Attention(nn.Module):
         qkv_bias = spec.linear_bias or spec.qkv_bias
         self.head_dim = spec.head_size
         self.use_rope = spec.position_embedding == "rope"
+        self.rope_theta = spec.rope_theta
         if spec.position_embedding == "alibi":
             raise ValueError("position_embedding 'alibi' is not implemented by the runtime; "
                              "use 'rope' or 'learned'")
@@ -98,7 +97,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
         if self.use_rope:
-            cos, sin = rope_cos_sin(q.shape[2], self.head_dim, device=q.device, dtype=q.dtype)
+            cos, sin = rope_cos_sin(q.shape[2], self.head_dim, device=q.device, dtype=q.dtype,
+                                    theta=self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention_core(q, k, v)
         batch, heads, seq, dim = out.shape

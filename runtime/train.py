@@ -40,6 +40,7 @@ from meshplan.planner.plan import Plan
 from meshplan.runtime import checkpoint
 from meshplan.runtime import data as data_mod
 from meshplan.runtime import elastic
+from meshplan.runtime import hf
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime import optim as optim_mod
 from meshplan.runtime import parallelize, pipeline
@@ -94,6 +95,10 @@ class RunOptions:
     """The job's rendezvous id: the checkpoints and membership records of this run carry it."""
     replan_time_limit_s: float = 30.0
     """Wall-clock bound of one replan of an elastic job (``--replan-time-limit``)."""
+    init_from: str | None = None
+    """HF checkpoint directory to take the initial weights from (``--init-from``, hf.py)."""
+    save_hf: str | None = None
+    """Directory to write an HF checkpoint of the trained model into (``--save-hf``)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -159,9 +164,10 @@ class RankModel:
         return self.num_stages - 1 in self.stage_indices
 
 
-def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
-                   device: torch.device) -> tuple[list[nn.Module], list[int]]:
-    """Build, tensor-parallelise and checkpoint-wrap this rank's (virtual) stage modules."""
+def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.device,
+                   init_from: str | None = None) -> tuple[list[nn.Module], list[int]]:
+    """Build, initialise (``init_from``: this stage's tensors of an HF checkpoint),
+    tensor-parallelise and checkpoint-wrap this rank's (virtual) stage modules."""
     config, spec = plan.config, plan.model
     pp_rank = mesh.get_local_rank("pp")
     layers = pipeline.virtual_stage_layers(config, spec.num_layers)
@@ -173,6 +179,8 @@ def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
         else:
             module = build_decoder(spec, layer_ids=layers[index], first=index == 0,
                                    last=index == len(layers) - 1, seed=seed, device=device)
+            if init_from:
+                hf.load_stage(module, init_from)
         if config.tp > 1:
             parallelize.apply_tensor_parallel(module, mesh["tp"], sp=config.sp)
         parallelize.apply_checkpointing(module, config.stage_recompute(pp_rank))
@@ -181,11 +189,12 @@ def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
 
 
 def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.device,
-                     recipe: Recipe) -> RankModel:
+                     recipe: Recipe, init_from: str | None = None) -> RankModel:
     """Everything this rank needs to train ``plan``."""
     config = plan.config
     dtype = compute_dtype(plan, device)
-    modules, indices = _chunk_modules(plan, mesh, seed=seed, device=device)
+    modules, indices = _chunk_modules(plan, mesh, seed=seed, device=device,
+                                      init_from=init_from)
     choice = parallelize.DataParallelChoice(
         zero_stage=config.zero_stage, offload=config.offload, dp=config.dp,
         tensor_parallel=config.tp > 1, pipelined=config.pp > 1, interleaved=config.vpp > 1,
@@ -359,7 +368,7 @@ def run_plan(plan: Plan, options: RunOptions, *, backend: str,
     restarts = checkpoint.torchrun_restarts()
     with PeakMemory(device, cpu_tracking=options.track_memory) as memory:
         rank_model = build_rank_model(plan, mesh, seed=options.seed, device=device,
-                                      recipe=options.recipe)
+                                      recipe=options.recipe, init_from=options.init_from)
         started = time.perf_counter()
         history = _resume(rank_model, plan, options, data_spec,
                           restarted=restarts > 0 or options.elastic)
@@ -372,6 +381,13 @@ def run_plan(plan: Plan, options: RunOptions, *, backend: str,
         memory.reset()
         log = _Log(plan, options, history)
         _train(rank_model, plan, data_spec, options, device, memory, mesh, log)
+    if options.save_hf:
+        hf.save(rank_model.modules, options.save_hf, spec=plan.model,
+                stage_indices=rank_model.stage_indices, num_stages=rank_model.num_stages,
+                writer=rank_model.coords.dp == 0 and rank_model.coords.tp == 0,
+                source=options.init_from)
+        if dist.get_rank() == 0:
+            logger.info("wrote the HF checkpoint %s", options.save_hf)
     report = _report(plan, backend, rank_model, memory, log)
     if report is not None:
         changes = (elastic.report_changes(options.checkpoint_dir, options.run_id, log.step_s)

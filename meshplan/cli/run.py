@@ -43,6 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="append per-step metrics (loss, grad norm, lr, tokens/s, MFU, "
                              "memory) as JSON lines to FILE (default: DIR/metrics.jsonl with "
                              "--checkpoint-dir DIR, else none)")
+    weights = parser.add_argument_group("HuggingFace weights (Llama, Mistral, Qwen2)")
+    weights.add_argument("--init-from", metavar="DIR",
+                         help="start from the weights of an HF checkpoint directory "
+                              "(config.json + safetensors) of the plan's model; each rank "
+                              "reads its own stage's tensors")
+    weights.add_argument("--save-hf", metavar="DIR",
+                         help="at the end, write an HF checkpoint (config, safetensors, the "
+                              "--init-from tokenizer) that transformers' from_pretrained loads; "
+                              "DIR must not exist or be empty")
     recipe = parser.add_argument_group("training recipe (stored in checkpoints)")
     recipe.add_argument("--lr", type=positive_float, default=3e-3,
                         help="peak learning rate (default 3e-3)")
@@ -106,6 +115,12 @@ def run(args: argparse.Namespace) -> int:
     if args.data and not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data!r}: no such file")
     check_folder("--report", args.report)
+    if args.save_hf and os.path.exists(args.save_hf) and (
+            not os.path.isdir(args.save_hf) or os.listdir(args.save_hf)):
+        raise ValueError(f"--save-hf {args.save_hf}: exists and is not an empty folder "
+                         "(nothing is overwritten); choose a new one")
+    if args.init_from and not os.path.isdir(args.init_from):
+        raise ValueError(f"--init-from {args.init_from!r}: no such folder")
     check_folder("--metrics", args.metrics)
     metrics = args.metrics or (os.path.join(args.checkpoint_dir, METRICS_FILE)
                                if args.checkpoint_dir else None)
@@ -123,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
                          recipe=recipe, metrics=metrics, checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
                          keep_last=args.keep_last or 0, elastic=is_elastic, run_id=run_id,
-                         replan_time_limit_s=args.replan_time_limit)
+                         replan_time_limit_s=args.replan_time_limit,
+                         init_from=os.path.abspath(args.init_from) if args.init_from else None,
+                         save_hf=os.path.abspath(args.save_hf) if args.save_hf else None)
     where = launch.Launch(nproc_per_node=args.nproc_per_node, nnodes=min_nodes,
                           max_nnodes=max_nodes, rdzv_conf=args.rdzv_conf,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,

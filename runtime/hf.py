@@ -1,0 +1,238 @@
+"""HuggingFace checkpoints in and out of the runtime's decoder (Llama, Mistral, Qwen2).
+
+The decoder of ``model.py`` computes what ``transformers``' ``LlamaForCausalLM`` (and
+``MistralForCausalLM``, ``Qwen2ForCausalLM``) compute: pre-norm RMSNorm blocks, rotate-half RoPE
+with the config's ``rope_theta``, grouped-query attention, a SwiGLU MLP, Q/K/V biases for Qwen2,
+the config's norm epsilon. So an HF checkpoint maps onto it name by name (``HF_NAMES``):
+
+    model.embed_tokens                       tok_embeddings
+    model.layers.<i>.input_layernorm          layers.<i>.attention_norm
+    model.layers.<i>.self_attn.{q,k,v,o}_proj layers.<i>.attention.{wq,wk,wv,wo}
+    model.layers.<i>.post_attention_layernorm layers.<i>.ffn_norm
+    model.layers.<i>.mlp.{gate,up,down}_proj  layers.<i>.feed_forward.{w1,w3,w2}
+    model.norm                                norm
+    lm_head                                   output (absent when the embeddings are tied)
+
+Loading (``load_stage``) happens on each rank right after its stage is built, before tensor
+parallelism and FSDP shard it: a rank reads from the safetensors files (one file, or several
+with ``model.safetensors.index.json``) only the tensors of its own pipeline stage, by name,
+memory-mapped (``safetensors.safe_open``). Tensor-parallel ranks of one stage each read the
+stage's whole tensors and keep their slice.
+
+Saving (``save``) gathers each pipeline stage's full tensors (``get_model_state_dict`` with
+``full_state_dict``: a collective of the stage's ranks), and the first tensor- and
+data-parallel rank of each stage writes ``model-<k>-of-<n>.safetensors``; global rank 0 writes
+the index, ``config.json`` (the ``--init-from`` directory's, else one made from the spec) and
+copies the tokenizer files. ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads
+the result.
+
+torch / library APIs: ``safetensors.safe_open``, ``safetensors.torch.save_file``,
+``torch.distributed.checkpoint.state_dict.get_model_state_dict``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshplan.costmodel.model import ModelSpec
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM"}
+"""HF architectures whose weights map onto the runtime's decoder."""
+_BLOCK = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+          "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+          "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+          "feed_forward.w2": "mlp.down_proj"}
+_TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def check_mappable(spec: ModelSpec, *, what: str) -> str:
+    """The HF ``model_type`` ``spec`` maps to; ValueError (one line) when it maps to none."""
+    model_type = spec.hf_model_type or ("qwen2" if spec.qkv_bias else "llama")
+    problems = []
+    if model_type not in HF_MODEL_TYPES:
+        problems.append(f"HF model_type {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
+    if spec.activation != "swiglu" or spec.norm != "rmsnorm" or spec.position_embedding != "rope":
+        problems.append("not a SwiGLU / RMSNorm / RoPE decoder")
+    if spec.linear_bias or spec.embedding_norm or spec.is_moe or spec.is_traced:
+        problems.append("biases on every linear, an embedding norm, experts or a traced module")
+    if problems:
+        raise ValueError(f"{what}: {spec.name} has no HuggingFace Llama/Mistral/Qwen2 "
+                         f"equivalent: {'; '.join(problems)}")
+    return model_type
+
+
+def hf_name(name: str) -> str:
+    """The HF tensor name of the decoder's parameter ``name`` (global layer indices)."""
+    match = _LAYER.fullmatch(name)
+    if match:
+        layer, part, kind = match.groups()
+        if part not in _BLOCK:
+            raise KeyError(name)
+        return f"model.layers.{layer}.{_BLOCK[part]}.{kind}"
+    module, _, kind = name.rpartition(".")
+    if module not in _TOP:
+        raise KeyError(name)
+    return f"{_TOP[module]}.{kind}"
+
+
+def _files(directory: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file holding it."""
+    index = os.path.join(directory, INDEX)
+    if os.path.isfile(index):
+        with open(index) as handle:
+            weight_map = json.load(handle)["weight_map"]
+        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+    single = os.path.join(directory, SINGLE)
+    if not os.path.isfile(single):
+        raise ValueError(f"--init-from {directory}: no {SINGLE} and no {INDEX} (safetensors "
+                         "weights are needed; save with save_pretrained(safe_serialization=True))")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as handle:
+        return {name: single for name in handle.keys()}
+
+
+def check_directory(directory: str, spec: ModelSpec) -> None:
+    """ValueError (one line) unless ``directory`` holds an HF checkpoint of ``spec``: its
+    config describes the same architecture and every tensor the decoder needs is there."""
+    from meshplan.costmodel.models import from_hf_config
+
+    check_mappable(spec, what="--init-from")
+    path = os.path.join(directory, CONFIG)
+    if not os.path.isfile(path):
+        raise ValueError(f"--init-from {directory}: no {CONFIG}")
+    with open(path) as handle:
+        theirs = from_hf_config(json.load(handle), name=spec.name, origin=path)
+    fields = ("num_layers", "hidden_size", "num_heads", "kv_heads", "head_size",
+              "ffn_hidden_size", "vocab_rows", "qkv_bias", "tied_embeddings", "rope_theta",
+              "norm_eps")
+    differ = [f"{f} {getattr(theirs, f)} (plan: {getattr(spec, f)})" for f in fields
+              if getattr(theirs, f) != getattr(spec, f)]
+    if differ:
+        raise ValueError(f"--init-from {directory}: its config is another model than the "
+                         f"plan's: {', '.join(differ)}")
+    names = _files(directory)
+    wanted = ["model.embed_tokens.weight", "model.norm.weight"] + (
+        [] if spec.tied_embeddings else ["lm_head.weight"])
+    wanted += [f"model.layers.{i}.{part}.weight" for i in range(spec.num_layers)
+               for part in _BLOCK.values()]
+    missing = [name for name in wanted if name not in names]
+    if missing:
+        raise ValueError(f"--init-from {directory}: {len(missing)} tensors are missing, e.g. "
+                         f"{missing[0]}")
+
+
+@torch.no_grad()
+def load_stage(module: nn.Module, directory: str) -> int:
+    """Copy this stage's tensors from the HF checkpoint in ``directory`` into ``module`` (an
+    unwrapped decoder chunk); returns the bytes read."""
+    from safetensors import safe_open
+
+    files = _files(directory)
+    by_file: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for name, param in module.named_parameters():
+        key = hf_name(name)
+        if key not in files and key == "lm_head.weight":  # tied in the checkpoint
+            key = "model.embed_tokens.weight"
+        if key not in files:
+            raise ValueError(f"--init-from {directory}: no tensor {key}")
+        by_file.setdefault(files[key], []).append((key, param))
+    read = 0
+    for path, entries in by_file.items():
+        with safe_open(path, framework="pt") as handle:
+            for key, param in entries:
+                tensor = handle.get_tensor(key)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"--init-from {directory}: {key} has shape "
+                                     f"{tuple(tensor.shape)}, the plan's model needs "
+                                     f"{tuple(param.shape)}")
+                param.copy_(tensor.to(param.dtype))
+                read += tensor.numel() * tensor.element_size()
+    return read
+
+
+def _clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")
+
+
+def save(modules: Sequence[nn.Module], directory: str, *, spec: ModelSpec, stage_indices:
+         Sequence[int], num_stages: int, writer: bool, source: str | None) -> None:
+    """Write the HF checkpoint of the model held by ``modules`` into ``directory`` (every rank
+    calls it; ``writer``: this rank writes its stages' files)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    written: dict[str, str] = {}
+    for module, index in zip(modules, stage_indices):
+        state = get_model_state_dict(module, options=options)  # collective of the stage
+        if not writer:
+            continue
+        tensors = {}
+        for name, value in state.items():
+            local = value.full_tensor() if hasattr(value, "full_tensor") else value
+            tensors[hf_name(_clean(name))] = local.detach().to("cpu").contiguous()
+        if spec.tied_embeddings:
+            tensors.pop("lm_head.weight", None)
+        file = f"model-{index + 1:05d}-of-{num_stages:05d}.safetensors"
+        os.makedirs(directory, exist_ok=True)
+        save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+        written.update({name: file for name in tensors})
+    gathered: list[dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, written)
+    if dist.get_rank() == 0:
+        weight_map = {name: file for part in gathered for name, file in part.items()}
+        _write_json(os.path.join(directory, INDEX), {"metadata": {}, "weight_map": dict(
+            sorted(weight_map.items()))})
+        _write_config(directory, spec, source)
+    dist.barrier()
+
+
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "w") as handle:
+        json.dump(data, handle, indent=2)
+        handle.write("\n")
+
+
+def _write_config(directory: str, spec: ModelSpec, source: str | None) -> None:
+    """``config.json`` (the source checkpoint's, else made from ``spec``) and the tokenizer."""
+    if source is not None:
+        shutil.copyfile(os.path.join(source, CONFIG), os.path.join(directory, CONFIG))
+        for name in _present(source, TOKENIZER_FILES):
+            shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
+        return
+    _write_json(os.path.join(directory, CONFIG), hf_config_of(spec))
+
+
+def _present(directory: str, names: Iterable[str]) -> list[str]:
+    return [n for n in names if os.path.isfile(os.path.join(directory, n))]
+
+
+def hf_config_of(spec: ModelSpec) -> dict[str, Any]:
+    """An HF ``config.json`` for ``spec`` (Llama, or Qwen2 with Q/K/V biases)."""
+    model_type = check_mappable(spec, what="--save-hf")
+    return {"architectures": [HF_MODEL_TYPES[model_type]], "model_type": model_type,
+            "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
+            "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_size,
+            "vocab_size": spec.vocab_rows, "max_position_embeddings": spec.seq_len,
+            "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta,
+            "tie_word_embeddings": spec.tied_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "torch_dtype": "float32"}

@@ -1,0 +1,193 @@
+"""HuggingFace Llama and Qwen2 checkpoints in and out of the runtime, checked against
+``transformers`` itself.
+
+Small random models (6 layers, GQA, ~0.3 M parameters) are built with ``transformers`` and
+saved with ``save_pretrained`` (safetensors) into temporary folders; nothing is fetched. Each
+layout's first-step loss must equal ``transformers``' loss on the same batch (fp32, 1e-5); five
+steps must equal a single-process run (losses and gradient norms, 1e-4); a checkpoint written
+with ``--save-hf`` must load in ``transformers`` with the same logits (0 steps) or the same
+next-batch loss (after 5 steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from meshplan.costmodel import load_model  # noqa: E402
+from meshplan.planner.plan import read_plan  # noqa: E402
+from meshplan.runtime import data as data_mod  # noqa: E402
+from meshplan.runtime import hf  # noqa: E402
+from meshplan.runtime.train import RunOptions, plan_data  # noqa: E402
+
+STEPS = 5
+FIRST_STEP_TOL = 1e-5
+STEPS_TOL = 1e-4
+LOGITS_TOL = 1e-6
+COMMON = dict(global_batch_size=8, seq_len=32, micro_batch_size=2)
+LAYOUTS_2 = {"tp2": dict(tp=2), "pp2_uneven": dict(pp=2, layers_per_stage=(2, 4)),
+             "pp2_interleaved_uneven": dict(pp=2, vpp=2, layers_per_stage=(2, 4)),
+             "dp2_zero3": dict(dp=2, zero_stage=3)}
+LAYOUT_3D = {"pp2_dp2_tp2": dict(pp=2, dp=2, tp=2, zero_stage=1)}
+ARCHITECTURES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+
+
+def _hf_model(kind: str, folder: Path) -> Path:
+    config = getattr(transformers, ARCHITECTURES[kind])(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, rope_theta=50000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def _job(root: Path, name: str, model_dir: Path, layouts: dict, *, steps: int,
+         save_hf: Path | None, plan_file, torchrun_env) -> dict[str, dict]:
+    """Run ``layouts`` (one world size) from ``model_dir``'s weights in one torchrun launch;
+    their reports by name."""
+    from meshplan.costmodel import ParallelConfig
+    from meshplan.runtime.launch import Launch, torchrun_command
+    from meshplan.runtime.worker import Job
+
+    spec = load_model(str(model_dir))
+    plans = [plan_file(spec, ParallelConfig(dtype="fp32", **COMMON, **fields),
+                       root / f"{name}-{key}.json") for key, fields in layouts.items()]
+    reports = [root / f"{name}-{key}-report.json" for key in layouts]
+    world = read_plan(plans[0]).config.world_size
+    job = Job(plans=tuple(map(str, plans)), reports=tuple(map(str, reports)),
+              options=RunOptions(steps=steps, timeout_s=60.0, init_from=str(model_dir),
+                                 save_hf=str(save_hf) if save_hf else None))
+    done = subprocess.run(torchrun_command(job, Launch(), nproc_per_node=world),
+                          capture_output=True, text=True, timeout=200, env=torchrun_env)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return {key: json.loads(path.read_text()) for key, path in zip(layouts, reports)}
+
+
+def _hf_loss(model_dir: Path, plan_path: Path, step: int) -> float:
+    """``transformers``' mean next-token loss on the run's batch of ``step`` (0-based)."""
+    plan = read_plan(plan_path)
+    batch = data_mod.global_batch(plan_data(plan, RunOptions(steps=1)), step)
+    inputs, targets = data_mod.split_inputs_targets(batch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def runs(request, tmp_path_factory, plan_file, meshplan_env):
+    """Per architecture: its HF folder, the single-process run (which saves ``--save-hf``
+    after 5 steps) and the layouts' 6-step runs."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(kind)
+    model_dir = _hf_model(kind, root / "hf")
+    saved = root / "saved"
+    single = _job(root, "w1", model_dir, {"single": {}}, steps=STEPS, save_hf=saved,
+                  plan_file=plan_file, torchrun_env=meshplan_env)["single"]
+    layouts = dict(LAYOUTS_2)
+    reports = _job(root, "w2", model_dir, layouts, steps=STEPS + 1, save_hf=None,
+                   plan_file=plan_file, torchrun_env=meshplan_env)
+    if kind == "llama":  # one 3D launch (8 processes) for the first architecture
+        reports |= _job(root, "w8", model_dir, LAYOUT_3D, steps=STEPS + 1, save_hf=None,
+                        plan_file=plan_file, torchrun_env=meshplan_env)
+    return kind, root, model_dir, saved, single, reports
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_first_step_loss_of_every_layout_equals_transformers(runs):
+    kind, root, model_dir, _, single, reports = runs
+    expected = _hf_loss(model_dir, root / "w1-single.json", 0)
+    assert abs(single["losses"][0] - expected) <= FIRST_STEP_TOL, (kind, single["losses"][0])
+    for name, report in reports.items():
+        assert abs(report["losses"][0] - expected) <= FIRST_STEP_TOL, (kind, name,
+                                                                       report["losses"][0],
+                                                                       expected)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_five_steps_of_every_layout_equal_one_process(runs):
+    kind, _, _, _, single, reports = runs
+    for name, report in reports.items():
+        for key in ("losses", "grad_norms"):
+            got, want = report[key][:STEPS], single[key]
+            assert max(abs(a - b) for a, b in zip(got, want)) <= STEPS_TOL, (kind, name, key,
+                                                                            got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_saved_checkpoint_loads_in_transformers_with_the_next_batch_loss(runs):
+    """After 5 steps: ``transformers`` on the saved folder, batch 6, vs the layouts' 6th
+    step (its loss is computed with the weights after 5 updates)."""
+    kind, root, model_dir, saved, _, reports = runs
+    assert {"config.json", hf.INDEX} <= set(os.listdir(saved))
+    loss = _hf_loss(saved, root / "w1-single.json", STEPS)
+    for name, report in reports.items():
+        assert abs(report["losses"][STEPS] - loss) <= STEPS_TOL, (kind, name)
+
+
+@pytest.mark.timeout(120)
+def test_zero_step_round_trip_keeps_the_logits(tmp_path):
+    """Load an HF folder into the decoder, write it back with ``hf.save`` (a one-process
+    group), and compare ``transformers``' logits of both folders."""
+    import torch.distributed as dist
+    from meshplan.runtime.model import build_decoder
+
+    source = _hf_model("qwen2", tmp_path / "hf")
+    (source / "tokenizer.json").write_text("{}")  # copied along
+    spec = load_model(str(source))
+    module = build_decoder(spec)
+    hf.load_stage(module, str(source))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        hf.save([module], str(tmp_path / "out"), spec=spec, stage_indices=[0], num_stages=1,
+                writer=True, source=str(source))
+    finally:
+        dist.destroy_process_group()
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}"
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for folder in (source, tmp_path / "out"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder),
+                                                                  dtype=torch.float32)
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert (logits[0] - logits[1]).abs().max().item() <= LOGITS_TOL
+
+
+def test_hf_config_reads_rope_and_norm_settings_of_both_transformers_versions():
+    from meshplan.costmodel.models import from_hf_config
+
+    base = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=96, vocab_size=128, max_position_embeddings=64,
+                rms_norm_eps=1e-6)
+    v4 = from_hf_config({**base, "rope_theta": 500000}, name="v4")
+    v5 = from_hf_config({**base, "rope_parameters": {"rope_theta": 500000.0,
+                                                     "rope_type": "default"}}, name="v5")
+    assert v4.rope_theta == v5.rope_theta == 500000.0 and v4.norm_eps == 1e-6
+    scaled = from_hf_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+                            name="s")
+    assert scaled.rope_scaling == "llama3" and v5.rope_scaling == ""
+
+
+def test_init_from_refuses_another_model_in_one_line(tmp_path):
+    source = _hf_model("llama", tmp_path / "hf")
+    other = load_model(str(source))
+    import dataclasses
+    with pytest.raises(ValueError, match="another model than the plan's: ffn_hidden_size"):
+        hf.check_directory(str(source), dataclasses.replace(other, ffn_hidden_size=128))
+    (source / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        hf.check_directory(str(source), other)
