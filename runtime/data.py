@@ -11,7 +11,8 @@ sequences a single process sees, in the same order. Two sources:
   wrong gradient in some layout shows up in the loss curve;
 * a token file (``--data FILE``): a flat array of token ids read with ``numpy.memmap``
   (uint16 when the vocabulary fits, else int32, or as named by ``token_dtype``); step k reads
-  the B (s + 1)-token windows that follow step k-1's, wrapping at the end of the file.
+  the B (s + 1)-token windows that follow step k-1's, wrapping at the end of the file, or,
+  with ``shuffle`` (text corpora tokenized by ``corpus.py``), B windows in a seeded order.
 
 Each row holds s + 1 tokens: inputs are ``row[:-1]``, targets ``row[1:]``.
 """
@@ -48,6 +49,9 @@ class DataSpec:
     """Flat token-id file (numpy memmap), or None for synthetic data."""
     token_dtype: str | None = None
     """``uint16`` or ``int32``; None picks uint16 when V <= 65536."""
+    shuffle: bool = False
+    """Read the token file's (s + 1)-token windows in a seeded random order, a new one per
+    pass over the file (text corpora, ``corpus.py``); False: in file order."""
 
     def __post_init__(self) -> None:
         if self.token_dtype not in (None, "uint16", "int32"):
@@ -72,6 +76,21 @@ def token_dtype(spec: DataSpec) -> str:
     return spec.token_dtype or ("uint16" if spec.vocab_size <= 2 ** 16 else "int32")
 
 
+def _shuffled_index(spec: DataSpec, step: int, size: int) -> np.ndarray:
+    """Token positions of step ``step``'s rows when shuffling: sample i = step * B + r is
+    window ``perm_e[i mod n]`` of the n whole windows, perm_e a permutation seeded by (seed,
+    pass e = i div n). A function of seed and step only: resuming needs no other state."""
+    row = spec.seq_len + 1
+    windows = size // row
+    samples = step * spec.global_batch_size + np.arange(spec.global_batch_size)
+    chosen = np.empty(spec.global_batch_size, dtype=np.int64)
+    for epoch in np.unique(samples // windows):
+        order = np.random.default_rng([spec.seed, int(epoch)]).permutation(windows)
+        mask = samples // windows == epoch
+        chosen[mask] = order[samples[mask] % windows]
+    return (chosen[:, None] * row + np.arange(row)[None, :]).reshape(-1)
+
+
 def _file_batch(spec: DataSpec, step: int) -> torch.Tensor:
     dtype = token_dtype(spec)
     path = Path(spec.token_file)
@@ -81,8 +100,11 @@ def _file_batch(spec: DataSpec, step: int) -> torch.Tensor:
     if tokens.size < row:
         raise ValueError(f"--data {path}: {tokens.size} tokens, fewer than one sequence "
                          f"of {row}")
-    start = (step * need) % tokens.size
-    index = (start + np.arange(need)) % tokens.size
+    if spec.shuffle:
+        index = _shuffled_index(spec, step, tokens.size)
+    else:
+        start = (step * need) % tokens.size
+        index = (start + np.arange(need)) % tokens.size
     batch = torch.from_numpy(tokens[index].astype(np.int64)).view(spec.global_batch_size, row)
     if int(batch.max()) >= spec.vocab_size:
         raise ValueError(f"--data {path}: token id {int(batch.max())} >= vocab size "

@@ -69,6 +69,8 @@ class RunOptions:
     """Seed of the weights and of the synthetic data."""
     data: str | None = None
     """Token file (numpy memmap) instead of synthetic data."""
+    shuffle: bool = False
+    """Read the token file's windows in a seeded order (text corpora, corpus.py)."""
     timeout_s: float = mesh_mod.DEFAULT_TIMEOUT_S
     """Process-group timeout once the first step is done (``--timeout``)."""
     init_timeout_s: float = mesh_mod.DEFAULT_INIT_TIMEOUT_S
@@ -128,7 +130,8 @@ def plan_data(plan: Plan, options: RunOptions) -> data_mod.DataSpec:
     """The data stream of ``plan`` run with ``options``."""
     return data_mod.DataSpec(global_batch_size=plan.config.global_batch_size,
                              seq_len=plan.config.seq_len, vocab_size=plan.model.vocab_size,
-                             seed=options.seed, token_file=options.data)
+                             seed=options.seed, token_file=options.data,
+                             shuffle=options.shuffle)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=10, metavar="N",
                         help="optimizer steps (default 10; the first is a warm-up)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
-    parser.add_argument("--data", metavar="FILE",
-                        help="token file (flat uint16/int32 array) instead of synthetic tokens")
+    parser.add_argument("--data", metavar="PATH",
+                        help="a token file (flat uint16/int32 array), or text: .jsonl, .txt, "
+                             ".parquet or an HF datasets folder, tokenized with --tokenizer "
+                             "and packed with EOS (default: synthetic tokens)")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="tokenizer.json (or its folder) for text --data (default: the "
+                             "--init-from folder)")
+    parser.add_argument("--text-field", default="text", metavar="NAME",
+                        help="the field / column holding the text (default text)")
     parser.add_argument("--report", metavar="FILE",
                         help="write the run report JSON (schema_version 1) to FILE")
     parser.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
@@ -108,11 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit code 0, or the workers' (1) when one failed; ValueError when refused."""
-    from meshplan.runtime import launch
+    from meshplan.runtime import corpus, launch
     from meshplan.runtime.recipe import Recipe
     from meshplan.runtime.train import RunOptions
 
-    if args.data and not os.path.isfile(args.data):
+    data, shuffle = args.data, False
+    if data and corpus.is_text(data):
+        data, shuffle = _tokenized(args), True
+    elif data and not os.path.isfile(data):
         raise ValueError(f"--data {args.data!r}: no such file")
     check_folder("--report", args.report)
     if args.save_hf and os.path.exists(args.save_hf) and (
@@ -133,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     restarts = args.max_restarts if args.max_restarts is not None else (
         ELASTIC_MAX_RESTARTS if is_elastic else 0)
     run_id = args.rdzv_id or os.environ.get("TORCHELASTIC_RUN_ID")
-    options = RunOptions(steps=args.steps, seed=args.seed, data=args.data,
+    options = RunOptions(steps=args.steps, seed=args.seed, data=data, shuffle=shuffle,
                          timeout_s=args.timeout, init_timeout_s=args.init_timeout,
                          recipe=recipe, metrics=metrics, checkpoint_dir=args.checkpoint_dir,
                          checkpoint_every=args.checkpoint_every or 0, resume=args.resume,
@@ -161,6 +171,21 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(run_summary(result.report))
     return result.exit_code
+
+
+def _tokenized(args: argparse.Namespace) -> str:
+    """The token file of the text corpus ``--data`` (``runtime/corpus.py``)."""
+    from meshplan.planner.plan import read_plan
+    from meshplan.runtime import corpus
+
+    tokenizer = args.tokenizer or args.init_from
+    if tokenizer is None:
+        raise ValueError(f"--data {args.data}: text needs --tokenizer DIR (or --init-from DIR "
+                         "with a tokenizer.json)")
+    vocab = read_plan(args.plan_file).model.vocab_size
+    cache = os.path.join(args.checkpoint_dir, "data") if args.checkpoint_dir else None
+    return corpus.prepare(args.data, tokenizer=tokenizer, field=args.text_field,
+                          vocab_size=vocab, cache_dir=cache)
 
 
 def run_summary(report: RunReport) -> str:
