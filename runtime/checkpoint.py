@@ -256,6 +256,17 @@ def _fqn(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")
 
 
+def _is_tied_copy(module: nn.Module) -> bool:
+    return any(getattr(sub, "tied_copy", False) for sub in module.modules())
+
+
+def _tied_key(key: str, copy: bool) -> str:
+    """A last stage's copy of a tied embedding is saved and loaded as the embedding itself
+    (``tok_embeddings.weight``, equal on both stages; DCP writes it once), so checkpoints
+    of tied models move between plans with and without pipeline stages."""
+    return "tok_embeddings.weight" if copy and key == "output.weight" else key
+
+
 def _state_dict(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer
                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(``{"model": {fqn: tensor}, "optimizer": {fqn: AdamW state}}``, each chunk's model
@@ -269,8 +280,10 @@ def _state_dict(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer
     for module, part in zip(modules, parts):
         if model.keys() & part.keys():
             raise RuntimeError(f"pipeline chunks share keys {sorted(model.keys() & part.keys())}")
-        model.update(part)
-        names.update((param, _fqn(name)) for name, param in module.named_parameters())
+        copy = _is_tied_copy(module)
+        model.update({_tied_key(key, copy): value for key, value in part.items()})
+        names.update((param, _tied_key(_fqn(name), copy))
+                     for name, param in module.named_parameters())
     states = {}
     for param, state in optim_mod.adamw_states(optimizer):
         fqn = names[param]

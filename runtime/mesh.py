@@ -74,9 +74,10 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
     if config.offload_device != "cpu" and config.offload != "none":
         raise UnsupportedPlan(f"offload to {config.offload_device} is not implemented; the "
                               "runtime offloads to host memory (offload_device cpu)")
-    if model.tied_embeddings and config.pp > 1:
-        raise UnsupportedPlan("tied embeddings across pipeline stages are not implemented; "
-                              "use pp 1 or an untied model")
+    if model.tied_embeddings and config.pp > 1 and config.offload == "optimizer+params":
+        raise UnsupportedPlan("tied embeddings across pipeline stages with parameter offload "
+                              "are not implemented (their gradients would sit in host memory); "
+                              "use --offload optimizer or none")
     if model.rope_scaling:
         raise UnsupportedPlan(f"RoPE scaling {model.rope_scaling!r} (the config's rope_scaling)"
                               " is not implemented by the runtime")

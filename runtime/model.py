@@ -163,10 +163,11 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(spec) for i in layer_ids})
         self.norm = _norm(spec) if last else None
         self.output = nn.Linear(h, spec.vocab_rows, bias=False) if last else None
-        if last and spec.tied_embeddings:
-            if not first:
-                raise ValueError("tied embeddings across pipeline stages are not supported by "
-                                 "the runtime; untie them or use pp = 1")
+        self.tied_copy = last and not first and spec.tied_embeddings
+        """The LM head is this stage's copy of the first stage's word embedding: initialised
+        alike, its gradient summed with the embedding's (``train.sync_tied_grads``), so the
+        two stay equal (Megatron's embedding group, Shoeybi et al. 2019)."""
+        if last and first and spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -216,7 +217,10 @@ def init_weights(model: nn.Module, *, num_layers: int, seed: int) -> None:
     a parameter gets the same values whichever stage, rank or device holds it.
     """
     scaled_std = INIT_STD / math.sqrt(2 * num_layers)
+    tied_copy = getattr(model, "tied_copy", False)
     for name, param in model.named_parameters():
+        if tied_copy and name == "output.weight":  # the first stage's embedding, drawn alike
+            name = "tok_embeddings.weight"
         leaf = name.rsplit(".", 2)
         if "norm" in name:
             param.fill_(1.0 if leaf[-1] == "weight" else 0.0)

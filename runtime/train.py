@@ -50,7 +50,7 @@ from meshplan.runtime.recipe import Recipe
 from meshplan.runtime.fault import Fault
 from meshplan.runtime.memory import PeakMemory, peak_rss_bytes
 from meshplan.runtime.chain import build_chain
-from meshplan.runtime.model import build_decoder
+from meshplan.runtime.model import Decoder, build_decoder
 from meshplan.runtime.report import RankReport, RunReport
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,14 @@ class RankModel:
     pp_mesh: DeviceMesh | None = None
     """The pipeline axis (gradient norms add up over it)."""
     num_stages: int = 1
+    tied: nn.Parameter | None = None
+    """A tied embedding split over pipeline stages: this rank's word embedding (first stage) or
+    its LM-head copy (last stage); None otherwise."""
+    tied_group: Any = None
+    """The two ranks (first and last stage, same dp and tp coordinates) that sum its gradient."""
+    tied_is_copy: bool = False
+    """``tied`` is the LM-head copy: left out of the gradient norm (counted once, on the first
+    stage, as Megatron does)."""
 
     @property
     def first(self) -> bool:
@@ -211,10 +219,49 @@ def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.d
         schedule = pipeline.build_schedule(modules, indices, config=config, device=device,
                                            pp_group=mesh["pp"].get_group(), loss_fn=lm_loss)
     autocast = dtype if dtype != torch.float32 and not choice.uses_fsdp else None
+    tied, group, is_copy = _tied_embedding(plan, mesh, modules)
     return RankModel(modules=modules, optimizer=optimizer, schedule=schedule,
                      stage_indices=indices, coords=mesh_mod.coords(mesh),
                      autocast_dtype=autocast, pp_mesh=mesh["pp"],
-                     num_stages=config.pp * config.vpp)
+                     num_stages=config.pp * config.vpp, tied=tied, tied_group=group,
+                     tied_is_copy=is_copy)
+
+
+def _tied_embedding(plan: Plan, mesh: DeviceMesh, modules: list[nn.Module]):
+    """(parameter, group, is the copy) of a tied embedding split over pipeline stages, else
+    (None, None, False). Every rank creates every pair's group (``new_group`` is collective)."""
+    if not plan.model.tied_embeddings or plan.config.pp == 1 or plan.model.is_traced:
+        return None, None, False
+    names = mesh.mesh_dim_names
+    ranks = mesh.mesh.movedim(names.index("pp"), 0)
+    mine = None
+    for first, last in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()):
+        group = dist.new_group([first, last])
+        if dist.get_rank() in (first, last):
+            mine = group
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, Decoder) and sub.tied_copy:
+                return sub.output.weight, mine, True
+            if isinstance(sub, Decoder) and sub.tok_embeddings is not None:
+                return sub.tok_embeddings.weight, mine, False
+    return None, mine, False
+
+
+def sync_tied_grads(rank_model: RankModel) -> None:
+    """Sum the gradients of a tied embedding's two copies (first and last stage), so both
+    take the same update: the embedding's gradient of the whole model."""
+    param = rank_model.tied
+    if param is None:
+        return
+    grad = param.grad
+    if hasattr(grad, "placements") and grad.placements != param.placements:
+        # a tensor-parallel embedding's gradient comes back replicated: shard it like the
+        # weight (and like the LM-head copy's) so the two local tensors match
+        grad = grad.redistribute(placements=param.placements)
+        param.grad = grad
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    dist.all_reduce(local, group=rank_model.tied_group)
 
 
 def _autocast(rank_model: RankModel, device: torch.device):
@@ -289,8 +336,15 @@ def _clip(rank_model: RankModel, recipe: Recipe, grad_norm: torch.Tensor,
         return None
     params = [p for m in rank_model.modules for p in m.parameters()]
     recipe_mod.clip_grads(params, total_norm=grad_norm, max_norm=recipe.max_grad_norm)
-    return float(recipe_mod.global_grad_norm(params, device=device,
+    return float(recipe_mod.global_grad_norm(_normed(rank_model, params), device=device,
                                              pp_mesh=rank_model.pp_mesh))
+
+
+def _normed(rank_model: RankModel, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters whose gradients make the global norm: all but a tied LM-head copy."""
+    if not rank_model.tied_is_copy:
+        return params
+    return [p for p in params if p is not rank_model.tied]
 
 
 def train_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor, device: torch.device,
@@ -309,11 +363,12 @@ def train_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor, device: t
     rank_model.optimizer.zero_grad(set_to_none=True)
     run = _pipeline_step if rank_model.schedule is not None else _loop_step
     replica_loss = run(rank_model, inputs, targets, config.grad_accum_steps)
+    sync_tied_grads(rank_model)
     reports = rank_model.last and rank_model.coords.tp == 0
     contribution = replica_loss / config.dp if reports else torch.zeros((), device=device)
     dist.all_reduce(contribution)
     params = [p for m in rank_model.modules for p in m.parameters()]
-    grad_norm = recipe_mod.global_grad_norm(params, device=device,
+    grad_norm = recipe_mod.global_grad_norm(_normed(rank_model, params), device=device,
                                             pp_mesh=rank_model.pp_mesh)
     loss, norm = float(contribution), float(grad_norm)
     if not (math.isfinite(loss) and math.isfinite(norm)):
