@@ -191,3 +191,29 @@ def test_init_from_refuses_another_model_in_one_line(tmp_path):
     (source / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no model.safetensors"):
         hf.check_directory(str(source), other)
+
+
+@pytest.mark.timeout(120)
+def test_the_built_in_decoder_saves_a_checkpoint_transformers_loads(tmp_path):
+    """``--save-hf`` for a catalog model: ``config.json`` made from its spec (Llama), the
+    logits of ``transformers`` equal the decoder's."""
+    import torch.distributed as dist
+    from meshplan.runtime.model import build_decoder
+
+    spec = load_model("tiny")
+    module = build_decoder(spec, seed=3)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        hf.save([module], str(tmp_path / "out"), spec=spec, stage_indices=[0], num_stages=1,
+                writer=True, source=None)
+    finally:
+        dist.destroy_process_group()
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_key_value_heads"] == spec.kv_heads
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        diff = (model(tokens).logits - module(tokens)).abs().max().item()
+    assert diff <= LOGITS_TOL
