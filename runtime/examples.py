@@ -72,3 +72,34 @@ class Hybrid(nn.Module):
 def hybrid() -> Hybrid:
     """The example factory: ``--model meshplan.runtime.examples:hybrid``."""
     return Hybrid()
+
+
+class SideInput(nn.Module):
+    """Token and position embeddings both read from the input, then blocks, norm and head:
+    its top-level layers do not form a chain, so the runtime runs it on one pipeline stage
+    (``chain.Whole``)."""
+
+    meshplan_seq_len = 64
+
+    def __init__(self, *, blocks: int = 3, spec: ModelSpec = HYBRID_SPEC) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.pos = nn.Embedding(spec.seq_len, spec.hidden_size)
+        self.blocks = nn.ModuleList([MlpBlock(spec) for _ in range(blocks)])
+        self.norm = _norm(spec)
+        self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.vocab_size = spec.vocab_size
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    meshplan_inputs = Hybrid.meshplan_inputs
+    meshplan_loss = staticmethod(Hybrid.meshplan_loss)
+
+
+def side_input() -> SideInput:
+    """``--model meshplan.runtime.examples:side_input``: a module that is not a chain."""
+    return SideInput()

@@ -52,7 +52,7 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
     if model.is_traced:
         from meshplan.runtime.chain import check_runnable  # imports torch's fake-mode tracer
         try:
-            check_runnable(model)
+            check_runnable(model, pp=config.pp)
         except ValueError as err:
             raise UnsupportedPlan(str(err)) from None
     for name, size in (("ffn_hidden_size", model.ffn_hidden_size),

@@ -143,6 +143,16 @@ def apply_checkpointing(model: Decoder, mode: str) -> None:
         raise ValueError(f"recompute must be none, selective or full, got {mode!r}")
     context_fn = (functools.partial(create_selective_checkpoint_contexts, _selective_policy)
                   if mode == "selective" else None)
+    names = getattr(model, "layer_names", None)
+    if names is not None:  # chain.Whole: its module's top-level layers, replaced in place
+        for name in names:
+            parent, _, leaf = name.rpartition(".")
+            owner = model.module.get_submodule(parent) if parent else model.module
+            block = owner.get_submodule(leaf)
+            setattr(owner, leaf, checkpoint_wrapper(block, preserve_rng_state=False)
+                    if context_fn is None else
+                    checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn))
+        return
     for key, block in list(model.layers.items()):
         wrapped = (checkpoint_wrapper(block, preserve_rng_state=False) if context_fn is None
                    else checkpoint_wrapper(block, preserve_rng_state=False,
@@ -176,6 +186,15 @@ class DataParallelChoice:
         return self.zero_stage >= 2 or self.offload == "optimizer+params"
 
 
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The units FSDP2 wraps one by one: a chunk's ``layers``, or a whole traced module's
+    top-level layers (``chain.Whole``)."""
+    names = getattr(module, "layer_names", None)
+    if names is not None:
+        return [module.module.get_submodule(name) for name in names]
+    return list(module.layers.values())
+
+
 def _fsdp(module: nn.Module, dp_mesh: DeviceMesh, choice: DataParallelChoice) -> nn.Module:
     reshard = choice.zero_stage == 3 and not choice.pipelined
     offload = CPUOffloadPolicy(pin_memory=False) if choice.offload == "optimizer+params" \
@@ -183,7 +202,7 @@ def _fsdp(module: nn.Module, dp_mesh: DeviceMesh, choice: DataParallelChoice) ->
     mp = MixedPrecisionPolicy(param_dtype=choice.param_dtype, reduce_dtype=torch.float32) \
         if choice.param_dtype is not None else MixedPrecisionPolicy()
     kwargs = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
-    for block in module.layers.values():
+    for block in _blocks(module):
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root group (embeddings, head) is gathered last in backward: never reshard it early.
     return fully_shard(module, reshard_after_forward=False, **kwargs)

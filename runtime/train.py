@@ -49,7 +49,7 @@ from meshplan.runtime.metrics import MetricsLog, StepMetrics, mfu
 from meshplan.runtime.recipe import Recipe
 from meshplan.runtime.fault import Fault
 from meshplan.runtime.memory import PeakMemory, peak_rss_bytes
-from meshplan.runtime.chain import build_chain
+from meshplan.runtime.chain import build_chain, build_whole
 from meshplan.runtime.model import Decoder, build_decoder
 from meshplan.runtime.report import RankReport, RunReport
 
@@ -185,7 +185,9 @@ def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.dev
     indices = pipeline.rank_stage_indices(config, pp_rank)
     modules = []
     for index in indices:
-        if spec.is_traced:
+        if spec.is_traced and not spec.traced_chain:  # one stage (mesh.check_supported)
+            module = build_whole(spec, seed=seed, device=device)
+        elif spec.is_traced:
             module = build_chain(spec, layer_ids=layers[index], seed=seed, device=device)
         else:
             module = build_decoder(spec, layer_ids=layers[index], first=index == 0,
