@@ -103,8 +103,9 @@ class RunOptions:
     """Directory to write an HF checkpoint of the trained model into (``--save-hf``)."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.steps < 1 and not (self.steps == 0 and self.save_hf):
+            raise ValueError(f"steps must be >= 1 (0 only with --save-hf: convert the weights), "
+                             f"got {self.steps}")
         if self.keep_last < 0:
             raise ValueError(f"--keep-last must be >= 1 (0: keep all), got {self.keep_last}")
         if self.checkpoint_every < 0:
@@ -448,6 +449,9 @@ def run_plan(plan: Plan, options: RunOptions, *, backend: str,
                 source=options.init_from)
         if dist.get_rank() == 0:
             logger.info("wrote the HF checkpoint %s", options.save_hf)
+    if options.steps == 0:  # a conversion (--save-hf): no step, no report
+        dist.barrier()
+        return None
     report = _report(plan, backend, rank_model, memory, log)
     if report is not None:
         changes = (elastic.report_changes(options.checkpoint_dir, options.run_id, log.step_s)

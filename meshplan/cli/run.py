@@ -8,7 +8,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from meshplan.cli.args import node_range, nonnegative_float, positive_float, positive_int
+from meshplan.cli.args import (node_range, nonnegative_float, nonnegative_int, positive_float,
+                               positive_int)
 from meshplan.cli.output import check_folder, print_json
 
 if TYPE_CHECKING:
@@ -26,8 +27,9 @@ fails and torchrun restarts them); a node that joins costs none."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan_file", metavar="plan.json", help="a plan file (meshplan plan -o)")
-    parser.add_argument("--steps", type=positive_int, default=10, metavar="N",
-                        help="optimizer steps (default 10; the first is a warm-up)")
+    parser.add_argument("--steps", type=nonnegative_int, default=10, metavar="N",
+                        help="optimizer steps (default 10; the first is a warm-up); 0 with "
+                             "--init-from and --save-hf converts the weights only")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
     parser.add_argument("--data", metavar="PATH",
                         help="a token file (flat uint16/int32 array), or text: .jsonl, .txt, "

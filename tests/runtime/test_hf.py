@@ -217,3 +217,31 @@ def test_the_built_in_decoder_saves_a_checkpoint_transformers_loads(tmp_path):
     with torch.no_grad():
         diff = (model(tokens).logits - module(tokens)).abs().max().item()
     assert diff <= LOGITS_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_zero_steps_under_a_pipeline_convert_the_checkpoint_unchanged(tmp_path, plan_file,
+                                                                      meshplan):
+    """``meshplan run PLAN --steps 0 --init-from D --save-hf E`` on pp2: one shard per stage,
+    and ``transformers`` gives E the logits of D."""
+    from meshplan.costmodel import ParallelConfig
+
+    source = _hf_model("llama", tmp_path / "hf")
+    plan = plan_file(load_model(str(source)), ParallelConfig(dtype="fp32", pp=2, **COMMON),
+                     tmp_path / "pp2.json")
+    out = tmp_path / "out"
+    done = meshplan("run", str(plan), "--steps", "0", "--init-from", str(source), "--save-hf",
+                    str(out), "--oversubscribe", timeout_s=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    index = json.loads((out / hf.INDEX).read_text())["weight_map"]
+    assert sorted(set(index.values())) == ["model-00001-of-00002.safetensors",
+                                           "model-00002-of-00002.safetensors"]
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for folder in (source, out):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder),
+                                                                  dtype=torch.float32)
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert (logits[0] - logits[1]).abs().max().item() <= LOGITS_TOL
