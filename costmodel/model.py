@@ -162,8 +162,16 @@ class ModelSpec:
     norm_eps: float = 1e-5
     """Epsilon of every norm (HF ``rms_norm_eps`` / ``layer_norm_epsilon``); runtime only."""
     rope_scaling: str = ""
-    """HF ``rope_scaling.rope_type`` when the config scales RoPE ("" for none); the runtime
-    refuses what it does not implement."""
+    """HF ``rope_scaling.rope_type`` when the config scales RoPE ("" for none): the runtime
+    implements ``linear`` and ``llama3`` and refuses the others."""
+    rope_factor: float = 1.0
+    """RoPE scaling ``factor`` (``linear``, ``llama3``)."""
+    rope_low_freq_factor: float = 1.0
+    """``llama3`` scaling: ``low_freq_factor``."""
+    rope_high_freq_factor: float = 4.0
+    """``llama3`` scaling: ``high_freq_factor``."""
+    rope_original_max_len: int = 8192
+    """``llama3`` scaling: ``original_max_position_embeddings``."""
     hf_model_type: str = ""
     """HF ``model_type`` the spec was read from ("" otherwise): which HF architecture its
     weights load from and save to (``runtime/hf.py``)."""

@@ -299,6 +299,14 @@ def _rope_and_norm(config: Mapping[str, Any], *, origin: str, eps_key: str) -> d
     if isinstance(scaling, Mapping) and scaling:
         kind = str(scaling.get("rope_type", scaling.get("type", "")))
         fields["rope_scaling"] = "" if kind in ("default", "") else kind
+        for key, field in (("factor", "rope_factor"), ("low_freq_factor", "rope_low_freq_factor"),
+                           ("high_freq_factor", "rope_high_freq_factor")):
+            value = _hf_value(scaling, key, Rule(kind="float"), origin=origin)
+            if value is not None:
+                fields[field] = float(value)
+        original = scaling.get("original_max_position_embeddings")
+        if isinstance(original, int) and original > 0:
+            fields["rope_original_max_len"] = original
     if isinstance(config.get("model_type"), str):
         fields["hf_model_type"] = config["model_type"]
     return fields

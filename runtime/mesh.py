@@ -78,9 +78,9 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
         raise UnsupportedPlan("tied embeddings across pipeline stages with parameter offload "
                               "are not implemented (their gradients would sit in host memory); "
                               "use --offload optimizer or none")
-    if model.rope_scaling:
+    if model.rope_scaling not in ("", "linear", "llama3"):
         raise UnsupportedPlan(f"RoPE scaling {model.rope_scaling!r} (the config's rope_scaling)"
-                              " is not implemented by the runtime")
+                              " is not implemented by the runtime (linear and llama3 are)")
     if model.position_embedding == "alibi":
         raise UnsupportedPlan("ALiBi positions are not implemented; use rope or learned")
     if config.seq_len > model.seq_len and model.position_embedding == "learned":

@@ -47,19 +47,52 @@ def _norm(spec: ModelSpec) -> nn.Module:
     return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
+RUNTIME_ROPE_SCALINGS = ("", "linear", "llama3")
+
+
 def rope_cos_sin(seq_len: int, head_dim: int, *, device: torch.device, dtype: torch.dtype,
-                 theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 theta: float = 10000.0,
+                 spec: ModelSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of rotary embeddings, each ``[seq_len, head_dim]``.
 
     Frequencies ``theta^(-2i/d)`` for i < d/2 (Su et al. 2021, arXiv:2104.09864, Eq. 15; the
-    base ``theta`` is the spec's ``rope_theta``), duplicated to the full head width for the
-    rotate-half formulation (HF Llama).
+    base ``theta`` is the spec's ``rope_theta``), rescaled by the spec's RoPE scaling
+    (``scaled_frequencies``), duplicated to the full head width for the rotate-half
+    formulation (HF Llama).
     """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                            device=device) / head_dim)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=device) / head_dim))
+    if spec is not None:
+        inv_freq = scaled_frequencies(inv_freq, spec)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """RoPE frequencies under the spec's scaling.
+
+    ``linear`` (position interpolation, Chen et al. 2023, arXiv:2306.15595): every frequency
+    divided by ``rope_factor``. ``llama3`` (Llama 3.1, Meta's reference ``apply_scaling``):
+    wavelengths ``2 pi / f`` above ``original / low_freq_factor`` divided by the factor, below
+    ``original / high_freq_factor`` kept, and in between interpolated with weight
+    ``(original / wavelength - low) / (high - low)`` towards the unscaled frequency.
+    """
+    kind = spec.rope_scaling
+    if kind == "":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / spec.rope_factor
+    if kind != "llama3":
+        raise ValueError(f"RoPE scaling {kind!r} is not implemented by the runtime")
+    low, high = spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    original = spec.rope_original_max_len
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / spec.rope_factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / spec.rope_factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,6 +115,7 @@ class Attention(nn.Module):
         self.head_dim = spec.head_size
         self.use_rope = spec.position_embedding == "rope"
         self.rope_theta = spec.rope_theta
+        self.spec = spec  # RoPE scaling (``scaled_frequencies``)
         if spec.position_embedding == "alibi":
             raise ValueError("position_embedding 'alibi' is not implemented by the runtime; "
                              "use 'rope' or 'learned'")
@@ -98,7 +132,7 @@ class Attention(nn.Module):
         q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
         if self.use_rope:
             cos, sin = rope_cos_sin(q.shape[2], self.head_dim, device=q.device, dtype=q.dtype,
-                                    theta=self.rope_theta)
+                                    theta=self.rope_theta, spec=self.spec)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention_core(q, k, v)
         batch, heads, seq, dim = out.shape

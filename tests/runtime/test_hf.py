@@ -245,3 +245,31 @@ def test_zero_steps_under_a_pipeline_convert_the_checkpoint_unchanged(tmp_path, 
         with torch.no_grad():
             logits.append(model(tokens).logits)
     assert (logits[0] - logits[1]).abs().max().item() <= LOGITS_TOL
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"rope_type": "linear", "factor": 4.0}])
+def test_rope_scaling_matches_transformers(tmp_path, scaling):
+    """Llama 3.1's and linear RoPE scaling: the decoder's logits equal ``transformers``'
+    (an original context of 16 tokens puts the 16 frequencies of a 32-wide head in all three
+    llama3 bands)."""
+    from meshplan.runtime.model import build_decoder
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=128, max_position_embeddings=64, rope_theta=50000.0,
+        rope_scaling=scaling)
+    torch.manual_seed(4)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    spec = load_model(str(tmp_path / "hf"))
+    assert spec.rope_scaling == scaling["rope_type"] and spec.rope_factor == scaling["factor"]
+    module = build_decoder(spec)
+    hf.load_stage(module, str(tmp_path / "hf"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                              dtype=torch.float32)
+    tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (model(tokens).logits - module(tokens)).abs().max().item()
+    assert diff <= LOGITS_TOL
