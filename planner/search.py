@@ -434,6 +434,12 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     if not best:
         message, least = _no_fit_message(model, cluster, core or refiner.sample(), space,
                                          framework=framework, calibration=calibration)
+        if stopped and least is not None and _fits(least, cluster, space, framework=framework,
+                                                   calibration=calibration):
+            raise SearchTimeout("no plan found within the time limit, though configurations "
+                                "fit (e.g. tp {0.tp} pp {0.pp} dp {0.dp} ZeRO-{0.zero_stage} "
+                                "offload {0.offload}); raise --time-limit or pin more choices"
+                                .format(least.config))
         if stopped:
             message += ("; the search stopped at its budget before covering the whole space "
                         "(raise --time-limit to search the rest)")
@@ -454,6 +460,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
 
 
 NO_PLAN_GRACE_S = 5.0
+NO_PLAN_NODES = 2000
+"""Nodes a wall-clock search refines before it may give up without a plan (``past_grace``)."""
 DETERMINISTIC_NODES = 5000
 """Nodes a ``deterministic`` search refines at most (each is a handful of cost-model calls)."""
 
@@ -473,10 +481,13 @@ class _Budget:
 
     def past_grace(self) -> bool:
         """Past the budget with no plan: the search gives up (``SearchTimeout``) when it has
-        spent four times its budget plus ``NO_PLAN_GRACE_S`` (or four times its nodes)."""
+        spent four times its budget plus ``NO_PLAN_GRACE_S`` and refined at least
+        ``NO_PLAN_NODES`` nodes (or four times its nodes): work, not only time, so a loaded
+        machine does not give up before a plan an idle one finds."""
         if self.deterministic:
             return self.max_nodes is not None and self.nodes >= 4 * self.max_nodes
-        return time.perf_counter() - self.start > 4 * self.time_limit_s + NO_PLAN_GRACE_S
+        return (time.perf_counter() - self.start > 4 * self.time_limit_s + NO_PLAN_GRACE_S
+                and self.nodes >= NO_PLAN_NODES)
 
     def remaining_s(self) -> float:
         return max(self.time_limit_s - (time.perf_counter() - self.start), 0.05)
@@ -986,6 +997,19 @@ def _compact(modes: tuple[str, ...]) -> str | tuple[str, ...]:
 
 NO_FIT_SAMPLE = 400
 """Configurations the "no plan fits" diagnosis evaluates at most (the leanest first)."""
+
+
+def _fits(est: Estimate, cluster: ClusterSpec, space: SearchSpace, *, framework: str,
+          calibration: Calibration) -> bool:
+    """``est``'s configuration fits the GPUs (with the margin) and its offloaded states the
+    node's host memory or NVMe."""
+    if est.memory.peak_reserved_bytes > cluster.gpu.hbm_bytes * (1 - space.memory_margin):
+        return False
+    if est.config.offload == "none":
+        return True
+    need, where = offload_need(est.model, cluster, est.config, framework=framework,
+                               calibration=calibration)
+    return need <= (cluster.nvme_bytes if where == "NVMe" else cluster.host_bytes)
 
 
 def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[ParallelConfig],

@@ -93,7 +93,7 @@ TRAIN_STATE = "train_state.json"
 DCP_METADATA = ".metadata"
 TMP_SUFFIX = ".tmp"
 _STEP_NAME = re.compile(r"step-(\d+)")
-_MODEL_FIELDS_IGNORED = ("name", "source", "reported_params")
+_MODEL_FIELDS_IGNORED = ("name", "source", "reported_params", "hf_model_type")
 """ModelSpec fields that do not change the weights (a renamed model still resumes)."""
 
 

@@ -258,7 +258,8 @@ OPT_125M_PARAMS = 125_239_296  # facebook/opt-125m checkpoint (Zhang et al. 2022
 
 def _same_architecture(loaded: ModelSpec, catalog_name: str, **overrides) -> None:
     expected = dataclasses.replace(model_catalog()[catalog_name], name=loaded.name,
-                                   source=loaded.source, reported_params=None, **overrides)
+                                   source=loaded.source, reported_params=None,
+                                   hf_model_type=loaded.hf_model_type, **overrides)
     assert loaded == expected
 
 
@@ -327,7 +328,8 @@ def test_hf_opt_projected_embeddings_rejected():
                                     LLAMA2_7B_HF], ids=lambda c: c["model_type"])
 def test_hf_style_detected_without_model_type(config):
     untyped = {k: v for k, v in config.items() if k != "model_type"}
-    assert from_hf_config(untyped, name="m") == from_hf_config(config, name="m")
+    typed = from_hf_config(config, name="m")
+    assert from_hf_config(untyped, name="m") == dataclasses.replace(typed, hf_model_type="")
 
 
 def test_hf_config_file_and_folder(tmp_path):

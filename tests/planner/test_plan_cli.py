@@ -422,7 +422,7 @@ def test_a_time_limit_too_short_to_solve_is_not_reported_as_no_plan_fits():
 # ----- 8. determinism ----------------------------------------------------------------------------
 def test_same_command_same_plans():
     argv = ("--model", "llama3-8b", *A100, "--nodes", "2", "--global-batch", "64",
-            "--time-limit", "30", "--seed", "7")
+            "--deterministic", "--seed", "7")  # work limits: the same on a busy machine
     first, second = plan_json(*argv), plan_json(*argv)
     assert first["solver"]["status"] == second["solver"]["status"] == "OPTIMAL"
     assert first["solver"]["candidates"] == second["solver"]["candidates"]

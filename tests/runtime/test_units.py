@@ -108,9 +108,11 @@ def test_unsupported_plans_are_refused(changes, match):
         mesh.check_supported(config, TINY)
 
 
-def test_tied_embeddings_with_pipeline_are_refused():
+def test_tied_embeddings_with_pipeline_and_parameter_offload_are_refused():
     spec = dataclasses.replace(TINY, tied_embeddings=True, reported_params=None)
-    config = ParallelConfig(pp=2, global_batch_size=8, seq_len=64)
+    mesh.check_supported(ParallelConfig(pp=2, global_batch_size=8, seq_len=64), spec)  # runs
+    config = ParallelConfig(pp=2, dp=2, zero_stage=3, offload="optimizer+params",
+                            global_batch_size=8, seq_len=64)
     with pytest.raises(mesh.UnsupportedPlan, match="tied"):
         mesh.check_supported(config, spec)
 
