@@ -44,4 +44,4 @@ def test_dry_run_runs_every_step_on_the_cpu(tmp_path):
     assert refit["refit_factor"] > 0 and check["refit_factor"] is None
     assert check["calibration"] == "refit.json"
     assert all(c["measured_step_s"] > 0 and c["predicted_step_s"] > 0 for c in (refit, check))
-    assert result["total_s"] < result["budget_s"]
+    assert result["total_s"] > 0  # wall-clock: its budget is the GPU run's, not asserted here
