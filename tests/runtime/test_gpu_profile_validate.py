@@ -32,7 +32,7 @@ def test_without_cuda_it_stops_with_one_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_dry_run_runs_every_step_on_the_cpu(tmp_path):
-    done = _script("--dry-run", "--steps", "4", "--out", str(tmp_path), timeout_s=160)
+    done = _script("--dry-run", "--steps", "2", "--out", str(tmp_path), timeout_s=160)
     assert done.returncode == 0, done.stderr[-3000:]
     (result_file,) = tmp_path.glob("gpu-profile-validate-dryrun-cpu-*.json")
     result = json.loads(result_file.read_text())
