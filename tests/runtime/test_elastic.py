@@ -48,8 +48,12 @@ def _plan(path: Path, *, nodes: int, gpus_per_node: int) -> Path:
 class Job:
     """Local nodes of one elastic job; each node is a ``meshplan run`` of its own."""
 
+    started: list["Job"] = []
+    """Every job of the module, ended after each test (``_end_jobs``)."""
+
     def __init__(self, root: Path, plan: Path, port: int, *, nnodes: str, nproc: int,
                  env: dict[str, str], rdzv_conf: str = RDZV_CONF) -> None:
+        Job.started.append(self)
         self.root, self.plan, self.nnodes, self.nproc = root, plan, nnodes, nproc
         self.rdzv_conf = rdzv_conf
         self.checkpoints, self.report = root / "ckpt", root / "report.json"
@@ -82,10 +86,13 @@ class Job:
         node.wait(timeout=30)
 
     def wait(self, index: int) -> int:
+        """Node ``index``'s exit code (every node is ended if it does not exit in time; the
+        others keep running: a node that joined may still be closing its torchrun)."""
         try:
             return self.nodes[index].wait(timeout=PROCESS_TIMEOUT_S)
-        finally:
+        except subprocess.TimeoutExpired:
             self.stop()
+            raise
 
     def stop(self) -> None:
         for index, node in enumerate(self.nodes):
@@ -94,6 +101,13 @@ class Job:
 
     def log(self, index: int) -> str:
         return (self.root / f"node{index}.log").read_text()[-6000:]
+
+
+@pytest.fixture(autouse=True)
+def _end_jobs():
+    yield
+    while Job.started:
+        Job.started.pop().stop()
 
 
 def _wait_for(path: Path, job: Job, *, timeout_s: float = PROCESS_TIMEOUT_S) -> None:
@@ -190,7 +204,7 @@ def test_a_node_joining_grows_the_job_and_matches_an_uninterrupted_run(
     marker.touch()
     code = job.wait(0)
     assert code == 0, job.log(0)
-    assert job.nodes[1].wait(timeout=60) == 0, job.log(1)
+    assert job.wait(1) == 0, job.log(1)
     change = _check_finished(job, reference, world_sizes=(2, 4))
     assert change["steps_redone"] == HOLD_AT - CHECKPOINT_EVERY
 
