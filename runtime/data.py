@@ -19,6 +19,7 @@ Each row holds s + 1 tokens: inputs are ``row[:-1]``, targets ``row[1:]``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,13 @@ def token_dtype(spec: DataSpec) -> str:
     return spec.token_dtype or ("uint16" if spec.vocab_size <= 2 ** 16 else "int32")
 
 
+@functools.lru_cache(maxsize=2)
+def _pass_order(seed: int, epoch: int, windows: int) -> np.ndarray:
+    """The window order of pass ``epoch`` (made once per pass, not once per step; a step
+    spans at most two passes)."""
+    return np.random.default_rng([seed, epoch]).permutation(windows)
+
+
 def _shuffled_index(spec: DataSpec, step: int, size: int) -> np.ndarray:
     """Token positions of step ``step``'s rows when shuffling: sample i = step * B + r is
     window ``perm_e[i mod n]`` of the n whole windows, perm_e a permutation seeded by (seed,
@@ -85,7 +93,7 @@ def _shuffled_index(spec: DataSpec, step: int, size: int) -> np.ndarray:
     samples = step * spec.global_batch_size + np.arange(spec.global_batch_size)
     chosen = np.empty(spec.global_batch_size, dtype=np.int64)
     for epoch in np.unique(samples // windows):
-        order = np.random.default_rng([spec.seed, int(epoch)]).permutation(windows)
+        order = _pass_order(spec.seed, int(epoch), windows)
         mask = samples // windows == epoch
         chosen[mask] = order[samples[mask] % windows]
     return (chosen[:, None] * row + np.arange(row)[None, :]).reshape(-1)
