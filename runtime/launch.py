@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from meshplan.planner.plan import Plan, read_plan
-from meshplan.runtime import checkpoint
+from meshplan.runtime import agent, checkpoint
 from meshplan.runtime import hf
 from meshplan.runtime import recipe as recipe_mod
 from meshplan.runtime import mesh as mesh_mod
@@ -120,9 +120,10 @@ def processes_per_node(launch: Launch, world_size: int) -> int:
 
 
 def torchrun_command(job: Job, launch: Launch, *, nproc_per_node: int) -> list[str]:
-    """The ``python -m torch.distributed.run ... -m meshplan.runtime.worker <job>`` command line."""
+    """The ``python -m meshplan.runtime.agent ... -m meshplan.runtime.worker <job>`` command
+    line (``agent`` is torchrun that ends quietly on an error a worker recorded)."""
     conf = ["--rdzv-conf", launch.rdzv_conf] if launch.rdzv_conf else []
-    return [sys.executable, "-m", "torch.distributed.run",
+    return [sys.executable, "-m", "meshplan.runtime.agent",
             "--nnodes", launch.nodes_arg, "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint or LOCAL_ENDPOINT,
             "--rdzv-id", launch.rdzv_id or uuid.uuid4().hex, *conf,
@@ -248,6 +249,15 @@ class TooFewNodes(Exception):
                          f"at the rendezvous within its join timeout; the job stopped, {kept}")
 
 
+class WorkerRefused(Exception):
+    """A worker ended the job on an error it recorded (``agent.report_error``): one line for
+    the user and the worker's exit code (2 refused input, 3 training diverged)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class Stopped(Exception):
     """``meshplan run`` got SIGTERM or SIGINT; torchrun and its workers were ended."""
 
@@ -259,12 +269,25 @@ class Stopped(Exception):
 def start(job: Job, launch: Launch, *, nproc_per_node: int) -> int:
     """Run torchrun for ``job`` and wait; output goes to this process's stdout and stderr.
 
-    Returns torchrun's exit code. SIGTERM or SIGINT to this process (or its process group)
+    Returns torchrun's exit code; ``WorkerRefused`` when a worker recorded why it ended the
+    job, ``TooFewNodes`` when an elastic rendezvous ended for want of nodes. SIGTERM or SIGINT to this process (or its process group)
     ends torchrun and every worker within ``STOP_GRACE_S`` seconds (``stop``) and raises
     ``Stopped``; a checkpoint being written then stays uncommitted, ``latest`` keeps naming
     the last complete one (checkpoint.py).
     """
-    env = worker_environment(job.options, launch)
+    with tempfile.TemporaryDirectory(prefix="meshplan-agent-") as scratch:
+        error_file = os.path.join(scratch, "error.json")
+        env = dict(worker_environment(job.options, launch), **{agent.ERROR_FILE: error_file})
+        code = _start(job, launch, nproc_per_node=nproc_per_node, env=env)
+        recorded = agent.read_error(error_file) if code else None
+    if recorded is not None and recorded.get("kind") == agent.TOO_FEW_NODES:
+        raise TooFewNodes(launch, job.options)
+    if recorded is not None:
+        raise WorkerRefused(int(recorded["code"]), str(recorded["message"]))
+    return code
+
+
+def _start(job: Job, launch: Launch, *, nproc_per_node: int, env: dict[str, str]) -> int:
     watch = launch.elastic
     proc = subprocess.Popen(torchrun_command(job, launch, nproc_per_node=nproc_per_node),
                             env=env, start_new_session=True,

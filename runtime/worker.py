@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from meshplan.planner.plan import Plan, read_plan
-from meshplan.runtime import elastic
+from meshplan.runtime import agent, elastic
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime.integrity import CorruptCheckpoint
 from meshplan.runtime.report import RunReport
@@ -108,6 +108,15 @@ def _write_report(report: RunReport, path: str) -> None:
         out.write("\n")
 
 
+def _refused(rank: int, code: int, err: Exception) -> int:
+    """End this worker with ``code`` and one line: recorded in the job's error file for
+    ``meshplan run`` to print (``agent.report_error``), else printed by rank 0."""
+    line = str(err) or type(err).__name__
+    if not agent.report_error(code, line) and rank == 0:
+        print(f"meshplan: error: {line}", file=sys.stderr)
+    return code
+
+
 def run_job(job: Job, *, plans: list[Plan] | None = None) -> int:
     """Run ``job`` in this torchrun worker (its plans already read: ``plans``); returns the
     exit code."""
@@ -116,9 +125,7 @@ def run_job(job: Job, *, plans: list[Plan] | None = None) -> int:
     try:
         plans = check_job(job, int(os.environ["WORLD_SIZE"]), plans=plans)
     except ValueError as err:
-        if rank == 0:
-            print(f"meshplan: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refused(rank, EXIT_USAGE, err)
     backend = mesh_mod.init_distributed(timeout_s=job.options.init_timeout_s)
     chosen = None
     if job.options.elastic:  # one plan (Job checks): the one for this world size
@@ -128,21 +135,15 @@ def run_job(job: Job, *, plans: list[Plan] | None = None) -> int:
                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                 time_limit_s=job.options.replan_time_limit_s)
         except elastic.NoElasticPlan as err:
-            if rank == 0:
-                print(f"meshplan: error: {err}", file=sys.stderr)
-            return EXIT_USAGE
+            return _refused(rank, EXIT_USAGE, err)
         plans = [chosen.plan]
     for plan, report_path in zip(plans, job.reports):
         try:
             report = run_plan(plan, job.options, backend=backend, chosen=chosen)
         except TrainingDiverged as err:  # every rank sees the same loss and norm
-            if rank == 0:
-                print(f"meshplan: error: {err}", file=sys.stderr)
-            return EXIT_DIVERGED
+            return _refused(rank, EXIT_DIVERGED, err)
         except CorruptCheckpoint as err:  # every rank gets the same verdict
-            if rank == 0:
-                print(f"meshplan: error: {err}", file=sys.stderr)
-            return EXIT_USAGE
+            return _refused(rank, EXIT_USAGE, err)
         if report is not None and report_path:
             _write_report(report, report_path)
     dist.destroy_process_group()

@@ -163,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
     except launch.TooFewNodes as err:
         print(f"meshplan: error: {err}", file=sys.stderr)
         return EXIT_TOO_FEW_NODES
+    except launch.WorkerRefused as refused:
+        print(f"meshplan: error: {refused}", file=sys.stderr)
+        return refused.code
     except launch.Stopped as stopped:
         print(f"meshplan: stopped by {stopped}: torchrun and its workers were ended",
               file=sys.stderr)

@@ -214,8 +214,11 @@ def _run_plan(path: str, *, steps: int, timeout_s: float, nproc_per_node: int | 
     reports, foreign = [], None
     for run_steps, track in runs:
         before = cpu_counters()
-        result = launch.run(path, options=RunOptions(steps=run_steps, timeout_s=timeout_s,
-                                                     track_memory=track), launch=where)
+        try:
+            result = launch.run(path, options=RunOptions(steps=run_steps, timeout_s=timeout_s,
+                                                         track_memory=track), launch=where)
+        except launch.WorkerRefused as refused:  # a worker's one line (exit code 2)
+            raise ValueError(str(refused)) from None
         if result.exit_code != 0 or result.report is None:
             raise RunFailed(path, result.exit_code or 1)
         foreign = foreign_cores(before, cpu_counters()) if foreign is None else foreign

@@ -126,10 +126,11 @@ def test_damaged_shard_is_refused_at_resume_and_never_trained_on(runs, tmp_path)
     _damage(shard, "random")
     done = runs.launch(runs.plan("save", SAVE_PLAN), "--steps", str(STEPS),
                        "--checkpoint-dir", str(folder), "--resume")
-    assert done.returncode != 0 and done.stdout == ""
+    assert done.returncode == 2 and done.stdout == ""
     errors = [line for line in done.stderr.splitlines() if line.startswith("meshplan: error")]
     assert len(errors) == 1 and f"{shard.name} does not match its sha256" in errors[0], \
         done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
     assert f"step {SAVED_STEPS} loss" not in done.stderr  # no step ran
 
 

@@ -1,0 +1,97 @@
+"""torchrun, started by ``meshplan run``: ``python -m meshplan.runtime.agent <torchrun args>``.
+
+It is torchrun's own ``main`` (``torch.distributed.run``) with one difference, how a failure
+ends. A worker that refuses its input (a damaged checkpoint, a diverged loss, a plan that does
+not fit the launch) writes one line to the job's error file (``ERROR_FILE`` in its environment,
+``report_error``) and exits; this agent then ends quietly with that worker's exit code, and
+``meshplan run`` prints the line. Without the file (a crash: the worker printed its own
+traceback) torchrun's failure table is kept, it names the rank and exit code that failed.
+
+Also quiet: torchrun's log lines about stopping the other workers once the error file exists,
+and a rendezvous that ended for want of nodes (recorded in the file as ``too_few_nodes``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+ERROR_FILE = "MESHPLAN_ERROR_FILE"
+"""Environment variable: where a worker records the error that ended it (first one wins)."""
+TOO_FEW_NODES = "too_few_nodes"
+"""The error file's ``kind`` when the rendezvous ended for want of nodes."""
+AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",
+                 "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.agent.server.local_elastic_agent",
+                 "torch.distributed.launcher.api", "torch.distributed.run")
+"""torchrun's loggers that report on workers being stopped after one failed."""
+
+
+def report_error(code: int, message: str, *, kind: str = "worker") -> bool:
+    """Record ``message`` (one line) and ``code`` in the job's error file; False without one
+    (a worker started by hand under torchrun: the caller prints instead). The first record
+    wins: peers that reach the same verdict leave it."""
+    path = os.environ.get(ERROR_FILE)
+    if not path:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return True
+    except OSError:  # the folder is gone (the launcher ended): nothing to tell
+        return False
+    with os.fdopen(fd, "w") as out:
+        json.dump({"code": code, "message": message, "kind": kind}, out)
+    return True
+
+
+def read_error(path: str) -> dict | None:
+    """The recorded error (``code``, ``message``, ``kind``), or None when none was written."""
+    try:
+        with open(path) as handle:
+            record = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "code" in record else None
+
+
+class _AfterRecordedError(logging.Filter):
+    """Drops torchrun's log records once a worker has recorded its error."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not os.path.exists(self.path)
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError,
+                                                          RendezvousTimeoutError)
+
+    path = os.environ.get(ERROR_FILE)
+    if path:
+        for name in AGENT_LOGGERS:
+            logging.getLogger(name).addFilter(_AfterRecordedError(path))
+    try:
+        torchrun.main(argv)
+    except ChildFailedError:
+        recorded = read_error(path) if path else None
+        if recorded is None:
+            raise
+        return int(recorded["code"])
+    except (RendezvousTimeoutError, RendezvousClosedError) as ended:
+        if not path:
+            raise
+        report_error(4, str(ended) or type(ended).__name__, kind=TOO_FEW_NODES)
+        return 4
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
