@@ -172,6 +172,11 @@ class ModelSpec:
     """``llama3`` scaling: ``high_freq_factor``."""
     rope_original_max_len: int = 8192
     """``llama3`` scaling: ``original_max_position_embeddings``."""
+    sliding_window: int | None = None
+    """Sliding-window attention: each token attends to itself and the ``sliding_window - 1``
+    tokens before it (Mistral's ``sliding_window``, Beltagy et al. 2020); None: full causal
+    attention. The runtime masks accordingly; the cost model counts full causal attention
+    (an upper bound on the attention FLOPs when the window is shorter than the sequence)."""
     hf_model_type: str = ""
     """HF ``model_type`` the spec was read from ("" otherwise): which HF architecture its
     weights load from and save to (``runtime/hf.py``)."""
@@ -199,7 +204,8 @@ class ModelSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
-        for field in ("num_kv_heads", "head_dim", "padded_vocab_size", "moe_ffn_hidden_size"):
+        for field in ("num_kv_heads", "head_dim", "padded_vocab_size", "moe_ffn_hidden_size",
+                      "sliding_window"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value <= 0):

@@ -250,7 +250,8 @@ def _from_llama(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
 
     The MLP is gated (gate, up and down projections) whatever ``hidden_act`` says (``silu`` in
     all of these), which is ModelSpec's three-matrix ``swiglu``. Qwen2 has biases on Q/K/V
-    only (``qkv_bias``). Mixtral's ``num_local_experts`` / ``num_experts_per_tok`` become
+    only (``qkv_bias``); Mistral's and Mixtral's ``sliding_window`` (null: none) is kept.
+    Mixtral's ``num_local_experts`` / ``num_experts_per_tok`` become
     ``num_experts`` / ``moe_top_k`` with experts as wide as ``intermediate_size``.
     """
     if (_flag(config, "attention_bias", default=False, origin=origin)
@@ -261,6 +262,13 @@ def _from_llama(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
     hidden = _get(config, "hidden_size", origin=origin)
     heads = _get(config, "num_attention_heads", origin=origin)
     experts = _get(config, "num_local_experts", origin=origin, default=0)
+    window = None
+    if config.get("model_type") == "qwen2" and _flag(config, "use_sliding_window",
+                                                     default=False, origin=origin):
+        raise ValueError(f"{origin}: Qwen2 with use_sliding_window (a window on the layers "
+                         "from max_window_layers on) is not supported; set it false")
+    if config.get("model_type") in ("mistral", "mixtral"):
+        window = _hf_value(config, "sliding_window", Rule(kind="int"), origin=origin)
     return dict(
         num_layers=_get(config, "num_hidden_layers", origin=origin), hidden_size=hidden,
         num_heads=heads,
@@ -271,7 +279,7 @@ def _from_llama(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
         vocab_size=_get(config, "vocab_size", origin=origin),
         seq_len=_get(config, "max_position_embeddings", origin=origin),
         activation="swiglu", norm="rmsnorm", position_embedding="rope", linear_bias=False,
-        qkv_bias=config.get("model_type") == "qwen2",
+        qkv_bias=config.get("model_type") == "qwen2", sliding_window=window,
         tied_embeddings=_flag(config, "tie_word_embeddings", default=False, origin=origin),
         dropout=_dropout(config, {"attention_dropout": 0.0}, origin=origin),
         num_experts=experts,

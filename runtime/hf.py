@@ -3,7 +3,7 @@
 The decoder of ``model.py`` computes what ``transformers``' ``LlamaForCausalLM`` (and
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``) compute: pre-norm RMSNorm blocks, rotate-half RoPE
 with the config's ``rope_theta``, grouped-query attention, a SwiGLU MLP, Q/K/V biases for Qwen2,
-the config's norm epsilon. So an HF checkpoint maps onto it name by name (``HF_NAMES``):
+Mistral's sliding window, the config's norm epsilon. So an HF checkpoint maps onto it name by name (``HF_NAMES``):
 
     model.embed_tokens                       tok_embeddings
     model.layers.<i>.input_layernorm          layers.<i>.attention_norm
@@ -13,11 +13,10 @@ the config's norm epsilon. So an HF checkpoint maps onto it name by name (``HF_N
     model.norm                                norm
     lm_head                                   output (absent when the embeddings are tied)
 
-Loading (``load_stage``) happens on each rank right after its stage is built, before tensor
-parallelism and FSDP shard it: a rank reads from the safetensors files (one file, or several
-with ``model.safetensors.index.json``) only the tensors of its own pipeline stage, by name,
-memory-mapped (``safetensors.safe_open``). Tensor-parallel ranks of one stage each read the
-stage's whole tensors and keep their slice.
+Loading (``SliceReader``) fills a stage built on ``meta`` and already sharded by tensor
+parallelism and FSDP (``materialize.py``): a rank reads from the safetensors files (one file,
+or several with ``model.safetensors.index.json``) only its own region of its own stage's
+tensors, by name (``safetensors.safe_open(...).get_slice``).
 
 Saving (``save``) gathers each pipeline stage's full tensors (``get_model_state_dict`` with
 ``full_state_dict``: a collective of the stage's ranks), and the first tensor- and
@@ -44,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshplan.costmodel.model import ModelSpec
+from meshplan.runtime.materialize import clean_name
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -72,6 +72,8 @@ def check_mappable(spec: ModelSpec, *, what: str) -> str:
         problems.append("not a SwiGLU / RMSNorm / RoPE decoder")
     if spec.linear_bias or spec.embedding_norm or spec.is_moe or spec.is_traced:
         problems.append("biases on every linear, an embedding norm, experts or a traced module")
+    if spec.sliding_window is not None and model_type != "mistral":
+        problems.append(f"a sliding window of {spec.sliding_window} tokens (only Mistral has one)")
     if problems:
         raise ValueError(f"{what}: {spec.name} has no HuggingFace Llama/Mistral/Qwen2 "
                          f"equivalent: {'; '.join(problems)}")
@@ -122,7 +124,7 @@ def check_directory(directory: str, spec: ModelSpec) -> None:
         theirs = from_hf_config(json.load(handle), name=spec.name, origin=path)
     fields = ("num_layers", "hidden_size", "num_heads", "kv_heads", "head_size",
               "ffn_hidden_size", "vocab_rows", "qkv_bias", "tied_embeddings", "rope_theta",
-              "norm_eps")
+              "norm_eps", "sliding_window")
     differ = [f"{f} {getattr(theirs, f)} (plan: {getattr(spec, f)})" for f in fields
               if getattr(theirs, f) != getattr(spec, f)]
     if differ:
@@ -139,37 +141,34 @@ def check_directory(directory: str, spec: ModelSpec) -> None:
                          f"{missing[0]}")
 
 
-@torch.no_grad()
-def load_stage(module: nn.Module, directory: str) -> int:
-    """Copy this stage's tensors from the HF checkpoint in ``directory`` into ``module`` (an
-    unwrapped decoder chunk); returns the bytes read."""
-    from safetensors import safe_open
+class SliceReader:
+    """A ``materialize.Fill`` that reads each parameter's region from the HF checkpoint in
+    ``directory``: only this rank's rows / columns of this stage's tensors
+    (``safe_open(...).get_slice``). Each tensor's file is opened for that tensor only, so the
+    mapped pages of one file do not pile up in the rank's memory."""
 
-    files = _files(directory)
-    by_file: dict[str, list[tuple[str, nn.Parameter]]] = {}
-    for name, param in module.named_parameters():
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.files = _files(directory)
+        self.bytes_read = 0
+
+    def __call__(self, name: str, shape: tuple[int, ...],
+                 region: Sequence[slice]) -> torch.Tensor:
+        from safetensors import safe_open
+
         key = hf_name(name)
-        if key not in files and key == "lm_head.weight":  # tied in the checkpoint
+        if key not in self.files and key == "lm_head.weight":  # tied in the checkpoint
             key = "model.embed_tokens.weight"
-        if key not in files:
-            raise ValueError(f"--init-from {directory}: no tensor {key}")
-        by_file.setdefault(files[key], []).append((key, param))
-    read = 0
-    for path, entries in by_file.items():
-        with safe_open(path, framework="pt") as handle:
-            for key, param in entries:
-                tensor = handle.get_tensor(key)
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"--init-from {directory}: {key} has shape "
-                                     f"{tuple(tensor.shape)}, the plan's model needs "
-                                     f"{tuple(param.shape)}")
-                param.copy_(tensor.to(param.dtype))
-                read += tensor.numel() * tensor.element_size()
-    return read
-
-
-def _clean(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")
+        if key not in self.files:
+            raise ValueError(f"--init-from {self.directory}: no tensor {key}")
+        with safe_open(self.files[key], framework="pt") as handle:
+            part = handle.get_slice(key)
+            if tuple(part.get_shape()) != tuple(shape):
+                raise ValueError(f"--init-from {self.directory}: {key} has shape "
+                                 f"{tuple(part.get_shape())}, the plan's model needs {shape}")
+            tensor = part[tuple(region)]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
 
 def save(modules: Sequence[nn.Module], directory: str, *, spec: ModelSpec, stage_indices:
@@ -188,7 +187,7 @@ def save(modules: Sequence[nn.Module], directory: str, *, spec: ModelSpec, stage
         tensors = {}
         for name, value in state.items():
             local = value.full_tensor() if hasattr(value, "full_tensor") else value
-            tensors[hf_name(_clean(name))] = local.detach().to("cpu").contiguous()
+            tensors[hf_name(clean_name(name))] = local.detach().to("cpu").contiguous()
         if spec.tied_embeddings:
             tensors.pop("lm_head.weight", None)
         file = f"model-{index + 1:05d}-of-{num_stages:05d}.safetensors"
@@ -235,4 +234,5 @@ def hf_config_of(spec: ModelSpec) -> dict[str, Any]:
             "vocab_size": spec.vocab_rows, "max_position_embeddings": spec.seq_len,
             "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta,
             "tie_word_embeddings": spec.tied_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "torch_dtype": "float32"}
+            "attention_bias": False, "torch_dtype": "float32",
+            **({"sliding_window": spec.sliding_window} if model_type == "mistral" else {})}

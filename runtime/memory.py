@@ -180,6 +180,47 @@ class PeakMemory:
         return self.peak_bytes
 
 
+_PEAK_BEFORE_RESET = 0
+"""The peak resident set size before ``RssGrowth`` reset the kernel's high-water mark."""
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _KIB
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _KIB, _PEAK_BEFORE_RESET)
+
+
+def _status_bytes(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * _KIB
+    except OSError:
+        return None
+    return None
+
+
+class RssGrowth:
+    """How far this process's resident memory rose above its level at entry while the block
+    ran (``growth_bytes``): the peak inside the block minus the RSS at entry. Linux resets
+    the peak mark for this (``echo 5 > /proc/self/clear_refs``; ``peak_rss_bytes`` still
+    reports the whole process's peak); None where that is not possible."""
+
+    growth_bytes: int | None = None
+
+    def __enter__(self) -> "RssGrowth":
+        global _PEAK_BEFORE_RESET
+        _PEAK_BEFORE_RESET = peak_rss_bytes()
+        self._start = _status_bytes("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")
+            self._reset = self._start is not None
+        except OSError:
+            self._reset = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        peak = _status_bytes("VmHWM") if self._reset else None
+        self.growth_bytes = peak - self._start if peak is not None else None

@@ -12,7 +12,8 @@ addresses modules by the same names)::
       output          nn.Linear(h, vocab_rows)                 last stage (weight tied if asked)
 
     Block: x + attention(attention_norm(x)), then h + feed_forward(ffn_norm(h))
-    Attention: wq, wk, wv (GQA: kv_heads), RoPE, F.scaled_dot_product_attention(is_causal), wo
+    Attention: wq, wk, wv (GQA: kv_heads), RoPE, F.scaled_dot_product_attention(is_causal,
+               or a banded mask under a sliding window), wo
     FeedForward: gelu  w2(gelu(w1 x));  swiglu  w2(silu(w1 x) * w3 x)
 
 ``layers`` keeps *global* layer indices as keys, so a pipeline stage holding layers 3..5 has
@@ -123,6 +124,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden_size, spec.kv_size, bias=qkv_bias)
         self.wv = nn.Linear(spec.hidden_size, spec.kv_size, bias=qkv_bias)
         self.wo = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.linear_bias)
+        self.window = spec.sliding_window
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
@@ -134,15 +136,23 @@ class Attention(nn.Module):
             cos, sin = rope_cos_sin(q.shape[2], self.head_dim, device=q.device, dtype=q.dtype,
                                     theta=self.rope_theta, spec=self.spec)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention_core(q, k, v)
+        out = attention_core(q, k, v, window=self.window)
         batch, heads, seq, dim = out.shape
         return self.wo(out.transpose(1, 2).reshape(batch, seq, heads * dim))
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal mask) v via ``F.scaled_dot_product_attention``."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   window: int | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v via ``F.scaled_dot_product_attention``; with
+    a ``window`` shorter than the sequence, query i sees keys i - window + 1 .. i."""
+    gqa = q.shape[1] != k.shape[1]
+    seq = q.shape[2]
+    if window is None or window >= seq:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    position = torch.arange(seq, device=q.device)
+    behind = position[:, None] - position[None, :]  # query row minus key column
+    mask = (behind >= 0) & (behind < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
@@ -226,11 +236,15 @@ class Decoder(nn.Module):
 def build_decoder(spec: ModelSpec, *, layer_ids: Sequence[int] | None = None,
                   first: bool = True, last: bool = True, seed: int = 0,
                   device: torch.device | str = "cpu") -> Decoder:
-    """A ``Decoder`` for ``spec`` (all layers by default) initialised by ``init_weights``."""
+    """A ``Decoder`` for ``spec`` (all layers by default) initialised by ``init_weights``;
+    on ``device="meta"`` its parameters have shapes only (``materialize.py`` fills them)."""
     if spec.is_moe:
         raise ValueError(f"{spec.name} is an MoE model ({spec.num_experts} experts); the "
                          "runtime builds dense decoders only")
     ids = range(spec.num_layers) if layer_ids is None else layer_ids
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return Decoder(spec, layer_ids=list(ids), first=first, last=last)
     model = Decoder(spec, layer_ids=list(ids), first=first, last=last)
     init_weights(model, num_layers=spec.num_layers, seed=seed)
     return model.to(device)
@@ -242,26 +256,33 @@ def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-@torch.no_grad()
-def init_weights(model: nn.Module, *, num_layers: int, seed: int) -> None:
-    """Initialise every parameter from a generator seeded by (``seed``, its name).
+def initial_value(name: str, shape: Sequence[int], *, num_layers: int, seed: int,
+                  tied_copy: bool = False) -> torch.Tensor:
+    """The initial fp32 value of the decoder's parameter ``name`` (global layer index; whole
+    tensor, ``shape``), drawn on the CPU from a generator seeded by (``seed``, its name).
 
     Weights ~ N(0, 0.02); output projections (``wo``, ``w2``) ~ N(0, 0.02 / sqrt(2 l)) (GPT-2,
-    Radford et al. 2019, Sec. 2.3); biases 0; norm weights 1. Values are drawn on the CPU, so
-    a parameter gets the same values whichever stage, rank or device holds it.
+    Radford et al. 2019, Sec. 2.3); biases 0; norm weights 1. A parameter gets the same values
+    whichever stage, rank or device holds it; ``tied_copy``: the LM head that copies the first
+    stage's word embedding (drawn alike).
     """
-    scaled_std = INIT_STD / math.sqrt(2 * num_layers)
+    if tied_copy and name == "output.weight":
+        name = "tok_embeddings.weight"
+    leaf = name.rsplit(".", 2)
+    if "norm" in name:
+        return torch.full(tuple(shape), 1.0 if leaf[-1] == "weight" else 0.0)
+    if leaf[-1] == "bias":
+        return torch.zeros(tuple(shape))
+    std = INIT_STD / math.sqrt(2 * num_layers) if leaf[-2] in ("wo", "w2") else INIT_STD
+    gen = torch.Generator().manual_seed(_name_seed(seed, name))
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, *, num_layers: int, seed: int) -> None:
+    """Give every parameter of ``model`` (a whole, unsharded ``Decoder``) its
+    ``initial_value``."""
     tied_copy = getattr(model, "tied_copy", False)
     for name, param in model.named_parameters():
-        if tied_copy and name == "output.weight":  # the first stage's embedding, drawn alike
-            name = "tok_embeddings.weight"
-        leaf = name.rsplit(".", 2)
-        if "norm" in name:
-            param.fill_(1.0 if leaf[-1] == "weight" else 0.0)
-        elif leaf[-1] == "bias":
-            param.zero_()
-        else:
-            std = scaled_std if leaf[-2] in ("wo", "w2") else INIT_STD
-            gen = torch.Generator().manual_seed(_name_seed(seed, name))
-            values = torch.empty(param.shape, dtype=torch.float32)
-            param.copy_(values.normal_(0.0, std, generator=gen))
+        param.copy_(initial_value(name, param.shape, num_layers=num_layers, seed=seed,
+                                  tied_copy=tied_copy))

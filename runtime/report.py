@@ -41,6 +41,9 @@ class RankReport:
     """What measured ``peak_bytes`` (CUDA allocator, live-tensor tracker, none)."""
     predicted_peak_bytes: float | None
     """The plan's prediction for this rank's stage."""
+    build_rss_bytes: int | None = None
+    """How far the resident memory rose while this rank built (and loaded) its model: its
+    shards, plus what building needed beyond them (``memory.RssGrowth``)."""
 
     @property
     def peak_ratio(self) -> float | None:
@@ -51,7 +54,7 @@ class RankReport:
                 "peak_reserved_bytes": self.peak_reserved_bytes,
                 "rss_peak_bytes": self.rss_peak_bytes, "memory_source": self.memory_source,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
-                "peak_ratio": self.peak_ratio}
+                "peak_ratio": self.peak_ratio, "build_rss_bytes": self.build_rss_bytes}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +157,8 @@ _OPTIONAL_SERIES = ("grad_norms", "lrs", "membership_changes")
 def report_from_dict(data: Any, *, origin: str) -> RunReport:
     """The RunReport in a ``run --report`` document; one-line ValueError otherwise."""
     check_object(data, REPORT_SCHEMA, origin=origin)
-    ranks = tuple(RankReport(**{k: entry[k] for k in _RANK_FIELDS}) for entry in data["per_rank"])
+    ranks = tuple(RankReport(**{k: entry[k] for k in _RANK_FIELDS if k in entry})
+                  for entry in data["per_rank"])
     return RunReport(plan=data["plan"], world_size=data["world_size"], backend=data["backend"],
                      losses=tuple(data["losses"]), step_s=tuple(data["step_s"]),
                      predicted_step_s=data["predicted"]["step_s"],

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from meshplan.runtime import checkpoint
 from meshplan.runtime import data as data_mod
 from meshplan.runtime import elastic
 from meshplan.runtime import hf
+from meshplan.runtime import materialize
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime import optim as optim_mod
 from meshplan.runtime import parallelize, pipeline
@@ -48,7 +50,7 @@ from meshplan.runtime import recipe as recipe_mod
 from meshplan.runtime.metrics import MetricsLog, StepMetrics, mfu
 from meshplan.runtime.recipe import Recipe
 from meshplan.runtime.fault import Fault
-from meshplan.runtime.memory import PeakMemory, peak_rss_bytes
+from meshplan.runtime.memory import PeakMemory, RssGrowth, peak_rss_bytes
 from meshplan.runtime.chain import build_chain, build_whole
 from meshplan.runtime.model import Decoder, build_decoder
 from meshplan.runtime.report import RankReport, RunReport
@@ -101,11 +103,16 @@ class RunOptions:
     """HF checkpoint directory to take the initial weights from (``--init-from``, hf.py)."""
     save_hf: str | None = None
     """Directory to write an HF checkpoint of the trained model into (``--save-hf``)."""
+    save_hf_every: int = 0
+    """Also write one every this many steps, into ``save_hf``/step-<k> (0: at the end only)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 and not (self.steps == 0 and self.save_hf):
             raise ValueError(f"steps must be >= 1 (0 only with --save-hf: convert the weights), "
                              f"got {self.steps}")
+        if self.save_hf_every < 0 or (self.save_hf_every and not self.save_hf):
+            raise ValueError(f"--save-hf-every must be >= 1 and needs --save-hf DIR, got "
+                             f"{self.save_hf_every}")
         if self.keep_last < 0:
             raise ValueError(f"--keep-last must be >= 1 (0: keep all), got {self.keep_last}")
         if self.checkpoint_every < 0:
@@ -176,10 +183,11 @@ class RankModel:
         return self.num_stages - 1 in self.stage_indices
 
 
-def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.device,
-                   init_from: str | None = None) -> tuple[list[nn.Module], list[int]]:
-    """Build, initialise (``init_from``: this stage's tensors of an HF checkpoint),
-    tensor-parallelise and checkpoint-wrap this rank's (virtual) stage modules."""
+def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
+                   device: torch.device) -> tuple[list[nn.Module], list[int]]:
+    """Build, tensor-parallelise and checkpoint-wrap this rank's (virtual) stage modules:
+    the decoder's on ``meta`` (``materialize.py`` fills them once sharded), a traced module's
+    initialised on ``device``."""
     config, spec = plan.config, plan.model
     pp_rank = mesh.get_local_rank("pp")
     layers = pipeline.virtual_stage_layers(config, spec.num_layers)
@@ -192,9 +200,7 @@ def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.dev
             module = build_chain(spec, layer_ids=layers[index], seed=seed, device=device)
         else:
             module = build_decoder(spec, layer_ids=layers[index], first=index == 0,
-                                   last=index == len(layers) - 1, seed=seed, device=device)
-            if init_from:
-                hf.load_stage(module, init_from)
+                                   last=index == len(layers) - 1, device="meta")
         if config.tp > 1:
             parallelize.apply_tensor_parallel(module, mesh["tp"], sp=config.sp)
         parallelize.apply_checkpointing(module, config.stage_recompute(pp_rank))
@@ -202,18 +208,38 @@ def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.dev
     return modules, indices
 
 
+def _fill(module: nn.Module, plan: Plan, *, seed: int, init_from: str | None):
+    """Where a decoder chunk's values come from: the HF checkpoint, else the initial values."""
+    if init_from:
+        return hf.SliceReader(init_from)
+    return materialize.random_fill(num_layers=plan.model.num_layers, seed=seed,
+                                   tied_copy=any(getattr(sub, "tied_copy", False)
+                                                 for sub in module.modules()))
+
+
 def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.device,
                      recipe: Recipe, init_from: str | None = None) -> RankModel:
     """Everything this rank needs to train ``plan``."""
     config = plan.config
     dtype = compute_dtype(plan, device)
-    modules, indices = _chunk_modules(plan, mesh, seed=seed, device=device,
-                                      init_from=init_from)
+    modules, indices = _chunk_modules(plan, mesh, seed=seed, device=device)
     choice = parallelize.DataParallelChoice(
         zero_stage=config.zero_stage, offload=config.offload, dp=config.dp,
         tensor_parallel=config.tp > 1, pipelined=config.pp > 1, interleaved=config.vpp > 1,
         param_dtype=dtype if dtype != torch.float32 else None)
-    modules = [parallelize.apply_data_parallel(m, mesh["dp"], choice) for m in modules]
+    # FSDP2's CPU offload keeps the sharded parameters on the CPU
+    where = torch.device("cpu") if choice.offload == "optimizer+params" else device
+    built = []
+    for module in modules:
+        meta = any(p.is_meta for p in module.parameters())
+        fill = _fill(module, plan, seed=seed, init_from=init_from) if meta else None
+        if meta and not choice.uses_fsdp:  # DDP and replicate need real tensors
+            materialize.materialize(module, where, fill)
+        module = parallelize.apply_data_parallel(module, mesh["dp"], choice)
+        if meta and choice.uses_fsdp:  # sharded on meta: each rank fills only its shards
+            materialize.materialize(module, where, fill)
+        built.append(module)
+    modules = built
     optimizer = optim_mod.build_optimizer(modules, zero_stage=config.zero_stage,
                                           offload=config.offload, dp_mesh=mesh["dp"],
                                           recipe=recipe)
@@ -428,8 +454,9 @@ def run_plan(plan: Plan, options: RunOptions, *, backend: str,
     data_spec = plan_data(plan, options)
     restarts = checkpoint.torchrun_restarts()
     with PeakMemory(device, cpu_tracking=options.track_memory) as memory:
-        rank_model = build_rank_model(plan, mesh, seed=options.seed, device=device,
-                                      recipe=options.recipe, init_from=options.init_from)
+        with RssGrowth() as building:
+            rank_model = build_rank_model(plan, mesh, seed=options.seed, device=device,
+                                          recipe=options.recipe, init_from=options.init_from)
         started = time.perf_counter()
         history = _resume(rank_model, plan, options, data_spec,
                           restarted=restarts > 0 or options.elastic)
@@ -443,16 +470,11 @@ def run_plan(plan: Plan, options: RunOptions, *, backend: str,
         log = _Log(plan, options, history)
         _train(rank_model, plan, data_spec, options, device, memory, mesh, log)
     if options.save_hf:
-        hf.save(rank_model.modules, options.save_hf, spec=plan.model,
-                stage_indices=rank_model.stage_indices, num_stages=rank_model.num_stages,
-                writer=rank_model.coords.dp == 0 and rank_model.coords.tp == 0,
-                source=options.init_from)
-        if dist.get_rank() == 0:
-            logger.info("wrote the HF checkpoint %s", options.save_hf)
+        _save_hf(rank_model, plan, options, options.save_hf)
     if options.steps == 0:  # a conversion (--save-hf): no step, no report
         dist.barrier()
         return None
-    report = _report(plan, backend, rank_model, memory, log)
+    report = _report(plan, backend, rank_model, memory, log, build_rss=building.growth_bytes)
     if report is not None:
         changes = (elastic.report_changes(options.checkpoint_dir, options.run_id, log.step_s)
                    if options.elastic else ())
@@ -511,6 +533,21 @@ class _Log:
             plan=config_to_dict(plan.config, plan.model), run_id=self.run_id)
 
 
+def _save_hf(rank_model: RankModel, plan: Plan, options: RunOptions, directory: str) -> None:
+    """Write the HF checkpoint of the model as it is now into ``directory`` (hf.save)."""
+    hf.save(rank_model.modules, directory, spec=plan.model,
+            stage_indices=rank_model.stage_indices, num_stages=rank_model.num_stages,
+            writer=rank_model.coords.dp == 0 and rank_model.coords.tp == 0,
+            source=options.init_from)
+    if dist.get_rank() == 0:
+        logger.info("wrote the HF checkpoint %s", directory)
+
+
+def hf_step_dir(directory: str, step: int) -> str:
+    """Where ``--save-hf-every`` writes the HF checkpoint after ``step`` steps."""
+    return os.path.join(directory, f"step-{step}")
+
+
 def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
            options: RunOptions, device: torch.device, memory: PeakMemory, mesh: DeviceMesh,
            log: _Log) -> None:
@@ -531,6 +568,9 @@ def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
                 checkpoint.save(rank_model.modules, rank_model.optimizer,
                                 options.checkpoint_dir, log.state(plan, data_spec),
                                 keep_last=options.keep_last)
+            if options.save_hf_every and done % options.save_hf_every == 0 and \
+                    done < options.steps:
+                _save_hf(rank_model, plan, options, hf_step_dir(options.save_hf, done))
             if options.elastic and dist.get_rank() == 0:
                 elastic.write_progress(options.checkpoint_dir, run_id=options.run_id,
                                        step=done, plan=plan)
@@ -541,11 +581,12 @@ def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
 
 
 def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
-            log: _Log) -> RunReport | None:
+            log: _Log, *, build_rss: int | None = None) -> RunReport | None:
     """The run report (``runtime/report.py``), gathered on rank 0 (None elsewhere)."""
     mine = {"rank": dist.get_rank(), "stage": rank_model.coords.pp,
             "peak_bytes": memory.peak_bytes, "peak_reserved_bytes": memory.peak_reserved_bytes,
-            "rss_peak_bytes": peak_rss_bytes(), "memory_source": memory.source}
+            "rss_peak_bytes": peak_rss_bytes(), "memory_source": memory.source,
+            "build_rss_bytes": build_rss}
     gathered: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:

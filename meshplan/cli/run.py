@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="at the end, write an HF checkpoint (config, safetensors, the "
                               "--init-from tokenizer) that transformers' from_pretrained loads; "
                               "DIR must not exist or be empty")
+    weights.add_argument("--save-hf-every", metavar="N", type=int, default=0,
+                         help="also write one every N steps, into DIR/step-<k> (needs "
+                              "--save-hf)")
     recipe = parser.add_argument_group("training recipe (stored in checkpoints)")
     recipe.add_argument("--lr", type=positive_float, default=3e-3,
                         help="peak learning rate (default 3e-3)")
@@ -152,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
                          keep_last=args.keep_last or 0, elastic=is_elastic, run_id=run_id,
                          replan_time_limit_s=args.replan_time_limit,
                          init_from=os.path.abspath(args.init_from) if args.init_from else None,
-                         save_hf=os.path.abspath(args.save_hf) if args.save_hf else None)
+                         save_hf=os.path.abspath(args.save_hf) if args.save_hf else None,
+                         save_hf_every=args.save_hf_every)
     where = launch.Launch(nproc_per_node=args.nproc_per_node, nnodes=min_nodes,
                           max_nnodes=max_nodes, rdzv_conf=args.rdzv_conf,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,

@@ -71,7 +71,7 @@ MODEL_CASES = {
                     "linear_bias, qkv_bias, tied_embeddings, embedding_norm, dropout, "
                     "num_experts, moe_top_k, moe_ffn_hidden_size, moe_layer_freq, "
                     "rope_theta, norm_eps, rope_scaling, rope_factor, rope_low_freq_factor, "
-                    "rope_high_freq_factor, rope_original_max_len, hf_model_type, "
+                    "rope_high_freq_factor, rope_original_max_len, sliding_window, hf_model_type, "
                     "reported_params, source, traced, traced_dtype_bytes, "
                     "traced_extra_saved_bytes, factory, traced_chain"),
     "missing-key": (without(TINY, "vocab_size"),

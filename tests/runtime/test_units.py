@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshplan.costmodel import ParallelConfig, load_model
-from meshplan.runtime import data, mesh, optim, pipeline
+from meshplan.runtime import data, materialize, mesh, optim, pipeline
 from meshplan.runtime.memory import LiveStorageTracker
 from meshplan.runtime.model import build_decoder
 from meshplan.runtime.recipe import Recipe
@@ -43,6 +43,26 @@ def test_stages_reproduce_the_whole_model():
             assert torch.equal(param, params[name]), name
     tokens = torch.randint(0, TINY.vocab_size, (2, 16))
     torch.testing.assert_close(last(middle(first(tokens))), full(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_stage_built_on_meta_and_filled_equals_the_eager_one(tied):
+    """``materialize`` gives each parameter its ``initial_value``: the meta-built stages of a
+    pipeline equal the eagerly built ones, and a whole tied model keeps one shared tensor."""
+    spec = dataclasses.replace(TINY, tied_embeddings=tied)
+    for ids, first, last in (([0, 1, 2, 3], True, True), ([0, 1], True, False),
+                             ([2, 3], False, True)):
+        eager = build_decoder(spec, layer_ids=ids, first=first, last=last, seed=5)
+        built = build_decoder(spec, layer_ids=ids, first=first, last=last, device="meta")
+        assert all(p.is_meta for p in built.parameters())
+        materialize.materialize(built, torch.device("cpu"), materialize.random_fill(
+            num_layers=spec.num_layers, seed=5, tied_copy=built.tied_copy))
+        expected = dict(eager.named_parameters())
+        assert [name for name, _ in built.named_parameters()] == list(expected)
+        for name, param in built.named_parameters():
+            assert torch.equal(param, expected[name]), (ids, name)
+        if first and last and tied:
+            assert built.output.weight is built.tok_embeddings.weight
 
 
 def test_seed_changes_the_weights():
