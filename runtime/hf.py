@@ -3,7 +3,8 @@
 The decoder of ``model.py`` computes what ``transformers``' ``LlamaForCausalLM`` (and
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``) compute: pre-norm RMSNorm blocks, rotate-half RoPE
 with the config's ``rope_theta``, grouped-query attention, a SwiGLU MLP, Q/K/V biases for Qwen2,
-Mistral's sliding window, the config's norm epsilon. So an HF checkpoint maps onto it name by name (``HF_NAMES``):
+Mistral's sliding window, the config's norm epsilon. So an HF checkpoint maps onto it name by
+name (``hf_name``):
 
     model.embed_tokens                       tok_embeddings
     model.layers.<i>.input_layernorm          layers.<i>.attention_norm
