@@ -289,6 +289,8 @@ class ProfileFit:
     """Per link kind measured: ``intra`` (inside a node), ``inter`` (across nodes)."""
     host_copy_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
     """Pinned host-device copy rate by direction (``h2d``, ``d2h``); empty without a GPU."""
+    host_adam_params_per_s: dict[int, float] = field(default_factory=dict, hash=False)
+    """Host AdamW parameters per second by thread count (the largest: the node's cores)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -296,7 +298,8 @@ class ProfileFit:
 
 def fit_profile(*, gemm: Sequence[tuple[float, float]], copy: tuple[float, float],
                 collectives: Sequence[tuple[str, str, int, float, float]] = (),
-                host_copy: Sequence[tuple[str, float, float]] = ()) -> ProfileFit:
+                host_copy: Sequence[tuple[str, float, float]] = (),
+                host_adam: Sequence[tuple[int, int, float]] = ()) -> ProfileFit:
     """Fit raw ``(flop, s)`` GEMM, ``(bytes, s)`` copy, ``(link, op, n, size_bytes, s)``
     collective and ``(direction, bytes, s)`` host-copy samples; one alpha-beta fit per link
     kind present."""
@@ -309,7 +312,8 @@ def fit_profile(*, gemm: Sequence[tuple[float, float]], copy: tuple[float, float
                               group_sizes=tuple(sorted({n for _, n, _, _ in rows})))
     return ProfileFit(matmul_flop_per_s=flop_per_s, matmul_overhead_s=overhead_s,
                       memory_bytes_per_s=copy[0] / copy[1], links=links,
-                      host_copy_bytes_per_s={way: b / s for way, b, s in host_copy})
+                      host_copy_bytes_per_s={way: b / s for way, b, s in host_copy},
+                      host_adam_params_per_s={t: n / s for t, n, s in host_adam})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,7 +334,10 @@ def profiled_calibration(base: Calibration, fit: ProfileFit, *, gpu_key: str,
     (``intra``: ``nvlink_efficiency``, ``inter``: ``network_efficiency``) and
     ``link_latency_s`` taken from ``fit``, against ``catalog`` (clamped to 1 where the
     measurement beats the catalog), and the measured pinned host-device rate as
-    ``host_copy_bytes_per_s["pinned"]``. Links not measured keep ``base``'s values."""
+    ``host_copy_bytes_per_s["pinned"]``, and the host AdamW rate on the node's cores as
+    ``host_memory_bytes_per_s[gpu_key]`` (that rate times ``host_adam_bytes_per_param``: the
+    cost model's offloaded optimizer step is that traffic over that bandwidth). Links not
+    measured keep ``base``'s values."""
     device = profiled_device(base.device(gpu_key),
                              matmul_efficiency=fit.matmul_flop_per_s / catalog.peak_flop_per_s,
                              matmul_overhead_s=fit.matmul_overhead_s,
@@ -342,9 +349,13 @@ def profiled_calibration(base: Calibration, fit: ProfileFit, *, gpu_key: str,
     host_copy = dict(base.host_copy_bytes_per_s)
     if fit.host_copy_bytes_per_s:  # pinned buffers, both directions: the slower binds
         host_copy["pinned"] = min(fit.host_copy_bytes_per_s.values())
+    host_memory = dict(base.host_memory_bytes_per_s)
+    if fit.host_adam_params_per_s:  # the node's cores: the host step of optimizer offload
+        rate = fit.host_adam_params_per_s[max(fit.host_adam_params_per_s)]
+        host_memory[gpu_key] = rate * base.host_adam_bytes_per_param
     return dataclasses.replace(
         base, devices={**base.devices, gpu_key: device}, **links,
-        host_copy_bytes_per_s=host_copy,
+        host_copy_bytes_per_s=host_copy, host_memory_bytes_per_s=host_memory,
         link_latency_s={**base.link_latency_s,
                         **{k: v.latency_s for k, v in fit.links.items()}},
         source={**base.source, "profile": profile_summary(fit, catalog=catalog, note=note)})
@@ -359,6 +370,9 @@ def profile_summary(fit: ProfileFit, *, catalog: CatalogRates, note: str) -> str
              f"{catalog.hbm_bytes_per_s / 1e9:.1f})"]
     parts += [f"host-device {way} {rate / 1e9:.1f} GB/s"
               for way, rate in fit.host_copy_bytes_per_s.items()]
+    parts += [f"host AdamW {rate / 1e6:.0f} M params/s on {threads} thread"
+              f"{'s' if threads > 1 else ''}"
+              for threads, rate in sorted(fit.host_adam_params_per_s.items())]
     reference = {"intra": ("catalog link", catalog.link_bytes_per_s),
                  "inter": ("catalog NIC", catalog.nic_bytes_per_s)}
     parts += [f"{kind} collectives (groups of {', '.join(map(str, link.group_sizes))}) alpha "

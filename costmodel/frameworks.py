@@ -266,6 +266,20 @@ def vocab_parallel_loss(framework: str) -> bool:
     return framework != "meshplan"
 
 
+def kept_stage_output_copies(framework: str, pp: int) -> float:
+    """Logit tensors (compute dtype) the last pipeline stage keeps beside its loss's own.
+
+    ``torch.distributed.pipelining`` (meshplan's runtime and torchtitan) stores each
+    micro-batch's stage output in the stage's forward cache and drops it only after that
+    micro-batch's backward (stage.py, ``backward_one_chunk``, torch 2.13), so under pp > 1 the
+    last stage's logits stay alive through the loss and block backward, where a step without
+    a pipeline frees them with the loss's input. Measured on the CPU runtime
+    (``benchmarks/runtime_cpu.py``): the last stages of pp2, pp2 x dp2 ZeRO-3 and pp2 x dp2 x
+    tp2 ZeRO-3 held 4.8-10.6% more than predicted without it (1.4-2.1 logit tensors of
+    1 x 64 x 256 fp32 each); with it 1.2-4.2%."""
+    return 1.0 if pp > 1 and framework in ("meshplan", "torchtitan") else 0.0
+
+
 def optimizer_workspace_bytes(framework: str, *, optimizer_params: float) -> float:
     """Temporary device bytes of the optimizer step over ``optimizer_params`` parameters.
 

@@ -16,7 +16,8 @@ from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, StateBytes,
                                   deepspeed_host_bytes_per_node,
                                   deepspeed_zero3_extra_buffer_bytes, eager_autograd,
-                                  framework_buffer_bytes, logit_copies, model_state_bytes,
+                                  framework_buffer_bytes, kept_stage_output_copies, logit_copies,
+                                  model_state_bytes,
                                   optimizer_workspace_bytes, pipeline_recv_buffer_bytes,
                                   torchtitan_cached_bytes, vocab_parallel_loss)
 from meshplan.costmodel.hardware import ClusterSpec
@@ -172,6 +173,10 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
         total += act.head_activation_bytes(
             model, config, logit_copies=logit_copies(framework, config.dtype == "fp32"),
             vocab_parallel=vocab_parallel_loss(framework))
+        total += act.logit_bytes(model, config,
+                                 copies=kept_stage_output_copies(framework, config.pp),
+                                 vocab_parallel=vocab_parallel_loss(framework),
+                                 element_bytes=config.bytes_per_activation)
     return total
 
 

@@ -101,6 +101,8 @@ class ProfileSizes:
     """Bytes of each pinned host-device copy (CUDA only)."""
     collective_bytes: tuple[int, ...]
     """Buffer sizes of the collectives (see ``Measurements.collectives``)."""
+    host_adam_params: int = 8 * 2 ** 20
+    """Parameters of the timed host AdamW step (``time_host_adam``)."""
     rounds: int
     """Interleaved passes over all cases."""
     calls: int
@@ -109,7 +111,7 @@ class ProfileSizes:
 
     def __post_init__(self) -> None:
         values = (*self.gemm_sides, self.copy_bytes, self.host_copy_bytes,
-                  *self.collective_bytes, self.rounds, self.calls)
+                  *self.collective_bytes, self.rounds, self.calls, self.host_adam_params)
         if not self.gemm_sides or min(values) <= 0:
             raise ValueError(f"profile sizes must be positive and name GEMM sides, got {self}")
 
@@ -119,13 +121,14 @@ FULL = ProfileSizes(gemm_sides=(16, 32, 64, 128, 256, 512, 1024), copy_bytes=128
                     collective_bytes=(4096, 65536, MIB, 4 * MIB, 16 * MIB), rounds=20,
                     calls=6)
 QUICK = ProfileSizes(gemm_sides=(16, 64, 256), copy_bytes=64 * MIB, host_copy_bytes=16 * MIB,
-                     collective_bytes=(4096, MIB, 4 * MIB), rounds=10, calls=3)
+                     collective_bytes=(4096, MIB, 4 * MIB), rounds=10, calls=3,
+                     host_adam_params=4 * 2 ** 20)
 FULL_CUDA = ProfileSizes(gemm_sides=(512, 1024, 2048, 4096, 8192), copy_bytes=1024 * MIB,
                          host_copy_bytes=256 * MIB,
                          collective_bytes=(65536, MIB, 16 * MIB, 128 * MIB), rounds=6, calls=5)
 QUICK_CUDA = ProfileSizes(gemm_sides=(1024, 4096), copy_bytes=256 * MIB,
                           host_copy_bytes=64 * MIB, collective_bytes=(65536, 16 * MIB),
-                          rounds=2, calls=3)
+                          rounds=2, calls=3, host_adam_params=4 * 2 ** 20)
 
 
 def sizes_for(*, quick: bool, cuda: bool) -> ProfileSizes:
@@ -151,6 +154,9 @@ class Measurements:
     send_recv the buffer each rank holds, all_to_all what each rank sends in total."""
     host_copy: tuple[tuple[str, float, float], ...] = ()
     """(``h2d`` or ``d2h``, bytes, seconds) of pinned host-device copies; empty without CUDA."""
+    host_adam: tuple[tuple[int, int, float], ...] = ()
+    """(threads, parameters, seconds) of one host AdamW step as the offloading runtime runs
+    it (``time_host_adam``): on one thread and on every core of the node."""
     backend: str = ""
     """Process-group backend of the collectives (``gloo``, ``nccl``); empty if none ran."""
     nodes: int = 1
@@ -268,6 +274,33 @@ def time_host_copies(nbytes: int, *, rounds: int, calls: int
              "d2h": lambda: host.copy_(gpu, non_blocking=True)}
     seconds = time_interleaved(cases, rounds=rounds, calls=calls, device=gpu.device)
     return tuple((way, float(nbytes), seconds[way]) for way in cases)
+
+
+def time_host_adam(params: int, *, rounds: int, threads: Sequence[int] | None = None
+                   ) -> tuple[tuple[int, int, float], ...]:
+    """(threads, ``params``, s) of one fp32 AdamW step in host memory the way
+    ``optim.HostOffloadAdamW`` runs it (torch's fused CPU kernel on 16 tensors), on 1 thread
+    and on all cores (``threads`` overrides): the wall-clock median of ``rounds`` steps after
+    two warm-up steps. The host step of optimizer offload, per node."""
+    from meshplan.runtime.optim import _intra_op_threads
+
+    counts = sorted(set(threads or (1, os.cpu_count() or 1)))
+    size = max(1, params // 16)
+    weights = [torch.zeros(size) for _ in range(16)]
+    for weight in weights:
+        weight.grad = torch.full_like(weight, 1e-3)
+    adam = torch.optim.AdamW(weights, lr=1e-3, fused=True)
+    out = []
+    for count in counts:
+        with _intra_op_threads(count):
+            seconds = []
+            for done in range(rounds + 2):
+                start = time.perf_counter()
+                adam.step()
+                if done >= 2:
+                    seconds.append(time.perf_counter() - start)
+        out.append((count, size * 16, float(sorted(seconds)[len(seconds) // 2])))
+    return tuple(out)
 
 
 # ----- collectives -------------------------------------------------------------------------------
@@ -524,7 +557,9 @@ def measure(*, dtype: str, sizes: ProfileSizes, nproc: int, timeout_s: float = 1
             on_round=lambda k: step(f"collectives round {k}/{sizes.rounds}"))
     else:
         colls, compute = [], this_device()
-    return Measurements(device_key=device_key(), dtype=dtype, **compute,
+    # on all cores: after the collective processes ended, which would compete for them
+    adam = time_host_adam(sizes.host_adam_params, rounds=sizes.rounds)
+    return Measurements(device_key=device_key(), dtype=dtype, **compute, host_adam=adam,
                         collectives=tuple(colls),
                         backend=_local_backend() if nproc > 1 else "",
                         procs_per_node=nproc, topology=detect_topology(),
@@ -548,6 +583,8 @@ def measure_distributed(*, dtype: str, sizes: ProfileSizes, timeout_s: float = 1
         node_of: list[int] = [0] * world
         dist.all_gather_object(node_of, int(os.environ.get("GROUP_RANK", 0)))
         compute = _time_this_device(dtype, sizes, device, step) if rank == 0 else {}
+        if rank == 0:  # the node's cores, while the other ranks wait in the barrier
+            compute["host_adam"] = time_host_adam(sizes.host_adam_params, rounds=sizes.rounds)
         dist.barrier()
         colls = time_collectives_here(node_of, sizes, device=device, on_round=lambda k: step(
             f"collectives round {k}/{sizes.rounds}"))

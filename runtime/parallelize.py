@@ -38,7 +38,7 @@ torch APIs: ``torch.distributed.tensor.parallel.parallelize_module`` with ``Colw
 ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper``;
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts``;
 ``torch.distributed.fsdp.fully_shard`` with ``MixedPrecisionPolicy`` and
-``CPUOffloadPolicy(pin_memory=False)``; ``torch.nn.parallel.DistributedDataParallel``;
+``CPUOffloadPolicy`` (pinned on CUDA); ``torch.nn.parallel.DistributedDataParallel``;
 ``torch.distributed._composable.replicate_with_fsdp.replicate``.
 """
 
@@ -197,8 +197,9 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
 
 def _fsdp(module: nn.Module, dp_mesh: DeviceMesh, choice: DataParallelChoice) -> nn.Module:
     reshard = choice.zero_stage == 3 and not choice.pipelined
-    offload = CPUOffloadPolicy(pin_memory=False) if choice.offload == "optimizer+params" \
-        else OffloadPolicy()
+    # pinned host shards on a GPU (DMA copies); pageable on the CPU, where pinning needs CUDA
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) \
+        if choice.offload == "optimizer+params" else OffloadPolicy()
     mp = MixedPrecisionPolicy(param_dtype=choice.param_dtype, reduce_dtype=torch.float32) \
         if choice.param_dtype is not None else MixedPrecisionPolicy()
     kwargs = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)

@@ -69,6 +69,10 @@ def profile_lines(result: ProfileResult) -> str:
     lines.append("host-dev   " + (", ".join(f"{way} {rate / 1e9:.1f} GB/s" for way, rate in
                                             fit.host_copy_bytes_per_s.items())
                                   or "skipped: no CUDA device (pinned H2D/D2H need one)"))
+    lines.append("host adam  " + ", ".join(
+        f"{rate / 1e6:.0f} M params/s on {threads} thread{'s' if threads > 1 else ''}"
+        for threads, rate in sorted(fit.host_adam_params_per_s.items()))
+        + "  (fused fp32 AdamW in host memory: the offloaded optimizer step)")
     reference = {"intra": ("link", catalog.link_bytes_per_s),
                  "inter": ("NIC", catalog.nic_bytes_per_s)}
     for kind in ("intra", "inter"):

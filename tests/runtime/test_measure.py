@@ -221,6 +221,29 @@ def test_profiled_calibration_writes_measured_links_only():
     assert "inter collectives" in cal.source["profile"]
 
 
+def test_host_adam_rate_on_all_cores_becomes_the_host_memory_bandwidth():
+    """The offloaded optimizer step is priced as host_adam_bytes_per_param per parameter over
+    host_memory_bytes_per_s: a profiled rate of R parameters/s on all cores must make the
+    model's host step take exactly 1 / R seconds per parameter."""
+    base = default_calibration()
+    catalog = fitting.CatalogRates(peak_flop_per_s=1e12, hbm_bytes_per_s=1e11,
+                                   link_bytes_per_s=6e9, nic_bytes_per_s=4e9)
+    fit = fitting.fit_profile(gemm=[(1e6, 2e-6), (1e9, 2e-3)], copy=(2e9, 0.05),
+                              host_adam=[(1, 8_000_000, 0.05), (2, 8_000_000, 0.02)])
+    assert fit.host_adam_params_per_s == {1: pytest.approx(1.6e8), 2: pytest.approx(4e8)}
+    cal = fitting.profiled_calibration(base, fit, gpu_key="cpu", catalog=catalog, note="test")
+    seconds = cal.host_memory_s("cpu", 1e9 * cal.host_adam_bytes_per_param)
+    assert seconds == pytest.approx(1e9 / 4e8)
+    assert "host AdamW 400 M params/s on 2 threads" in cal.source["profile"]
+    assert cal.host_memory_bytes_per_s.get("dgx-h100") == base.host_memory_bytes_per_s.get(
+        "dgx-h100")  # other devices keep theirs
+
+
+def test_timed_host_adam_steps_its_parameters():
+    rows = measure.time_host_adam(1 << 16, rounds=2, threads=(1,))
+    assert len(rows) == 1 and rows[0][0] == 1 and rows[0][1] == 1 << 16 and rows[0][2] > 0
+
+
 # ----- the command -------------------------------------------------------------------------------
 def _profile(tmp_path: Path, name: str, *args: str, timeout_s: float = 100) -> dict:
     out = tmp_path / f"{name}.json"
@@ -251,6 +274,10 @@ def test_two_quick_profiles_agree(tmp_path):
     assert first["matmul_overhead_s"] >= 0 and second["matmul_overhead_s"] >= 0
     for key in ("bytes_per_s", "latency_s"):  # wall-clock: their spread is the benchmark's
         assert first["links"]["intra"][key] > 0 and second["links"]["intra"][key] > 0
+    for fit in (first, second):  # one thread and all cores; wall-clock, only present
+        assert set(fit["host_adam_params_per_s"]) == {"1", str(os.cpu_count())} or \
+            set(fit["host_adam_params_per_s"]) == {"1"}
+        assert all(rate > 0 for rate in fit["host_adam_params_per_s"].values())
 
 
 @pytest.mark.slow
