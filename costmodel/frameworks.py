@@ -152,6 +152,18 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
     # meshplan / torchtitan
     if zero_stage <= 1:  # DDP gradient buckets: one more copy of the gradients
         return FP32_BYTES * stage_params if data_parallel else 0.0
+    if pipelined:
+        # FSDP under torch.distributed.pipelining (torch 2.13 stage.py,
+        # ``backward_maybe_with_nosync``): every micro-batch's backward runs without
+        # resharding and without gradient sync, and the stage reshards and reduce-scatters
+        # once after its last one. So the stage's gathered parameters (compute dtype) and its
+        # unsharded gradients (fp32, FSDP's reduce dtype) stay allocated through backward,
+        # under ZeRO-2 and ZeRO-3 alike. Measured (benchmarks/large_cpu_rss.py, pp2 x dp4
+        # ZeRO-3 on 8 CPU processes, fp32): from 2 to 4 blocks a stage of a 0.1-0.2 B Llama
+        # shape the first step's live-tensor peak grew by 8.7 bytes per stage parameter
+        # (1 of sharded parameters, no Adam state yet, plus these 4 + 4); after 3 steps the
+        # 0.32 B model's stages peaked at 0.964 and 1.001 of this model's prediction.
+        return (compute_bytes + FP32_BYTES) * stage_params
     if zero_stage == 2:  # unsharded params live from forward to backward
         return compute_bytes * stage_params
     # ZeRO-3: current + prefetched block in compute dtype, one block of unsharded fp32 grads
@@ -276,7 +288,7 @@ def kept_stage_output_copies(framework: str, pp: int) -> float:
     a pipeline frees them with the loss's input. Measured on the CPU runtime
     (``benchmarks/runtime_cpu.py``): the last stages of pp2, pp2 x dp2 ZeRO-3 and pp2 x dp2 x
     tp2 ZeRO-3 held 4.8-10.6% more than predicted without it (1.4-2.1 logit tensors of
-    1 x 64 x 256 fp32 each); with it 1.2-4.2%."""
+    2 x 64 x 256 fp32 each); with it pp2's last stage is at 1.012."""
     return 1.0 if pp > 1 and framework in ("meshplan", "torchtitan") else 0.0
 
 
