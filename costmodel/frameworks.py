@@ -159,7 +159,7 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
         # once after its last one. So the stage's gathered parameters (compute dtype) and its
         # unsharded gradients (fp32, FSDP's reduce dtype) stay allocated through backward,
         # under ZeRO-2 and ZeRO-3 alike. Measured (benchmarks/large_cpu_rss.py, pp2 x dp4
-        # ZeRO-3 on 8 CPU processes, fp32): from 2 to 4 blocks a stage of a 0.1-0.2 B Llama
+        # ZeRO-3 on 8 CPU processes, fp32): from 2 to 4 blocks a stage of a 0.2-0.3 B Llama
         # shape the first step's live-tensor peak grew by 8.7 bytes per stage parameter
         # (1 of sharded parameters, no Adam state yet, plus these 4 + 4); after 3 steps the
         # 0.32 B model's stages peaked at 0.964 and 1.001 of this model's prediction.
