@@ -50,7 +50,8 @@ RESHARD_PLANS = {
 
 
 def _ok(done) -> dict[str, Any]:
-    assert done.returncode == 0, done.stderr[-6000:]
+    # the first rank that failed printed its error early: keep the head as well as the tail
+    assert done.returncode == 0, done.stderr[:4000] + "\n[...]\n" + done.stderr[-4000:]
     return json.loads(done.stdout)
 
 
