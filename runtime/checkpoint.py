@@ -84,6 +84,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from meshplan.costmodel.model import ModelSpec
 from meshplan.runtime import integrity
+from meshplan.runtime.materialize import clean_name
 from meshplan.runtime import optim as optim_mod
 from meshplan.runtime.data import DataSpec
 
@@ -253,7 +254,7 @@ def resume_step(directory: str | None, *, resume: bool, restarted: bool) -> int 
 
 def _fqn(name: str) -> str:
     """A parameter's whole-model name from its name in a wrapped chunk."""
-    return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")
+    return clean_name(name)
 
 
 def _is_tied_copy(module: nn.Module) -> bool:
