@@ -157,6 +157,22 @@ class ParallelConfig:
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
 
+    def with_split(self, layers_per_stage: tuple[int, ...] | None,
+                   recompute: str | tuple[str, ...]) -> "ParallelConfig":
+        """``replace(layers_per_stage=..., recompute=...)`` that re-checks only those two
+        fields (the planner builds many such copies of one valid configuration)."""
+        modes = (recompute,) if isinstance(recompute, str) else recompute
+        if (not modes or any(m not in RECOMPUTE_MODES for m in modes)
+                or (not isinstance(recompute, str) and len(recompute) != self.pp)):
+            return self.replace(layers_per_stage=layers_per_stage, recompute=recompute)
+        copy = object.__new__(ParallelConfig)
+        values = {name: getattr(self, name) for name in _CONFIG_FIELDS}
+        values.update(layers_per_stage=layers_per_stage, recompute=recompute)
+        copy.__dict__.update(values)
+        return copy
+
+
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 
 REMAINDER_ORDERS = ("middle", "first")
 """Which parts of an ``even_split`` take the left-over items first."""

@@ -81,18 +81,19 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
                            largest_layer=float(traced.largest_layer_params(model)))
     t = config.tp
     expert_one = model.mlp_params(model.expert_ffn_size) if model.is_moe else 0
-    dense = expert = 0.0
+    layers = stage_layer_range(model, config, stage)
+    # MoE layers are the indices i with (i + 1) % freq == 0 (``ModelSpec.is_moe_layer``)
+    freq = model.moe_layer_freq
+    moe = layers.stop // freq - layers.start // freq if model.is_moe else 0
+    plain = len(layers) - moe
+    experts = model.num_experts * expert_one
+    dense = float(plain * model.dense_layer_params + moe * (model.moe_layer_params - experts))
+    expert = float(moe * experts)
     largest = 0.0
-    for i in stage_layer_range(model, config, stage):
-        layer = model.layer_params(i)
-        if model.is_moe_layer(i):
-            experts = model.num_experts * expert_one
-            dense += layer - experts
-            expert += experts
-            largest = max(largest, (layer - experts) / t + experts / (t * config.ep))
-        else:
-            dense += layer
-            largest = max(largest, layer / t)
+    if moe:
+        largest = (model.moe_layer_params - experts) / t + experts / (t * config.ep)
+    if plain:
+        largest = max(largest, model.dense_layer_params / t)
     block = largest
     head = 0.0
     if stage == 0:
@@ -105,8 +106,7 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
         largest = max(largest, model.vocab_rows * model.hidden_size / t)
         head = model.head_params / t
     return StageParams(dense=dense / t, expert=expert / (t * config.ep), largest_layer=largest,
-                       largest_block=block, head=head,
-                       layers=len(stage_layer_range(model, config, stage)))
+                       largest_block=block, head=head, layers=len(layers))
 
 
 def persistent_layer_params(model: ModelSpec) -> int:

@@ -22,6 +22,7 @@ placeholders (one head, so tensor parallelism is 1); the cost model reads the la
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -252,44 +253,44 @@ class ModelSpec:
                 raise ValueError(f"traced_dtype_bytes must be 1, 2, 4 or 8, got "
                                  f"{self.traced_dtype_bytes!r}")
 
-    @property
+    @functools.cached_property
     def is_traced(self) -> bool:
         return bool(self.traced)
 
     # ----- derived sizes -------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def kv_heads(self) -> int:
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
 
-    @property
+    @functools.cached_property
     def head_size(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
-    @property
+    @functools.cached_property
     def q_size(self) -> int:
         """Width of the query projection output (a * d)."""
         return self.num_heads * self.head_size
 
-    @property
+    @functools.cached_property
     def kv_size(self) -> int:
         """Width of each of the key and value projection outputs (a_kv * d)."""
         return self.kv_heads * self.head_size
 
-    @property
+    @functools.cached_property
     def vocab_rows(self) -> int:
         """Embedding rows actually allocated (the padded vocabulary)."""
         return self.padded_vocab_size if self.padded_vocab_size is not None else self.vocab_size
 
-    @property
+    @functools.cached_property
     def is_moe(self) -> bool:
         return self.num_experts > 1
 
-    @property
+    @functools.cached_property
     def expert_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None \
             else self.ffn_hidden_size
 
-    @property
+    @functools.cached_property
     def num_moe_layers(self) -> int:
         return self.num_layers // self.moe_layer_freq if self.is_moe else 0
 
@@ -298,12 +299,12 @@ class ModelSpec:
         return self.is_moe and (index + 1) % self.moe_layer_freq == 0
 
     # ----- parameter counts ----------------------------------------------------------------
-    @property
+    @functools.cached_property
     def norm_params(self) -> int:
         """Parameters of one norm: 2h for LayerNorm (weight, bias), h for RMSNorm."""
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
-    @property
+    @functools.cached_property
     def attention_params(self) -> int:
         h, q, kv = self.hidden_size, self.q_size, self.kv_size
         weights = h * q + 2 * h * kv + q * h
@@ -318,11 +319,11 @@ class ModelSpec:
         bias = ((matrices - 1) * f + h) if self.linear_bias else 0
         return matrices * h * f + bias
 
-    @property
+    @functools.cached_property
     def dense_layer_params(self) -> int:
         return self.attention_params + self.mlp_params() + 2 * self.norm_params
 
-    @property
+    @functools.cached_property
     def moe_layer_params(self) -> int:
         router = self.hidden_size * self.num_experts
         return (self.attention_params + 2 * self.norm_params + router
@@ -333,7 +334,7 @@ class ModelSpec:
             return self.traced[index].params
         return self.moe_layer_params if self.is_moe_layer(index) else self.dense_layer_params
 
-    @property
+    @functools.cached_property
     def layers_params(self) -> int:
         """All transformer blocks together (every layer of a traced model)."""
         if self.traced:
@@ -341,7 +342,7 @@ class ModelSpec:
         moe = self.num_moe_layers
         return moe * self.moe_layer_params + (self.num_layers - moe) * self.dense_layer_params
 
-    @property
+    @functools.cached_property
     def embedding_params(self) -> int:
         """Input side: word embedding, learned positions, embedding norm (a traced model's
         embedding is one of its layers)."""
@@ -354,7 +355,7 @@ class ModelSpec:
             params += self.norm_params
         return params
 
-    @property
+    @functools.cached_property
     def head_params(self) -> int:
         """Output side: final norm and, if untied, the LM head matrix (a traced model's head is
         one of its layers)."""
@@ -363,12 +364,12 @@ class ModelSpec:
         lm_head = 0 if self.tied_embeddings else self.vocab_rows * self.hidden_size
         return self.norm_params + lm_head
 
-    @property
+    @functools.cached_property
     def num_params(self) -> int:
         """Total trainable parameters (tied matrices counted once)."""
         return self.embedding_params + self.layers_params + self.head_params
 
-    @property
+    @functools.cached_property
     def active_params(self) -> int:
         """Parameters touched per token (MoE counts ``moe_top_k`` experts)."""
         if not self.is_moe:
@@ -377,7 +378,7 @@ class ModelSpec:
         return self.num_params - self.num_moe_layers * inactive
 
     # ----- matmul sizes used by the FLOP count ---------------------------------------------
-    @property
+    @functools.cached_property
     def attention_matmul_params(self) -> int:
         """Weights multiplied per token in attention projections (biases excluded)."""
         h, q, kv = self.hidden_size, self.q_size, self.kv_size

@@ -271,10 +271,28 @@ def calibrated_link(link: coll.GroupLink | None, calibration: Calibration,
     return link
 
 
+_CALIBRATED: dict[tuple[int, Links, str | None], tuple[Calibration, Links]] = {}
+"""``calibrated_links`` results by (id of the calibration, links, GPU); each entry keeps its
+calibration alive so that the id is not reused while the entry exists."""
+
+
 def calibrated_links(links: Links, calibration: Calibration,
                      gpu_key: str | None = None) -> Links:
     """Every group of ``links`` through ``calibrated_link``; the pipeline link (a
-    point-to-point send) without the library's collective step latencies."""
+    point-to-point send) without the library's collective step latencies. Cached: a
+    calibration is not changed after it is made."""
+    key = (id(calibration), links, gpu_key)
+    hit = _CALIBRATED.get(key)
+    if hit is not None and hit[0] is calibration:
+        return hit[1]
+    if len(_CALIBRATED) > 65536:
+        _CALIBRATED.clear()
+    out = _calibrated_links(links, calibration, gpu_key)
+    _CALIBRATED[key] = (calibration, out)
+    return out
+
+
+def _calibrated_links(links: Links, calibration: Calibration, gpu_key: str | None) -> Links:
     return Links(tp=calibrated_link(links.tp, calibration, gpu_key),
                  cp=calibrated_link(links.cp, calibration, gpu_key),
                  dp=calibrated_link(links.dp, calibration, gpu_key),

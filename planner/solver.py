@@ -41,7 +41,7 @@ from meshplan.costmodel import composition
 from meshplan.costmodel.config import even_split
 
 from meshplan.planner.tables import (CandidateTables, StageTerms, StageTime, TracedTables, fits,
-                            map_terms, objective_ns, stage_time_ns, traced_objective_ns)
+                            map_terms, objective_ns, scaled_step_ns, stage_time_ns, traced_objective_ns)
 
 
 class Infeasible(Exception):
@@ -82,12 +82,19 @@ def greedy_hint(tables: CandidateTables) -> tuple[list[int], list[str]] | None:
         if not fitting:
             return None
         modes.append(fitting[0])
-    best = objective_ns(tables, layers, modes)
+    terms = {(i, r): stage_time_ns(tables, i, n, r)
+             for i, n in enumerate(layers) for r in tables.allowed[i] if fits(tables, i, n, r)}
+
+    def objective(chosen: list[str]) -> int:
+        return scaled_step_ns([terms[i, r] for i, r in enumerate(chosen)],
+                              micro_batches=tables.micro_batches, vpp=tables.vpp)
+
+    best = objective(modes)
     for i in range(p):  # one pass of per-stage improvement
         for r in tables.allowed[i]:
-            if fits(tables, i, layers[i], r):
+            if (i, r) in terms:
                 trial = modes[:i] + [r] + modes[i + 1:]
-                value = objective_ns(tables, layers, trial)
+                value = objective(trial)
                 if value < best:
                     best, modes = value, trial
     return layers, modes

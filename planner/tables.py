@@ -145,7 +145,7 @@ def stage_config(config: ParallelConfig, model: ModelSpec, stage: int, layers: i
             counts[i] = n
     modes = ["none"] * p
     modes[stage] = mode
-    return config.replace(layers_per_stage=tuple(counts), recompute=tuple(modes))
+    return config.with_split(tuple(counts), tuple(modes))
 
 
 def _time_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
@@ -305,7 +305,7 @@ def range_config(config: ParallelConfig, model: ModelSpec, stage: int, start: in
     counts[stage] = stop - start
     modes = ["none"] * p
     modes[stage] = mode
-    return config.replace(layers_per_stage=tuple(counts), recompute=tuple(modes))
+    return config.with_split(tuple(counts), tuple(modes))
 
 
 def _probe_ranges(prefix: tuple[tuple[int, ...], ...], stage: int,
