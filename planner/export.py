@@ -4,7 +4,8 @@ Three pure functions, one per target, and ``render`` for the command line:
 
 * ``to_deepspeed``: a DeepSpeed config dict (``deepspeed.initialize(config=...)``; 0.19);
 * ``to_megatron``: Megatron-LM ``pretrain_gpt.py`` arguments (core_r0.16 names);
-* ``to_torchtitan``: a torchtitan ``JobConfig`` TOML (``--job.config_file``; torchtitan 0.2).
+* ``to_torchtitan``: a torchtitan ``JobConfig`` TOML (``--job.config_file``; torchtitan 0.2),
+  naming the torchtitan flavour with the plan's architecture (``TORCHTITAN_FLAVOURS``).
   torchtitan 0.3 reads no TOML: its configs are Python ``config_registry`` functions chosen
   with ``--module``/``--config`` and overridden by ``--section.key`` flags. The ``[training]``
   and ``[parallelism]`` keys written here are also 0.3's ``--training.*``/``--parallelism.*``
@@ -31,7 +32,7 @@ from __future__ import annotations
 import json
 import shlex
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshplan.costmodel import ModelSpec, ParallelConfig
 from meshplan.costmodel.config import RECOMPUTE_MODES
@@ -353,8 +354,186 @@ def _megatron_zero(config: ParallelConfig) -> list[str]:
 
 # ----- torchtitan --------------------------------------------------------------------------------
 
+TORCHTITAN_VERSION = "0.2.2"
+"""The torchtitan release whose flavours ``TORCHTITAN_FLAVOURS`` copies."""
+TORCHTITAN_FLAVOURS: dict[str, dict[str, dict[str, Any]]] = {
+    # torchtitan 0.2.2 torchtitan/models/llama3/__init__.py, ``llama3_args`` (the sdpa flavours;
+    # ``*_flex*``/``*_varlen`` are the same shapes with other attention kernels). Defaults:
+    # llama3/model/args.py ``TransformerModelArgs`` (n_kv_heads None = n_heads, vocab_size
+    # 128256, multiple_of 256, ffn_dim_multiplier None); untied embeddings, head dim
+    # dim / n_heads (llama3/model/model.py).
+    "llama3": {
+        "debugmodel": {"dim": 256, "n_layers": 6, "n_heads": 16, "vocab_size": 2048},
+        "8B": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
+               "ffn_dim_multiplier": 1.3, "multiple_of": 1024},
+        "70B": {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8,
+                "ffn_dim_multiplier": 1.3, "multiple_of": 4096},
+        "405B": {"dim": 16384, "n_layers": 126, "n_heads": 128, "n_kv_heads": 8,
+                 "ffn_dim_multiplier": 1.2, "multiple_of": 4096},
+    },
+    # torchtitan 0.2.2 torchtitan/models/qwen3/__init__.py, ``qwen3_args``: the shape arguments,
+    # with ``moe_args``' num_experts and top_k flattened (enable_weight_tying defaults to False
+    # in qwen3/model/args.py). MoE flavours have an MoE block in every layer (hidden_dim unused)
+    # and no shared experts.
+    "qwen3": {
+        "debugmodel": {"vocab_size": 2048, "head_dim": 128, "dim": 256, "n_layers": 8,
+                       "n_heads": 16, "n_kv_heads": 8, "hidden_dim": 3072,
+                       "enable_weight_tying": True},
+        "0.6B": {"vocab_size": 151936, "head_dim": 128, "dim": 1024, "n_layers": 28,
+                 "n_heads": 16, "n_kv_heads": 8, "hidden_dim": 3072, "enable_weight_tying": True},
+        "1.7B": {"vocab_size": 151936, "head_dim": 128, "dim": 2048, "n_layers": 28,
+                 "n_heads": 16, "n_kv_heads": 8, "hidden_dim": 6144, "enable_weight_tying": True},
+        "4B": {"vocab_size": 151936, "head_dim": 128, "dim": 2560, "n_layers": 36,
+               "n_heads": 32, "n_kv_heads": 8, "hidden_dim": 9728, "enable_weight_tying": True},
+        "8B": {"vocab_size": 151936, "head_dim": 128, "dim": 4096, "n_layers": 36,
+               "n_heads": 32, "n_kv_heads": 8, "hidden_dim": 12288},
+        "14B": {"vocab_size": 151936, "head_dim": 128, "dim": 5120, "n_layers": 40,
+                "n_heads": 40, "n_kv_heads": 8, "hidden_dim": 17408},
+        "32B": {"vocab_size": 151936, "head_dim": 128, "dim": 5120, "n_layers": 64,
+                "n_heads": 64, "n_kv_heads": 8, "hidden_dim": 25600},
+        "debugmodel_moe": {"vocab_size": 2048, "head_dim": 128, "dim": 256, "n_layers": 8,
+                           "n_heads": 16, "n_kv_heads": 8, "moe_inter_dim": 768,
+                           "num_experts": 64, "top_k": 8},
+        "30B-A3B": {"vocab_size": 151936, "head_dim": 128, "dim": 2048, "n_layers": 48,
+                    "n_heads": 32, "n_kv_heads": 4, "moe_inter_dim": 768,
+                    "num_experts": 128, "top_k": 8},
+        "235B-A22B": {"vocab_size": 151936, "head_dim": 128, "dim": 4096, "n_layers": 94,
+                      "n_heads": 64, "n_kv_heads": 4, "moe_inter_dim": 1536,
+                      "num_experts": 128, "top_k": 8},
+    },
+    # Not here: llama4 and deepseek_v3 (every MoE layer has shared experts, and deepseek_v3 has
+    # latent attention), gpt_oss (attention sinks, alternating sliding windows), llama3_ft
+    # (llama3's flavours), flux (not a decoder); a ModelSpec describes none of these.
+}
+"""torchtitan model name -> flavour -> its shape arguments, as torchtitan's source spells them."""
+
+
+class TorchtitanArchitecture(NamedTuple):
+    """The numbers that tell torchtitan flavours apart, and a ModelSpec's for comparison."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    ffn: int
+    """Dense MLP inner width; 0 when every layer is MoE."""
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    tied: bool = False
+
+    def describe(self, fields: tuple[str, ...] | None = None) -> str:
+        """``hidden 4096, 32 layers, ...``: the given fields, or those that are set."""
+        if fields is None:
+            fields = tuple(f for f in self._fields if getattr(self, f))
+        return ", ".join(_ARCHITECTURE_LABELS[f](getattr(self, f)) for f in fields)
+
+
+_ARCHITECTURE_LABELS = {
+    "hidden": "hidden {}".format, "layers": "{} layers".format, "heads": "{} heads".format,
+    "kv_heads": "{} kv heads".format, "head_dim": "head dim {}".format,
+    "vocab": "vocab {}".format, "ffn": "ffn {}".format, "experts": "{} experts".format,
+    "top_k": "top-{}".format, "expert_ffn": "expert ffn {}".format,
+    "tied": lambda tied: "tied embeddings" if tied else "untied embeddings",
+}
+
+
+def llama3_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """torchtitan llama3's MLP inner width (llama3/model/model.py ``FeedForward``, hidden_dim
+    ``4 * dim``): 2/3 of it, times the multiplier, rounded up to ``multiple_of``."""
+    hidden_dim = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden_dim = int(ffn_dim_multiplier * hidden_dim)
+    return multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
+
+
+def torchtitan_flavour_architecture(name: str, args: dict[str, Any]) -> TorchtitanArchitecture:
+    """The architecture torchtitan builds from a ``TORCHTITAN_FLAVOURS`` entry."""
+    dim, heads = args["dim"], args["n_heads"]
+    kv_heads = args.get("n_kv_heads") or heads
+    if name == "llama3":
+        return TorchtitanArchitecture(
+            dim, args["n_layers"], heads, kv_heads, dim // heads, args.get("vocab_size", 128256),
+            llama3_ffn_dim(dim, args.get("multiple_of", 256), args.get("ffn_dim_multiplier")))
+    moe = "num_experts" in args
+    return TorchtitanArchitecture(
+        dim, args["n_layers"], heads, kv_heads, args["head_dim"], args["vocab_size"],
+        0 if moe else args["hidden_dim"], args.get("num_experts", 0), args.get("top_k", 0),
+        args.get("moe_inter_dim", 0) if moe else 0, args.get("enable_weight_tying", False))
+
+
+def model_architecture(model: ModelSpec) -> TorchtitanArchitecture:
+    """A ModelSpec's numbers in ``TorchtitanArchitecture`` form (vocabulary before padding)."""
+    moe = model.is_moe
+    return TorchtitanArchitecture(
+        model.hidden_size, model.num_layers, model.num_heads, model.kv_heads, model.head_size,
+        model.vocab_size, model.ffn_hidden_size if model.num_moe_layers < model.num_layers else 0,
+        model.num_experts if moe else 0, model.moe_top_k if moe else 0,
+        model.expert_ffn_size if moe else 0, model.tied_embeddings)
+
+
+def torchtitan_flavour(model: ModelSpec) -> tuple[str, str]:
+    """The torchtitan (model name, flavour) that builds ``model``; ValueError when none does.
+
+    torchtitan's llama3 and qwen3 are SwiGLU, RMSNorm, RoPE decoders without biases; a flavour
+    matches when every ``TorchtitanArchitecture`` number is equal. RoPE and norm settings are
+    the flavour's (no effect on the plan's costs); qwen3's q/k norms are not in a ModelSpec.
+    """
+    unlike = [what for what, differs in (
+        (f"{model.activation} MLP", model.activation != "swiglu"),
+        (model.norm, model.norm != "rmsnorm"),
+        (f"{model.position_embedding} positions", model.position_embedding != "rope"),
+        ("linear biases", model.linear_bias), ("Q/K/V biases", model.qkv_bias),
+        ("a norm after the embedding", model.embedding_norm),
+        (f"sliding-window attention ({model.sliding_window})", model.sliding_window is not None),
+    ) if differs]
+    if unlike:
+        raise ValueError(f"torchtitan {TORCHTITAN_VERSION}'s "
+                         f"{' and '.join(TORCHTITAN_FLAVOURS)} decoders are SwiGLU, RMSNorm and "
+                         f"RoPE without biases; {model.name} has {', '.join(unlike)}: export to "
+                         f"megatron or deepspeed")
+    want = model_architecture(model)
+    candidates = [(name, flavour, torchtitan_flavour_architecture(name, args))
+                  for name, flavours in TORCHTITAN_FLAVOURS.items()
+                  for flavour, args in flavours.items()]
+    for name, flavour, have in candidates:
+        if have == want:
+            return name, flavour
+    same_kind = [(name, flavour, have) for name, flavour, have in candidates
+                 if bool(have.experts) == bool(want.experts)]
+    listing = "; ".join(
+        f"{name} " + ", ".join(flavour for n, flavour, _ in same_kind if n == name)
+        for name in dict.fromkeys(name for name, _, _ in same_kind))
+    if want.experts:
+        listing += " (llama4's and deepseek_v3's have shared experts)"
+    raise ValueError(f"torchtitan {TORCHTITAN_VERSION} has no flavour with {model.name}'s "
+                     f"architecture ({want.describe()}){_nearest(want, same_kind)}; its "
+                     f"{'MoE' if want.experts else 'dense'} flavours: {listing}; register one "
+                     f"with these numbers (torchtitan/models/*/__init__.py) to train it there, "
+                     f"or export to megatron or deepspeed")
+
+
+def _nearest(want: TorchtitanArchitecture,
+             candidates: list[tuple[str, str, TorchtitanArchitecture]]) -> str:
+    """``; nearest: <name> <flavour> (its differing numbers)`` when one differs in at most two."""
+    best = None
+    for name, flavour, have in candidates:
+        differ = tuple(f for f, a, b in zip(have._fields, have, want) if a != b)
+        if len(differ) <= 2 and (best is None or len(differ) < len(best[2])):
+            best = (name, flavour, differ, have)
+    if best is None:
+        return ""
+    name, flavour, differ, have = best
+    return f"; nearest: {name} {flavour} ({have.describe(differ)})"
+
+
 def to_torchtitan(plan: Plan) -> str:
     """A torchtitan JobConfig TOML (``--job.config_file``): job, model, training, parallelism.
+
+    ``[model]`` is the torchtitan model and flavour that build the plan's model
+    (``torchtitan_flavour``; ValueError when there is none).
 
     torchtitan's ``local_batch_size`` is what one data-parallel rank takes per optimizer
     micro-step and pipeline micro-batches are cut from it, so with pp > 1 it is the whole
@@ -375,6 +554,10 @@ def to_torchtitan(plan: Plan) -> str:
 def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
     """The TOML's tables as dicts (what ``tomllib`` reads back from ``to_torchtitan``)."""
     model, config = plan.model, plan.config
+    name, flavour = torchtitan_flavour(model)
+    if model.dropout:
+        _warn(f"torchtitan's {name} has no dropout; {model.name} was planned with dropout (the "
+              f"export holds less activation memory than planned)")
     _check_framework(plan, "torchtitan")
     _check_mesh_order(plan, "torchtitan", (DEFAULT_MESH_ORDER,))
     _check_offload_device(config, "torchtitan")
@@ -404,7 +587,7 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
     return {
         "job": {"dump_folder": "./outputs",
                 "description": f"meshplan plan: {model.name} on {plan.cluster.name}"},
-        "model": {"name": "llama4" if model.is_moe else "llama3", "flavor": model.name},
+        "model": {"name": name, "flavor": flavour},
         "training": training,
         "parallelism": _torchtitan_parallelism(plan),
         "activation_checkpoint": checkpointing,

@@ -14,7 +14,10 @@ Two layers:
     Config``, ``OptimizerConfig`` and micro-batch calculator built from them as Megatron-LM's
     ``core_transformer_config_from_args`` does, so their ``__post_init__`` validation runs;
   - torchtitan 0.2: its ``ConfigManager`` reading the TOML (``--job.config_file``), its
-    ``ParallelDims`` validating the degrees, and the value types checked against ``JobConfig``.
+    ``ParallelDims`` validating the degrees, the value types checked against ``JobConfig``, and
+    the ``[model]`` flavour built (on the meta device) by torchtitan's own model code, as its
+    trainer does; the export's flavour table (``export.TORCHTITAN_FLAVOURS``) is checked against
+    the installed torchtitan the same way.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from importlib import metadata
 
 import pytest
 
-from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
+from meshplan.costmodel import ModelSpec, ParallelConfig, estimate, load_cluster, load_model
 from meshplan import cli
 from meshplan.planner import export
 from meshplan.planner.export import ExportWarning
 from meshplan.planner.plan import Plan, write_plan
+from meshplan.testing import usage_error
 
 # ----- plans -------------------------------------------------------------------------------------
 PLAN_3D = {"tp": 2, "pp": 2, "dp": 2, "sp": True, "zero_stage": 1, "recompute": "selective",
@@ -49,10 +53,25 @@ PLAN_ZERO3_OPTIMIZER_OFFLOAD = {**PLAN_ZERO3_OFFLOAD, "offload": "optimizer"}
 """Megatron-LM cannot offload parameters; this is the ZeRO-3 + CPU offload plan it can run."""
 
 
-def make_plan(*, model: str = "llama3-8b", nodes: int = 1, framework: str = "meshplan",
-              **config) -> Plan:
-    est = estimate(load_model(model), load_cluster("dgx-h100", nodes=nodes),
-                   ParallelConfig(**config), framework=framework)
+QWEN3_30B_A3B = ModelSpec(
+    name="qwen3-30b-a3b", num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
+    head_dim=128, ffn_hidden_size=6144, vocab_size=151936, seq_len=4096, activation="swiglu",
+    norm="rmsnorm", position_embedding="rope", linear_bias=False, tied_embeddings=False,
+    num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768)
+"""torchtitan 0.2.2's qwen3 flavour ``30B-A3B`` (torchtitan/models/qwen3/__init__.py): an MoE
+block in every layer, no shared experts (its ffn 6144 is the flavour's unused dense width)."""
+QWEN3_0_6B = ModelSpec(
+    name="qwen3-0.6b", num_layers=28, hidden_size=1024, num_heads=16, num_kv_heads=8,
+    head_dim=128, ffn_hidden_size=3072, vocab_size=151936, seq_len=4096, activation="swiglu",
+    norm="rmsnorm", position_embedding="rope", linear_bias=False, tied_embeddings=True)
+"""torchtitan 0.2.2's qwen3 ``0.6B``: head dim 128, not 1024 / 16, and tied embeddings."""
+
+
+def make_plan(*, model: str | ModelSpec = "llama3-8b", nodes: int = 1,
+              framework: str = "meshplan", **config) -> Plan:
+    spec = load_model(model) if isinstance(model, str) else model
+    est = estimate(spec, load_cluster("dgx-h100", nodes=nodes), ParallelConfig(**config),
+                   framework=framework)
     return Plan.from_estimate(est, provenance={"solver": "test"})
 
 
@@ -293,7 +312,7 @@ def test_torchtitan_3d_zero1():
     layers = [f"layers.{i}" for i in range(32)]
     assert tomllib.loads(text) == {
         "job": {"dump_folder": "./outputs", "description": "meshplan plan: llama3-8b on dgx-h100"},
-        "model": {"name": "llama3", "flavor": "llama3-8b"},
+        "model": {"name": "llama3", "flavor": "8B"},  # torchtitan's llama3_args["8B"]
         "training": {"local_batch_size": 32, "global_batch_size": 64, "seq_len": 8192,
                      "mixed_precision_param": "bfloat16"},
         "parallelism": {
@@ -329,16 +348,19 @@ def test_torchtitan_plain_ddp_stays_replicated():
             parallelism["data_parallel_shard_degree"]) == (8, 1)
 
 
+PLAN_INTERLEAVED_MOE = {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "vpp": 2, "sp": True,
+                        "zero_stage": 2, "global_batch_size": 64, "seq_len": 4096}
+
+
 def test_torchtitan_interleaved_and_moe():
-    plan = for_target(make_plan(model="mixtral-8x7b", tp=2, pp=2, dp=2, ep=2, vpp=2, sp=True,
-                                zero_stage=2, global_batch_size=64, seq_len=4096),
-                      "torchtitan")
+    plan = for_target(make_plan(model=QWEN3_30B_A3B, **PLAN_INTERLEAVED_MOE), "torchtitan")
     data = tomllib.loads(quietly(export.to_torchtitan, plan))
-    assert data["model"]["name"] == "llama4"
+    assert data["model"] == {"name": "qwen3", "flavor": "30B-A3B"}
     parallelism = data["parallelism"]
     assert parallelism["pipeline_parallel_schedule"] == "Interleaved1F1B"
     assert parallelism["expert_parallel_degree"] == 2
-    assert [len(p) for p in parallelism["module_fqns_per_model_part"]] == [9, 8, 8, 10]
+    # 48 layers in 4 parts of 12; the first adds tok_embeddings, the last norm and output
+    assert [len(p) for p in parallelism["module_fqns_per_model_part"]] == [13, 12, 12, 14]
 
 
 def test_torchtitan_rejects_fp16_and_nvme():
@@ -353,7 +375,89 @@ def test_torchtitan_toml_strings_are_escaped():
     plan = for_target(make_plan(dp=8, global_batch_size=64), "torchtitan")
     name = 'my "llama" \\ v2 \u00e9'
     plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, name=name))
-    assert tomllib.loads(export.to_torchtitan(plan))["model"]["flavor"] == name
+    job = tomllib.loads(export.to_torchtitan(plan))["job"]
+    assert job["description"] == f"meshplan plan: {name} on dgx-h100"
+
+
+# The catalog's Llama 3 models and torchtitan 0.2.2's llama3 flavours (llama3/__init__.py:
+# dim, n_layers, n_heads, n_kv_heads 8, vocab 128256 by default) with the MLP width torchtitan's
+# FeedForward computes: m * ceil(int(multiplier * int(2 * 4 * dim / 3)) / m).
+LLAMA3_FLAVOURS = {
+    "llama3-8b": ("8B", (4096, 32, 32), 1024 * -(-int(1.3 * int(2 * 4 * 4096 / 3)) // 1024)),
+    "llama3-70b": ("70B", (8192, 80, 64), 4096 * -(-int(1.3 * int(2 * 4 * 8192 / 3)) // 4096)),
+    "llama3-405b": ("405B", (16384, 126, 128),
+                    4096 * -(-int(1.2 * int(2 * 4 * 16384 / 3)) // 4096)),
+}
+
+
+@pytest.mark.parametrize("model", LLAMA3_FLAVOURS)
+def test_torchtitan_flavour_of_catalog_llama3(model):
+    flavour, (dim, layers, heads), ffn = LLAMA3_FLAVOURS[model]
+    spec = load_model(model)
+    assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.kv_heads, spec.head_size,
+            spec.vocab_size, spec.ffn_hidden_size, spec.tied_embeddings) == \
+        (dim, layers, heads, 8, dim // heads, 128256, ffn, False)  # the numbers do match
+    plan = for_target(make_plan(model=model, nodes=4, tp=8, pp=4, global_batch_size=64),
+                      "torchtitan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        data = tomllib.loads(export.to_torchtitan(plan))
+    assert data["model"] == {"name": "llama3", "flavor": flavour}
+
+
+def test_llama3_ffn_dim_is_torchtitans():
+    # debugmodel: int(2 * 1024 / 3) = 682, no multiplier, up to a multiple of 256
+    assert export.llama3_ffn_dim(256, 256, None) == 768
+    # 8B, 70B, 405B: Llama 3's published MLP widths
+    assert [export.llama3_ffn_dim(4096, 1024, 1.3), export.llama3_ffn_dim(8192, 4096, 1.3),
+            export.llama3_ffn_dim(16384, 4096, 1.2)] == [14336, 28672, 53248]
+
+
+def test_torchtitan_flavour_of_qwen3_shapes():
+    assert export.torchtitan_flavour(QWEN3_30B_A3B) == ("qwen3", "30B-A3B")
+    assert export.torchtitan_flavour(QWEN3_0_6B) == ("qwen3", "0.6B")
+    # untied, 0.6B's numbers are no flavour (qwen3's 0.6B ties them; llama3 never does)
+    with pytest.raises(ValueError, match="no flavour with qwen3-0.6b's"):
+        export.torchtitan_flavour(dataclasses.replace(QWEN3_0_6B, tied_embeddings=False))
+
+
+@pytest.mark.parametrize("model, parts", [
+    # dense, one number off llama3 70B: torchtitan's vocabulary is 128256
+    ("llama2-70b", ["no flavour with llama2-70b's architecture (hidden 8192, 80 layers",
+                    "vocab 32000", "nearest: llama3 70B (vocab 128256)",
+                    "dense flavours: llama3 debugmodel, 8B, 70B, 405B; qwen3 debugmodel, 0.6B, "
+                    "1.7B, 4B, 8B, 14B, 32B;", "export to megatron or deepspeed"]),
+    # tied embeddings, head dim 64: llama3 ties none, qwen3's head dim is 128
+    ("llama3.2-1b", ["no flavour with llama3.2-1b's", "head dim 64", "tied embeddings"]),
+    # MoE: qwen3's MoE flavours only (llama4's and deepseek_v3's have shared experts)
+    ("mixtral-8x7b", ["no flavour with mixtral-8x7b's", "8 experts, top-2, expert ffn 14336",
+                      "MoE flavours: qwen3 debugmodel_moe, 30B-A3B, 235B-A22B (llama4"]),
+    ("gpt3-1.3b", ["are SwiGLU, RMSNorm and RoPE without biases; gpt3-1.3b has gelu MLP, "
+                   "layernorm, learned positions, linear biases: export to megatron"]),
+])
+def test_torchtitan_refuses_a_model_with_no_flavour(model, parts):
+    with pytest.raises(ValueError) as error:
+        export.torchtitan_flavour(load_model(model))
+    message = str(error.value)
+    assert "\n" not in message
+    for part in parts:
+        assert part in message
+
+
+def test_torchtitan_refuses_before_warning():
+    """A plan with warnings (ZeRO-1) and no flavour: the refusal, and nothing else."""
+    plan = make_plan(model="mixtral-8x7b", **PLAN_3D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        with pytest.raises(ValueError, match="no flavour with mixtral-8x7b's"):
+            export.to_torchtitan(plan)
+
+
+def test_torchtitan_warns_that_it_has_no_dropout():
+    plan = for_target(make_plan(dp=8, global_batch_size=64), "torchtitan")
+    plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, dropout=True))
+    with pytest.warns(ExportWarning, match="torchtitan's llama3 has no dropout"):
+        export.to_torchtitan(plan)
 
 
 # ----- shared rules ------------------------------------------------------------------------------
@@ -454,6 +558,17 @@ def test_cli_export_error_is_one_line_without_warnings(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith("meshplan: error: Megatron-LM cannot offload parameters")
+    assert not target.exists()
+
+
+def test_cli_export_refuses_a_model_torchtitan_has_no_flavour_for(tmp_path):
+    path, target = tmp_path / "plan.json", tmp_path / "job.toml"
+    write_plan(make_plan(model="llama2-70b", nodes=4, tp=8, pp=4, global_batch_size=64,
+                         framework="megatron"), path)  # a warning too, not printed
+    line = usage_error("export", path, "--to", "torchtitan", "-o", target)
+    assert line.startswith("meshplan: error: torchtitan 0.2.2 has no flavour with llama2-70b's "
+                           "architecture (")
+    assert "nearest: llama3 70B (vocab 128256)" in line  # torchtitan's llama3 vocab_size
     assert not target.exists()
 
 
@@ -684,13 +799,20 @@ def test_megatron_core_rejects_a_broken_split(megatron):
 
 
 # ----- parser: torchtitan ------------------------------------------------------------------------
+def _no_triton_kernels(*args, **kwargs):
+    raise RuntimeError("torchtitan's MoE token permutation is a Triton kernel, stubbed here")
+
+
 @pytest.fixture(scope="module")
 def torchtitan():
-    """torchtitan 0.2's config manager and ParallelDims, imported without the package __init__.
+    """torchtitan 0.2's config manager, ParallelDims and train-spec registry, imported without
+    the package __init__ and without Triton.
 
     ``torchtitan/__init__.py`` imports its quantization and MoE kernels, which need Triton (a
-    CUDA compiler that a CPU torch does not bring). The config code needs neither, so a bare
-    package module stands in for the __init__ while these modules import; restored afterwards.
+    CUDA compiler that a CPU torch does not bring; so ``import torchtitan`` fails here). The
+    config code needs neither, so a bare package module stands in for the __init__, and the
+    models' MoE layers import a stand-in ``torchtitan.models.moe.kernels`` (building a model on
+    the meta device runs no kernel); both restored afterwards.
     """
     spec = importlib.util.find_spec("torchtitan")
     if spec is None:
@@ -702,11 +824,21 @@ def torchtitan():
     package = types.ModuleType("torchtitan")
     package.__path__ = list(spec.submodule_search_locations)
     sys.modules["torchtitan"] = package
+    kernels = types.ModuleType("torchtitan.models.moe.kernels")
+    kernels.generate_permute_indices = _no_triton_kernels
+    sys.modules[kernels.__name__] = kernels
     try:
-        from torchtitan.config import ConfigManager, JobConfig
-        from torchtitan.distributed.parallel_dims import ParallelDims
+        with warnings.catch_warnings():  # torch's own import-time deprecations (inductor)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torchtitan.config import ConfigManager, JobConfig
+            from torchtitan.distributed.parallel_dims import ParallelDims
+            from torchtitan.models import _supported_models
+            from torchtitan.protocols.train_spec import get_train_spec
+            for name in (*export.TORCHTITAN_FLAVOURS, "llama4", "deepseek_v3"):
+                importlib.import_module(f"torchtitan.models.{name}")
         yield types.SimpleNamespace(ConfigManager=ConfigManager, JobConfig=JobConfig,
-                                    ParallelDims=ParallelDims)
+                                    ParallelDims=ParallelDims, get_train_spec=get_train_spec,
+                                    models=_supported_models, version=version)
     finally:
         for name in [k for k in sys.modules if k.split(".")[0] == "torchtitan"]:
             del sys.modules[name]
@@ -743,9 +875,51 @@ def load_torchtitan(tt, plan: Plan, tmp_path):
     return job
 
 
+def built_architecture(tt, name: str, flavour: str) -> dict[str, object]:
+    """The numbers of the model torchtitan's trainer builds for ``[model] name, flavor``: its
+    train spec's ``model_cls(model_args[flavor])`` on the meta device (torchtitan/train.py)."""
+    import torch
+
+    spec = tt.get_train_spec(name)
+    with torch.device("meta"):
+        module = spec.model_cls(spec.model_args[flavour])
+    blocks = list(module.layers.values())
+    attention = blocks[0].attention
+    assert all((b.attention.n_heads, b.attention.n_kv_heads, b.attention.head_dim) ==
+               (attention.n_heads, attention.n_kv_heads, attention.head_dim) for b in blocks)
+    dense = {b.feed_forward.w1.out_features for b in blocks if getattr(b, "moe", None) is None}
+    moe = {(b.moe.experts.num_experts, b.moe.router.top_k, b.moe.experts.w1.shape[1],
+            b.moe.shared_experts is not None) for b in blocks if getattr(b, "moe", None)}
+    assert len(dense) <= 1 and len(moe) <= 1  # one dense width, one kind of MoE block
+    ffn = dense.pop() if dense else 0
+    experts, top_k, expert_ffn, shared = moe.pop() if moe else (0, 0, 0, False)
+    assert not (ffn and experts)  # every layer dense or every layer MoE
+    return {"hidden": module.tok_embeddings.embedding_dim, "layers": len(blocks),
+            "heads": attention.n_heads, "kv_heads": attention.n_kv_heads,
+            "head_dim": attention.head_dim, "vocab": module.tok_embeddings.num_embeddings,
+            "ffn": ffn, "experts": experts, "top_k": top_k, "expert_ffn": expert_ffn,
+            "tied": module.output.weight is module.tok_embeddings.weight,
+            "shared_experts": shared}
+
+
+def spec_architecture(model: ModelSpec) -> dict[str, object]:
+    """A dense or all-MoE ModelSpec's numbers as ``built_architecture`` names them."""
+    assert model.moe_layer_freq == 1
+    return {"hidden": model.hidden_size, "layers": model.num_layers, "heads": model.num_heads,
+            "kv_heads": model.kv_heads, "head_dim": model.head_size, "vocab": model.vocab_size,
+            "ffn": 0 if model.is_moe else model.ffn_hidden_size,
+            "experts": model.num_experts, "top_k": model.moe_top_k,
+            "expert_ffn": model.expert_ffn_size if model.is_moe else 0,
+            "tied": model.tied_embeddings, "shared_experts": False}
+
+
 def check_torchtitan_job(tt, job, plan: Plan) -> None:
-    """What torchtitan's trainer and pipeline set-up check before training starts."""
+    """What torchtitan's trainer and pipeline set-up check before training starts, and that
+    the model it builds from ``[model]`` is the plan's."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    assert built_architecture(tt, job.model.name, job.model.flavor) == \
+        spec_architecture(plan.model)
 
     par, training = job.parallelism, job.training
     dims = tt.ParallelDims(dp_replicate=par.data_parallel_replicate_degree,
@@ -783,9 +957,7 @@ def test_torchtitan_config_manager_loads_export(torchtitan, tmp_path, config):
 
 
 def test_torchtitan_config_manager_loads_interleaved_moe(torchtitan, tmp_path):
-    plan = for_target(make_plan(model="mixtral-8x7b", tp=2, pp=2, dp=2, ep=2, vpp=2, sp=True,
-                                zero_stage=2, global_batch_size=64, seq_len=4096),
-                      "torchtitan")
+    plan = for_target(make_plan(model=QWEN3_30B_A3B, **PLAN_INTERLEAVED_MOE), "torchtitan")
     job = load_torchtitan(torchtitan, plan, tmp_path)
     check_torchtitan_job(torchtitan, job, plan)
     assert job.parallelism.pipeline_parallel_schedule == "Interleaved1F1B"
@@ -798,3 +970,43 @@ def test_torchtitan_config_manager_rejects_unknown_keys(torchtitan, tmp_path):
     path.write_text(export.to_torchtitan(plan).replace("seq_len", "seq_length"))
     with pytest.raises(ValueError, match="seq_length"):
         torchtitan.ConfigManager().parse_args(["--job.config_file", str(path)])
+
+
+@pytest.mark.parametrize("model", LLAMA3_FLAVOURS)
+def test_torchtitan_builds_the_catalog_llama3_it_is_given(torchtitan, tmp_path, model):
+    plan = for_target(make_plan(model=model, nodes=4, tp=8, pp=4, global_batch_size=64),
+                      "torchtitan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExportWarning)
+        job = load_torchtitan(torchtitan, plan, tmp_path)
+    check_torchtitan_job(torchtitan, job, plan)
+
+
+TORCHTITAN_FAMILIES_LEFT_OUT = {
+    "llama4": "shared experts in every MoE layer",
+    "deepseek_v3": "shared experts and latent attention (MLA)",
+    "gpt_oss": "attention sinks, alternating sliding windows, biased experts",
+    "llama3_ft": "llama3's flavours, for fault-tolerant training",
+    "flux": "a diffusion model",
+}
+"""torchtitan models ``export.TORCHTITAN_FLAVOURS`` leaves out: a ModelSpec describes none."""
+
+
+def test_torchtitan_flavour_table_is_the_installed_torchtitans(torchtitan):
+    """Every table entry builds, in the installed torchtitan, the architecture the export
+    matches against; every sdpa flavour of a covered model is in the table; every model the
+    table leaves out is known."""
+    table = export.TORCHTITAN_FLAVOURS
+    assert set(table) | set(TORCHTITAN_FAMILIES_LEFT_OUT) == set(torchtitan.models), \
+        f"torchtitan {torchtitan.version} models changed"
+    for name, flavours in table.items():
+        installed = torchtitan.get_train_spec(name).model_args
+        assert set(flavours) == {f for f, args in installed.items() if args.attn_type == "sdpa"}
+        for flavour, args in flavours.items():
+            expected = {**export.torchtitan_flavour_architecture(name, args)._asdict(),
+                        "shared_experts": False}
+            assert built_architecture(torchtitan, name, flavour) == expected, \
+                (torchtitan.version, name, flavour)
+    for name in ("llama4", "deepseek_v3"):
+        moe_args = [args.moe_args for args in torchtitan.get_train_spec(name).model_args.values()]
+        assert moe_args and all(moe.num_shared_experts > 0 for moe in moe_args)
