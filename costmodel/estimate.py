@@ -9,6 +9,7 @@ from meshplan.costmodel import composition, flops, schema, traced
 from meshplan.costmodel.calibration import Calibration, default_calibration
 from meshplan.costmodel.config import FRAMEWORKS, ParallelConfig
 from meshplan.costmodel.layout import check_fits_model
+from meshplan.costmodel.frameworks import min_micro_batches
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import (StageMemory, host_bytes_per_node, stage_layer_range, stage_memory,
                               stage_params)
@@ -103,7 +104,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
         tokens_per_s=config.global_batch_size * config.seq_len / time.step_s,
         model_flop_per_step=model_flop, model_flop_per_s_per_gpu=per_gpu,
         mfu=per_gpu / cluster.gpu.peak(config.dtype))
-    why = _why_not(memory, cluster, config)
+    why = _why_not(memory, cluster, config, framework)
     return Estimate(model=model, cluster=cluster, config=config, framework=framework,
                     memory=memory, time=time, throughput=throughput, fits=not why, why_not=why)
 
@@ -218,7 +219,13 @@ def _time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, framew
     return compose_step(terms, micro_batches=config.grad_accum_steps, vpp=config.vpp)
 
 
-def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfig) -> str:
+def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfig,
+             framework: str) -> str:
+    fewest = min_micro_batches(framework, config.pp)
+    if config.grad_accum_steps < fewest:
+        return (f"{framework}'s pipeline schedules (torch.distributed.pipelining 1F1B) need at "
+                f"least pp = {fewest} micro-batches per step, the plan has "
+                f"{config.grad_accum_steps} (global batch / (dp x micro-batch))")
     if memory.peak_reserved_bytes > cluster.gpu.hbm_bytes:
         stage = memory.bottleneck_stage
         return (f"stage {stage} needs {memory.peak_reserved_bytes / 2**30:.1f} GiB reserved per "

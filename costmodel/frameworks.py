@@ -272,6 +272,16 @@ def eager_kernels(framework: str) -> bool:
     return framework in ("meshplan", "torchtitan")
 
 
+def min_micro_batches(framework: str, pp: int) -> int:
+    """The fewest micro-batches per step the framework's pipeline schedules run with.
+
+    ``torch.distributed.pipelining``'s ``Schedule1F1B`` and ``ScheduleInterleaved1F1B``
+    (meshplan's runtime and torchtitan) raise ValueError below ``pp`` micro-batches
+    (schedules.py, torch 2.13); Megatron-LM's and DeepSpeed's 1F1B shorten the warm-up
+    instead (any count)."""
+    return pp if pp > 1 and framework in ("meshplan", "torchtitan") else 1
+
+
 def vocab_parallel_loss(framework: str) -> bool:
     """Whether the loss runs on vocabulary-sharded logits (Megatron's vocab-parallel cross
     entropy, torchtitan's loss_parallel); meshplan's runtime gathers the logits first."""

@@ -20,8 +20,8 @@ from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec
 from meshplan.costmodel.estimate import Estimate
 from meshplan.planner.plan import Plan
 from meshplan.planner.search import (EmptySpace, NoPlanFits, SearchResult, SearchTimeout, Solved,
-                                     empty_space_message, nearest_feasible, search,
-                                     space_is_empty)
+                                     empty_space_message, framework_space, nearest_feasible,
+                                     search, space_is_empty)
 from meshplan.planner.space import SearchSpace, pins_of
 
 SECONDS_PER_DAY = 86400.0
@@ -99,6 +99,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
     """
     if not 0 <= batch_tolerance < 1:
         raise ValueError(f"--global-batch-tolerance must be in [0, 1), got {batch_tolerance}")
+    space = framework_space(space, framework)
     if space_is_empty(model, cluster, space) and (batch_tolerance or allow_fewer_gpus):
         return _plan_nearby(model, cluster, space, framework=framework,
                             calibration=calibration, calibration_name=calibration_name,

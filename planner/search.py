@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
 from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_terms
+from meshplan.costmodel.frameworks import min_micro_batches
 from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.timing import stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
 from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, degree_tuples,
-                                    divisors, offload_choices, pick, vpp_choices, zero_choices)
+                                    micro_batch_choices, offload_choices, pick, vpp_choices,
+                                    zero_choices)
 from meshplan.planner.tables import (CandidateTables, TracedTables, build_tables,
                                      build_traced_tables, layer_bounds, stage_config)
 
@@ -109,10 +111,23 @@ def empty_space_message(model: ModelSpec, cluster: ClusterSpec, space: SearchSpa
         hints.append("--nodes " + " or ".join(
             f"{n} ({n * cluster.gpus_per_node} GPUs)" for n in nodes) +
             (" (or --allow-fewer-gpus)" if any(n < cluster.nodes for n in nodes) else ""))
+    if space.min_micro_batches_per_stage and not space_is_empty(
+            model, cluster, dataclasses.replace(space, min_micro_batches_per_stage=False)):
+        hints.insert(0, "a larger global batch or a smaller --micro-batch (this framework's "
+                        "pipeline schedules need at least pp micro-batches per step)")
     return (f"the search space is empty: no tp/pp/cp/dp combination divides the "
             f"{cluster.num_gpus} GPUs, the heads ({model.num_heads}), the layers "
             f"({model.num_layers}) and the global batch {batch} with the pinned choices; try "
             + ("; ".join(hints) if hints else "fewer pinned choices"))
+
+
+def framework_space(space: SearchSpace, framework: str) -> SearchSpace:
+    """``space`` with the limits ``framework`` itself puts on configurations (its pipeline
+    schedules' fewest micro-batches: ``costmodel.frameworks.min_micro_batches``)."""
+    needs = min_micro_batches(framework, 2) > 1
+    if not needs or space.min_micro_batches_per_stage:
+        return space
+    return dataclasses.replace(space, min_micro_batches_per_stage=needs)
 
 
 class SearchTimeout(Exception):
@@ -165,8 +180,10 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     count (one slope for all stages) are fixed for a given layer total; with S a lower bound of
     sum_i t_i, ``v * step >= (m v - 1) S / p + S``. Once per step: some stage holds at least
     ceil(L/p) layers, so the largest exposed data-parallel, optimizer and offload terms are at least the
-    smallest value any stage class takes for a count in [ceil(L/p), hi] (each is linear, or
-    max(0, linear), in the count, so that minimum sits at an end of the range).
+    smallest value any stage class takes for a count in [ceil(L/p), hi]: each grows with the
+    count (linearly, or as a ceiling of it where collectives are bucketed, which the two-point
+    line over-estimates far from ``lo``), so the smaller of its exact value at ceil(L/p) and
+    the line's value at ``hi`` is taken.
     """
     p, total_layers = config.pp, model.num_layers
     if p == 1:  # one stage holds every layer: read the terms at that count, exactly
@@ -178,7 +195,7 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     forms: dict[int, dict[int, object]] = {}
     for stage in classes:
         forms[stage] = {}
-        for n in (lo, lo + 1):
+        for n in sorted({lo, lo + 1, heavy}):
             key = (config, stage, n)
             if cache is not None and key in cache:
                 forms[stage][n] = cache[key]
@@ -190,7 +207,10 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                 cache[key] = terms
 
     def at(stage: int, n: int, getter) -> float:
-        """A term linear in the layer count, extrapolated from lo and lo + 1."""
+        """A term at ``n`` layers: exact where it was evaluated, else extrapolated from lo and
+        lo + 1 (linear in the count, or a ceiling of it: bucketed collectives)."""
+        if n in forms[stage]:
+            return getter(forms[stage][n])
         first, second = getter(forms[stage][lo]), getter(forms[stage][lo + 1])
         return first + (second - first) * (n - lo)
 
@@ -402,6 +422,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     every budget gives an answer when a plan fits.
     """
     start = time.perf_counter()
+    space = framework_space(space, framework)
     refiner = _Refiner(model, cluster, space, framework=framework, calibration=calibration)
     core = candidates(model, cluster, space, core=True)
     best = _Best(top_k)
@@ -666,7 +687,7 @@ class _Refiner:
         tp, cp, pp, dp, ep = degrees
         space = self.space
         per_replica = space.global_batch_size // dp
-        mbs = pick(space.micro_batch_size, divisors(per_replica))
+        mbs = micro_batch_choices(space, per_replica, pp)
         sps = [tp > 1] if space.sp is None else [s for s in space.sp if tp > 1 or not s]
         orders = pick(space.mesh_order, list(MESH_ORDERS))
         if space.mesh_order is None and (pp == 1 or dp == 1):
@@ -890,11 +911,9 @@ def tables_bound(tables) -> float | None:
         lo, hi = tables.lo[i], tables.hi[i]
         forms = []
         for r in tables.allowed[i]:
-            memory = tables.memory_bytes[i][r]
-            if memory.base > tables.capacity_bytes:
+            most = tables.most(i, r)
+            if most < lo:
                 continue
-            most = hi if memory.slope <= 0 else min(
-                hi, lo + (tables.capacity_bytes - memory.base) // memory.slope)
             linear = tables.time_ns[i][r].linear
             forms.append((linear.base, max(linear.slope, 0), int(most)))
         if not forms:

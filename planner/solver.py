@@ -188,7 +188,7 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
             model.Add(n[r] <= hi * y[r])
             if not fits(tables, i, lo, r):  # memory grows with layers: nothing fits
                 model.Add(y[r] == 0)
-        model.Add(sum(_affine(tables.memory_bytes[i][r], y[r], n[r], lo) for r in modes)
+        model.Add(sum(_affine(tables.fit_form(i, r), y[r], n[r], lo) for r in modes)
                   <= tables.capacity_bytes)
 
         terms = map_terms(lambda *forms: sum(_affine(f, y[r], n[r], lo)

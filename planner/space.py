@@ -76,6 +76,9 @@ class SearchSpace:
     """A layer split the user pinned."""
     memory_margin: float = 0.0
     """Fraction of device memory kept free (0.05 = plan for 95% of capacity)."""
+    min_micro_batches_per_stage: bool = False
+    """Only pipelines with at least pp micro-batches per step (the framework's schedules need
+    them: ``costmodel.frameworks.min_micro_batches``); ``search`` sets it per framework."""
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -175,10 +178,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
     out = []
     for tp, cp, pp, dp, ep in degree_tuples(model, cluster, space, core=core):
         per_replica = space.global_batch_size // dp
-        mbs = divisors(per_replica)
-        if core and space.micro_batch_size is None:
-            mbs = [b for b in mbs if b <= CORE_MAX_MICRO_BATCH]
-        mbs = pick(space.micro_batch_size, mbs)
+        mbs = micro_batch_choices(space, per_replica, pp, core=core)
         sps = [tp > 1] if space.sp is None else [s for s in space.sp if tp > 1 or not s]
         zeros = zero_choices(space, dp * cp, core=core)
         orders = pick(space.mesh_order, list(MESH_ORDERS))
@@ -210,6 +210,18 @@ def zero_choices(space: SearchSpace, replicas: int, *, core: bool = False) -> li
     if replicas == 1:
         return pick(space.zero_stage, list(ONE_REPLICA_ZERO))
     return pick(space.zero_stage, [1, 2, 3] if core else [0, 1, 2, 3])
+
+
+def micro_batch_choices(space: SearchSpace, per_replica: int, pp: int, *,
+                        core: bool = False) -> list[int]:
+    """Micro-batch sizes that divide a replica's ``per_replica`` sequences, ascending; with
+    ``min_micro_batches_per_stage`` only those giving at least ``pp`` micro-batches."""
+    mbs = divisors(per_replica)
+    if space.min_micro_batches_per_stage and pp > 1:
+        mbs = [b for b in mbs if per_replica // b >= pp]
+    if core and space.micro_batch_size is None:
+        mbs = [b for b in mbs if b <= CORE_MAX_MICRO_BATCH]
+    return pick(space.micro_batch_size, mbs)
 
 
 def vpp_choices(space: SearchSpace, model: ModelSpec, pp: int, micro_batches: int, *,

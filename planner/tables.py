@@ -113,11 +113,49 @@ class CandidateTables:
     time_ns: tuple[dict[str, StageTerms[Linear]], ...]
     """Per stage, per mode: every time term."""
     memory_bytes: tuple[dict[str, Linear], ...]
-    """Per stage, per mode: reserved bytes of one rank."""
+    """Per stage, per mode: reserved bytes of one rank (exact at ``lo`` and ``lo + 1``)."""
     capacity_bytes: int
     num_layers: int
     micro_batches: int
     vpp: int
+    most_layers: tuple[dict[str, int], ...] | None = None
+    """Per stage, per mode: the most layers that fit ``capacity_bytes`` by the cost model's
+    own stage memory (``lo - 1``: none); None reads it off the linear ``memory_bytes``."""
+
+    def most(self, stage: int, mode: str) -> int:
+        """The most layers ``stage`` holds within capacity under ``mode``."""
+        if self.most_layers is not None:
+            return self.most_layers[stage][mode]
+        return _most_of_form(self.memory_bytes[stage][mode], self.lo[stage], self.hi[stage],
+                             self.capacity_bytes)
+
+    def fit_form(self, stage: int, mode: str) -> Linear:
+        """The CP-SAT memory constraint's form: at most ``capacity_bytes`` exactly for the
+        counts ``most`` allows (``memory_bytes`` itself when no ``most_layers`` are given)."""
+        if self.most_layers is None:
+            return self.memory_bytes[stage][mode]
+        return _fit_form(self.memory_bytes[stage][mode], self.most(stage, mode),
+                         self.lo[stage], self.hi[stage], self.capacity_bytes)
+
+
+def _fit_form(form: Linear, most: int, lo: int, hi: int, capacity: int) -> Linear:
+    """A linear form in the layer count that is at most ``capacity`` exactly for counts up to
+    ``most`` (the memory form shifted to cross the capacity there; unchanged when nothing
+    fits)."""
+    if most < lo:
+        return form
+    slope = max(form.slope, 1)
+    if most >= hi:
+        return Linear(base=min(form.base, capacity - slope * (hi - lo)), slope=slope)
+    return Linear(base=capacity - slope * (most - lo), slope=slope)
+
+
+def _most_of_form(form: Linear, lo: int, hi: int, capacity: int) -> int:
+    if form.base > capacity:
+        return lo - 1
+    if form.slope <= 0:
+        return hi
+    return min(hi, lo + (capacity - form.base) // form.slope)
 
 
 def layer_bounds(model: ModelSpec, config: ParallelConfig,
@@ -172,11 +210,12 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         lo, hi = (model.num_layers,), (model.num_layers,)
     allowed = tuple((pinned_modes[i],) for i in range(p)) if pinned_modes else (modes,) * p
     by_class: dict[tuple, StageTerms[Linear]] = {}
-    times, memories = [], []
+    times, memories, mosts = [], [], []
+    capacity = math.floor(cluster.gpu.hbm_bytes * (1 - memory_margin))
     for stage in range(p):
         cls = (stage == 0, stage == p - 1, lo[stage], hi[stage],
                stage_link_signature(cluster, config, stage))
-        stage_times, stage_memory_forms = {}, {}
+        stage_times, stage_memory_forms, stage_most = {}, {}, {}
         for mode in allowed[stage]:
             key = (*cls, mode)
             if key not in by_class:
@@ -190,14 +229,52 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                               calibration)
             second = (_reserved(model, cluster, config, stage, lo[stage] + 1, mode, framework,
                                 calibration) if hi[stage] > lo[stage] else first)
-            stage_memory_forms[mode] = _linear(first, second, 1.0)
+            stage_memory_forms[mode] = form = _linear(first, second, 1.0)
+            stage_most[mode] = _most_layers(
+                lambda n, stage=stage, mode=mode: _reserved(model, cluster, config, stage, n,
+                                                            mode, framework, calibration),
+                lo[stage], hi[stage], capacity,
+                guess=_most_of_form(form, lo[stage], hi[stage], capacity),
+                known={lo[stage]: first, lo[stage] + 1: second} if hi[stage] > lo[stage]
+                else {lo[stage]: first})
         times.append(stage_times)
         memories.append(stage_memory_forms)
+        mosts.append(stage_most)
     return CandidateTables(config=config, allowed=allowed, lo=lo, hi=hi, time_ns=tuple(times),
-                           memory_bytes=tuple(memories),
-                           capacity_bytes=math.floor(cluster.gpu.hbm_bytes * (1 - memory_margin)),
+                           memory_bytes=tuple(memories), capacity_bytes=capacity,
                            num_layers=model.num_layers, micro_batches=config.grad_accum_steps,
-                           vpp=config.vpp)
+                           vpp=config.vpp, most_layers=tuple(mosts))
+
+
+def _most_layers(reserved: Callable[[int], float], lo: int, hi: int, capacity: int, *,
+                 guess: int, known: dict[int, float]) -> int:
+    """The largest n in [lo, hi] with ``reserved(n) <= capacity`` (``lo - 1`` if none), for a
+    ``reserved`` that does not fall as layers are added; ``known`` holds values already
+    computed. Starts at ``guess`` (the linear form's answer, usually right: two more
+    evaluations) and bisects when it is not."""
+    def fits(n: int) -> bool:
+        if n not in known:
+            known[n] = reserved(n)
+        return known[n] <= capacity
+
+    if not fits(lo):
+        return lo - 1
+    guess = max(lo, min(hi, guess))
+    if fits(guess):
+        if guess == hi or not fits(guess + 1):
+            return guess
+        if fits(hi):
+            return hi
+        good, bad = guess + 1, hi
+    else:
+        good, bad = lo, guess
+    while bad - good > 1:  # good fits, bad does not
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
 
 
 def _reserved(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
@@ -243,7 +320,7 @@ def objective_ns(tables: CandidateTables, layers: list[int] | tuple[int, ...],
 
 
 def fits(tables: CandidateTables, stage: int, layers: int, mode: str) -> bool:
-    return tables.memory_bytes[stage][mode].at(layers - tables.lo[stage]) <= tables.capacity_bytes
+    return layers <= tables.most(stage, mode)
 
 
 # ----- traced models: layers of several kinds -----------------------------------------------------

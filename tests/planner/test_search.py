@@ -35,8 +35,8 @@ from meshplan.costmodel.config import RECOMPUTE_MODES
 from meshplan.costmodel.estimate import compose_step, stage_terms
 from meshplan.planner import solver
 from meshplan.planner import search as search_module
-from meshplan.planner.search import (NoPlanFits, SearchTimeout, bound, lower_bound_s, recompute_deficit,
-                             search)
+from meshplan.planner.search import (NoPlanFits, SearchTimeout, bound, framework_space,
+                                     lower_bound_s, recompute_deficit, search)
 from meshplan.planner.space import MESH_ORDERS, SearchSpace, candidates
 from meshplan.planner.tables import build_tables, layer_bounds, objective_ns, stage_config
 
@@ -246,6 +246,9 @@ def random_scenario(rng: random.Random, index: int) -> Scenario:
         if space is None:
             continue
         framework = rng.choice(FRAMEWORKS)
+        space = framework_space(space, framework)  # what search itself searches
+        if not candidates(model, cluster, space):
+            continue
         cluster = pick_memory(rng, model, cluster, space, framework)
         optima = tuple(brute_force(model, cluster, c, space, framework)
                        for c in candidates(model, cluster, space))

@@ -192,3 +192,54 @@ def test_empty_space_names_the_nearest_batches_and_node_counts():
                        "--deterministic", "--global-batch-tolerance", "0.01", "--json")
     assert tolerant.code == 0, tolerant.err
     assert json.loads(tolerant.out)["plans"][0]["global_batch_size"] in (1920, 1925)
+
+
+def test_no_plan_fits_names_nvme_when_it_binds():
+    """13B on one A100 offloading to NVMe only (pinned), with 100 GiB of NVMe: the offloaded
+    fp32 master and Adam moments (12 bytes per parameter, about 145 GiB) do not fit it."""
+    r = run_cli("plan", "--model", "llama2-13b", "--cluster", "dgx-a100-80gb", "--nodes", "1",
+                "--gpus-per-node", "1", "--host-memory-gib", "64", "--nvme-gib", "100",
+                "--offload-device", "nvme", "--global-batch", "8", "--seq-len", "4096",
+                "--deterministic")
+    assert r.code == 3, r.err
+    line = r.err.strip()
+    assert "\n" not in line
+    assert "no plan fits: NVMe per node binds" in line
+    need = float(re.search(r"need at least ([\d.]+) GiB of NVMe", line).group(1))
+    assert need > 12 * 13e9 / 2**30 * 0.9
+    assert "against 100.0 GiB" in line and "host-memory offload" in line
+
+
+@pytest.mark.parametrize("framework", ["meshplan", "torchtitan", "megatron"])
+def test_pipelines_get_at_least_pp_micro_batches_where_the_schedules_need_them(framework):
+    """torch.distributed.pipelining's 1F1B schedules (meshplan's runtime, torchtitan) refuse
+    fewer than pp micro-batches per step; Megatron-LM's run any count. Global batch 4 on
+    8 GPUs with pp 4 pinned: dp 1 and micro-batch 1 give 4 micro-batches (allowed everywhere),
+    micro-batch 2 gives 2 (only Megatron)."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    space = SearchSpace(global_batch_size=4, seq_len=2048, pp=(4,), tp=(2,))
+    result = search(model, cluster, space, framework=framework, calibration=CAL, top_k=10,
+                    deterministic=True)
+    counts = {s.estimate.config.grad_accum_steps for s in result.explored}
+    if framework == "megatron":
+        assert min(counts) < 4
+    else:
+        assert min(counts) >= 4
+    pinned = ParallelConfig(tp=2, pp=4, dp=1, micro_batch_size=2, global_batch_size=4,
+                            seq_len=2048)
+    est = estimate(model, cluster, pinned, framework=framework, calibration=CAL)
+    assert est.fits == (framework == "megatron")
+    if framework != "megatron":
+        assert "at least pp = 4 micro-batches" in est.why_not
+
+
+def test_empty_space_names_the_pipeline_fill_rule():
+    """pp 4 and micro-batch 2 pinned with global batch 4: two micro-batches, which meshplan's
+    pipeline schedules refuse; the message says so."""
+    r = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
+                "--global-batch", "4", "--seq-len", "2048", "--tp", "2", "--pp", "4",
+                "--micro-batch", "2", "--deterministic")
+    assert r.code == 2, r.err
+    line = r.err.strip()
+    assert "\n" not in line and "the search space is empty" in line
+    assert "need at least pp micro-batches per step" in line
