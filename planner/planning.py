@@ -19,7 +19,7 @@ from typing import Any
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec
 from meshplan.costmodel.estimate import Estimate
 from meshplan.planner.plan import Plan
-from meshplan.planner.search import (EmptySpace, NoPlanFits, SearchResult, SearchTimeout, Solved,
+from meshplan.planner.search import (AboveCeiling, EmptySpace, NoPlanFits, SearchResult, SearchTimeout, Solved,
                                      empty_space_message, framework_space, nearest_feasible,
                                      search, space_is_empty)
 from meshplan.planner.space import SearchSpace, pins_of
@@ -75,12 +75,25 @@ class PlanningResult:
 
 
 def node_counts(nodes: int) -> list[int]:
-    """Node counts the cost objective tries: powers of two below ``nodes``, and ``nodes``."""
-    counts, n = [], 1
-    while n < nodes:
-        counts.append(n)
-        n *= 2
-    return counts + [nodes]
+    """Node counts the cost objective tries, in the order it tries them: every count from 1 to
+    ``nodes``; ``nodes`` and the powers of two first (their plans usually set a low cost
+    early, which then prunes the other counts' searches), then the rest from the top down."""
+    first = [nodes] + [n for n in (2 ** k for k in range(nodes.bit_length() - 1, -1, -1))
+                       if n < nodes]
+    return first + [n for n in range(nodes - 1, 0, -1) if n not in first]
+
+
+def _step_ceiling(budget: Budget, cluster: ClusterSpec, space: SearchSpace,
+                  kth_cost: float | None) -> float | None:
+    """The slowest step a plan on ``cluster`` may take to meet the deadline and (with
+    ``kth_cost``) to cost less than the k-th cheapest plan found so far."""
+    steps = math.ceil(budget.train_tokens / (space.global_batch_size * space.seq_len))
+    limits = []
+    if budget.deadline_days is not None:
+        limits.append(budget.deadline_days * SECONDS_PER_DAY / steps)
+    if kth_cost is not None:
+        limits.append(kth_cost * 3600.0 / (steps * cluster.num_gpus * budget.gpu_hour_price))
+    return min(limits) if limits else None
 
 
 def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framework: str,
@@ -118,12 +131,20 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
         dataclasses.replace(cluster, nodes=n) for n in node_counts(cluster.nodes)]
     results: list[SearchResult] = []
     failures = []
+    costs: list[float] = []
     for option in clusters:
+        ceiling = None
+        if objective == "cost":
+            kth = sorted(costs)[top_k - 1] if len(costs) >= top_k else None
+            ceiling = _step_ceiling(budget, option, space, kth)
         try:
-            results.append(search(model, option, space, framework=framework,
-                                  calibration=calibration, top_k=top_k,
-                                  time_limit_s=time_limit_s / len(clusters), seed=seed,
-                                  workers=workers, deterministic=deterministic))
+            result = search(model, option, space, framework=framework,
+                            calibration=calibration, top_k=top_k,
+                            time_limit_s=time_limit_s / len(clusters), seed=seed,
+                            workers=workers, deterministic=deterministic, ceiling_s=ceiling)
+            results.append(result)
+            costs.extend(budget.cost(s.estimate) for s in result.ranked
+                         if objective == "cost" and budget.meets_deadline(s.estimate))
         except (NoPlanFits, SearchTimeout) as err:
             if objective == "time":
                 raise
@@ -131,6 +152,10 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
         except ValueError:
             if objective == "time":
                 raise
+    if not results and objective == "cost" and failures and all(
+            isinstance(f, AboveCeiling) for f in failures):
+        raise NoPlanFits(f"no plan trains {budget.train_tokens:.3g} tokens within "
+                         f"{budget.deadline_days} days on up to {cluster.nodes} nodes", least=None)
     if not results:
         timeouts = [f for f in failures if isinstance(f, SearchTimeout)]
         raise (timeouts or failures or [NoPlanFits("no plan fits", least=None)])[-1]

@@ -397,7 +397,7 @@ class _Node:
 def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framework: str,
            calibration: Calibration, top_k: int = 5, time_limit_s: float = 60.0,
            seed: int = 0, workers: int = 1, deterministic: bool = False,
-           max_nodes: int | None = None) -> SearchResult:
+           max_nodes: int | None = None, ceiling_s: float | None = None) -> SearchResult:
     """The ``top_k`` fastest plans of ``space``; raises NoPlanFits when none fits.
 
     Two passes of one best-first branch and bound (``_Refiner``), sharing their incumbents:
@@ -420,12 +420,16 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     CP-SAT's deterministic time and the search refines at most ``max_nodes`` nodes
     (``DETERMINISTIC_NODES`` if None). Either way the search runs until it holds one plan, so
     every budget gives an answer when a plan fits.
+
+    ``ceiling_s``: plans slower than this are not wanted (the cost objective's bound from the
+    plans of other node counts, or a deadline); nodes whose bound reaches it are pruned, and
+    ``NoPlanFits`` says so when no plan is faster.
     """
     start = time.perf_counter()
     space = framework_space(space, framework)
     refiner = _Refiner(model, cluster, space, framework=framework, calibration=calibration)
     core = candidates(model, cluster, space, core=True)
-    best = _Best(top_k)
+    best = _Best(top_k, ceiling=ceiling_s)
     if deterministic and max_nodes is None:
         max_nodes = DETERMINISTIC_NODES
     budget = _Budget(start=start, time_limit_s=time_limit_s, deterministic=deterministic,
@@ -452,6 +456,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
         raise SearchTimeout(f"no plan found: {first.solves + second.solves} CP-SAT solves ran "
                             f"out of time before finding a split; raise --time-limit or pin "
                             f"more choices")
+    if not best and ceiling_s is not None and not stopped:
+        raise AboveCeiling(f"no plan is faster than {ceiling_s:.4g} s per step", least=None)
     if not best:
         message, least = _no_fit_message(model, cluster, core or refiner.sample(), space,
                                          framework=framework, calibration=calibration)
@@ -576,18 +582,24 @@ class _Pass:
             best[index] = solved
 
 
+class AboveCeiling(NoPlanFits):
+    """Plans may fit, but none is faster than the search's ``ceiling_s``."""
+
+
 class _Best(dict):
     """Best known plan per candidate index, with the k-th best step time kept current."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, ceiling: float | None = None):
         super().__init__()
         self.k = k
-        self._kth = float("inf")
+        self.ceiling = float("inf") if ceiling is None else ceiling
+        self._kth = self.ceiling
 
     def __setitem__(self, index: int, solved: Solved) -> None:
         super().__setitem__(index, solved)
         if len(self) >= self.k:
-            self._kth = heapq.nsmallest(self.k, (s.step_s for s in self.values()))[-1]
+            self._kth = min(self.ceiling,
+                            heapq.nsmallest(self.k, (s.step_s for s in self.values()))[-1])
 
     def kth(self) -> float:
         return self._kth

@@ -243,3 +243,34 @@ def test_empty_space_names_the_pipeline_fill_rule():
     line = r.err.strip()
     assert "\n" not in line and "the search space is empty" in line
     assert "need at least pp micro-batches per step" in line
+
+
+def test_cost_objective_considers_every_node_count():
+    """tp, pp and cp pinned to 1 on up to 8 nodes with global batch 240: dp = 8n must divide
+    240, so 1, 2, 3, 5 and 6 nodes form plans (4, 7 and 8 do not). With 10,000 steps
+    (9.83e9 tokens of 240 x 4096) in 0.3472 days (3.0 s per step) only 5 and 6 nodes are fast
+    enough; the cheapest run is on 5 nodes, a count that is not a power of two."""
+    tokens, days = 240 * 4096 * 10_000, 3.0 * 10_000 / 86400
+    r = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "8",
+                "--global-batch", "240", "--seq-len", "4096", "--tp", "1", "--pp", "1",
+                "--cp", "1", "--objective", "cost", "--train-tokens", str(tokens),
+                "--gpu-hour-price", "2", "--deadline-days", str(days), "--deterministic",
+                "--json")
+    assert r.code == 0, r.err
+    plans = json.loads(r.out)["plans"]
+    best = plans[0]
+    assert best["dp"] == 40 and best["predicted"]["time"]["step_s"] <= 3.0
+    model = load_model("llama3-8b")
+    space = SearchSpace(global_batch_size=240, seq_len=4096, tp=(1,), pp=(1,), cp=(1,),
+                        memory_margin=0.05)
+    for nodes in (5, 6):  # the fastest plan of each count, by the time objective
+        fastest = search(model, load_cluster("dgx-h100", nodes=nodes), space,
+                         framework="meshplan", calibration=CAL, top_k=1,
+                         deterministic=True).ranked[0]
+        assert fastest.step_s <= 3.0
+        cost = fastest.step_s * 10_000 * 8 * nodes * 2 / 3600
+        if nodes == 5:
+            assert best["predicted"]["time"]["step_s"] == pytest.approx(fastest.step_s)
+            five = cost
+        else:
+            assert five < cost
