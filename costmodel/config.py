@@ -166,13 +166,10 @@ class ParallelConfig:
                 or (not isinstance(recompute, str) and len(recompute) != self.pp)):
             return self.replace(layers_per_stage=layers_per_stage, recompute=recompute)
         copy = object.__new__(ParallelConfig)
-        values = {name: getattr(self, name) for name in _CONFIG_FIELDS}
-        values.update(layers_per_stage=layers_per_stage, recompute=recompute)
-        copy.__dict__.update(values)
+        copy.__dict__.update(self.__dict__)  # the fields (the class caches nothing else)
+        copy.__dict__.update(layers_per_stage=layers_per_stage, recompute=recompute)
         return copy
 
-
-_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 
 REMAINDER_ORDERS = ("middle", "first")
 """Which parts of an ``even_split`` take the left-over items first."""

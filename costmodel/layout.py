@@ -67,22 +67,37 @@ def rank_of(config: ParallelConfig, coords: dict[str, int]) -> int:
     Example, order tp-cp-dp-pp with tp=2, cp=1, dp=2, pp=2: coordinates (tp=1, dp=1, pp=1)
     give 1 + 2*(0 + 1*(1 + 2*1)) = 7.
     """
-    names, sizes = mesh_dims(config)
-    rank = 0
-    for name, size in zip(names, sizes):
-        rank = rank * size + coords.get(name, 0)
-    return rank
+    stride = strides(config)
+    return sum(step * coords.get(name, 0) for name, step in stride.items())
+
+
+def strides(config: ParallelConfig) -> dict[str, int]:
+    """Rank distance between neighbours along each axis: 1 for the first of ``mesh_order``,
+    then the product of the sizes of the axes before it (``rank_of`` is the sum of
+    coordinate times stride)."""
+    sizes = axis_sizes(config)
+    out, step = {}, 1
+    for name in config.mesh_order:
+        out[name] = step
+        step *= sizes[name]
+    return out
 
 
 def axis_group(config: ParallelConfig, axis: str, *, stage: int = 0) -> tuple[int, ...]:
     """Ranks of the ``axis`` group that contains the first rank of pipeline stage ``stage``."""
-    sizes = axis_sizes(config)
-    base = {"pp": stage}
-    return tuple(rank_of(config, {**base, axis: i}) for i in range(sizes[axis]))
+    stride = strides(config)
+    base = stage * stride["pp"]
+    return tuple(base + i * stride[axis] for i in range(axis_sizes(config)[axis]))
+
+
+def dp_cp_ranks(config: ParallelConfig, *, stage: int = 0) -> tuple[int, ...]:
+    """Ranks of the dp x cp group of the first rank of ``stage``, ascending."""
+    stride = strides(config)
+    base = stage * stride["pp"]
+    return tuple(sorted(base + d * stride["dp"] + c * stride["cp"]
+                        for d in range(config.dp) for c in range(config.cp)))
 
 
 def ep_group(config: ParallelConfig) -> tuple[int, ...]:
     """The expert-parallel group of rank 0: the first ``ep`` ranks of its dp x cp group."""
-    members = [rank_of(config, {"cp": c, "dp": d})
-               for d in range(config.dp) for c in range(config.cp)]
-    return tuple(sorted(members)[:config.ep])
+    return dp_cp_ranks(config)[:config.ep]

@@ -27,7 +27,7 @@ from meshplan.costmodel.calls import (LOSS_REDUCTION_CALLS, call_overhead_s,
                                       zero3_prefetch_fraction, zero_call_latency_s)
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.frameworks import eager_kernels
-from meshplan.costmodel.layout import axis_group, ep_group, rank_of
+from meshplan.costmodel.layout import axis_group, dp_cp_ranks, ep_group, rank_of
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import StageParams, stage_layer_range
@@ -138,11 +138,9 @@ def _stage_links(cluster: ClusterSpec, tp: int, cp: int, dp: int, pp: int, ep: i
     if stage + 1 < pp:
         pp_next = coll.group_link(cluster, (rank_of(layout, {"pp": stage}),
                                             rank_of(layout, {"pp": stage + 1})))
-    dp_ranks = tuple(rank_of(layout, {"pp": stage, "cp": c, "dp": d})
-                     for d in range(dp) for c in range(cp))
     return Links(tp=coll.group_link(cluster, axis_group(layout, "tp", stage=stage)),
                  cp=coll.group_link(cluster, axis_group(layout, "cp", stage=stage)),
-                 dp=coll.group_link(cluster, tuple(sorted(dp_ranks))),
+                 dp=coll.group_link(cluster, dp_cp_ranks(layout, stage=stage)),
                  ep=coll.group_link(cluster, ep_group(layout)),
                  pp_next=pp_next)
 

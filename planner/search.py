@@ -187,15 +187,17 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     """
     p, total_layers = config.pp, model.num_layers
     if p == 1:  # one stage holds every layer: read the terms at that count, exactly
-        lo, hi = total_layers, total_layers + 1
+        lo = hi = total_layers
     heavy = max(lo, min(hi, -(-total_layers // p)))
+    points = {lo} if p == 1 else {lo, lo + 1, heavy}
+    ends = (heavy,) if p == 1 else (heavy, hi)
     # one representative per kind of stage: role and links (see costmodel.estimate._stage_key)
     counts = _stage_kinds(cluster, config, cache)
     classes = list(counts)
     forms: dict[int, dict[int, object]] = {}
     for stage in classes:
         forms[stage] = {}
-        for n in sorted({lo, lo + 1, heavy}):
+        for n in sorted(points):
             key = (config, stage, n)
             if cache is not None and key in cache:
                 forms[stage][n] = cache[key]
@@ -217,8 +219,9 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     def summed(getter) -> float:
         """sum over stages of a term linear in the layer count, for any split of L layers."""
         at_lo = {s: getter(forms[s][lo].micro) for s in classes}
-        slope = getter(forms[classes[0]][lo + 1].micro) - at_lo[classes[0]]
-        return sum(at_lo[s] * counts[s] for s in classes) + slope * (total_layers - p * lo)
+        spread = total_layers - p * lo
+        slope = getter(forms[classes[0]][lo + 1].micro) - at_lo[classes[0]] if spread else 0.0
+        return sum(at_lo[s] * counts[s] for s in classes) + slope * spread
 
     # sum_i max(0, x_i) >= max(0, sum_i x_i) for the exposed ZeRO and parameter-offload traffic
     total = composition.micro_total(
@@ -229,9 +232,9 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     once = composition.once_per_step(
         dp_exposed=min(composition.exposed(at(s, n, lambda t: t.dp_comm_s),
                                            at(s, n, lambda t: t.dp_hidden_s))
-                       for s in classes for n in (heavy, hi)),
-        optimizer=min(at(s, n, lambda t: t.optimizer_s) for s in classes for n in (heavy, hi)),
-        offload_step=min(at(s, n, lambda t: t.offload_s) for s in classes for n in (heavy, hi)))
+                       for s in classes for n in ends),
+        optimizer=min(at(s, n, lambda t: t.optimizer_s) for s in classes for n in ends),
+        offload_step=min(at(s, n, lambda t: t.offload_s) for s in classes for n in ends))
     return Bound(per_micro_s=total, once_s=once, stages=p, micro_batches=config.grad_accum_steps,
                  vpp=config.vpp)
 
@@ -434,11 +437,13 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
         max_nodes = DETERMINISTIC_NODES
     budget = _Budget(start=start, time_limit_s=time_limit_s, deterministic=deterministic,
                      max_nodes=max_nodes)
-    first = _Pass(refiner, refiner.flat_roots(core), best, budget, model=model, cluster=cluster,
+    refiner.core = True
+    first = _Pass(refiner, refiner.roots(), best, budget, model=model, cluster=cluster,
                   space=space, framework=framework, calibration=calibration, seed=seed,
                   workers=workers)
     first.run()
     core_wall_s = time.perf_counter() - start
+    refiner.core = False
     refiner.skip = set(core)
     second_roots = refiner.roots()
     if not core and not second_roots:
@@ -651,6 +656,8 @@ class _Refiner:
         self.counted = 0
         self.indices: dict[ParallelConfig, int] = {}
         self.skip: set[ParallelConfig] = set()
+        self.core = False
+        """While True, the tree spans the core space only (``space.candidates(core=True)``)."""
         self.flat = (model.is_traced or space.layers_per_stage is not None
                      or space.recompute_pinned is not None)
         self.traced_modes = tuple(m for m in space.recompute_modes if m in TRACED_RECOMPUTE)
@@ -679,13 +686,13 @@ class _Refiner:
         return [n for n in (self.candidate_node(c) for c in configs) if n is not None]
 
     def roots(self) -> list[_Node]:
-        """Roots of the whole space, less ``skip``."""
+        """Roots of the whole space (of the core space while ``core``), less ``skip``."""
         if self.flat:
-            configs = [c for c in candidates(self.model, self.cluster, self.space)
-                       if c not in self.skip]
+            configs = [c for c in candidates(self.model, self.cluster, self.space,
+                                             core=self.core) if c not in self.skip]
             return self.flat_roots(configs)
         out = []
-        for degrees in degree_tuples(self.model, self.cluster, self.space):
+        for degrees in degree_tuples(self.model, self.cluster, self.space, core=self.core):
             layouts = self.layouts(degrees)
             if not layouts:
                 continue
@@ -699,7 +706,7 @@ class _Refiner:
         tp, cp, pp, dp, ep = degrees
         space = self.space
         per_replica = space.global_batch_size // dp
-        mbs = micro_batch_choices(space, per_replica, pp)
+        mbs = micro_batch_choices(space, per_replica, pp, core=self.core)
         sps = [tp > 1] if space.sp is None else [s for s in space.sp if tp > 1 or not s]
         orders = pick(space.mesh_order, list(MESH_ORDERS))
         if space.mesh_order is None and (pp == 1 or dp == 1):
@@ -765,7 +772,7 @@ class _Refiner:
             degrees, b, sp, order, v = node.data
             out = []
             tp, cp, pp, dp, ep = degrees
-            for zero in zero_choices(self.space, dp * cp):
+            for zero in zero_choices(self.space, dp * cp, core=self.core):
                 for offload, device in offload_choices(self.space, zero, self.model,
                                                        self.cluster):
                     config = self.config(degrees, b, sp, order, v, zero, offload, device)
@@ -786,7 +793,7 @@ class _Refiner:
         device memory: the highest allowed ZeRO stage with the most offload
         (``INVARIANTS`` 4)."""
         tp, cp, pp, dp, ep = degrees
-        for zero in sorted(zero_choices(self.space, dp * cp), reverse=True):
+        for zero in sorted(zero_choices(self.space, dp * cp, core=self.core), reverse=True):
             choices = offload_choices(self.space, zero, self.model, self.cluster)
             order_of = {"optimizer+params": 0, "optimizer": 1, "none": 2}
             for offload, device in sorted(choices, key=lambda c: order_of[c[0]]):
@@ -831,7 +838,7 @@ class _Refiner:
     def vpps(self, degrees, b) -> list[int]:
         tp, cp, pp, dp, ep = degrees
         m = self.space.global_batch_size // (dp * b)
-        return vpp_choices(self.space, self.model, pp, m)
+        return vpp_choices(self.space, self.model, pp, m, core=self.core)
 
     def candidate_node(self, config: ParallelConfig, floor: float = 0.0) -> _Node | None:
         index = self.indices.setdefault(config, len(self.indices))
