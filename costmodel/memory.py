@@ -161,8 +161,15 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
         if stage == config.pp - 1:
             total += traced.extra_saved_bytes(model, config)
         return total
-    per_mb = sum(_layer_bytes(model, config, framework, layer_mode, moe=model.is_moe_layer(i),
-                              device_key=device_key)
+    kinds: dict[tuple[str, bool], float] = {}  # each kind of layer's bytes, computed once
+
+    def layer(mode: str, moe: bool) -> float:
+        if (mode, moe) not in kinds:
+            kinds[mode, moe] = _layer_bytes(model, config, framework, mode, moe=moe,
+                                            device_key=device_key)
+        return kinds[mode, moe]
+
+    per_mb = sum(layer(layer_mode, model.is_moe_layer(i))
                  for i, layer_mode in zip(layer_range, layer_modes(config, framework, stage,
                                                                    len(layer_range))))
     in_flight = act.in_flight_microbatches(config, stage)
