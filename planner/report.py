@@ -193,19 +193,24 @@ def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: s
     for plan in result.plans:
         c, predicted = plan.config, plan.prediction
         recompute = c.recompute if isinstance(c.recompute, str) else ",".join(c.recompute)
-        row = {"rank": plan.provenance.get("rank"),
-               "tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep,
-               "sp": "on" if c.sp else "off", "zero": c.zero_stage,
-               "offload": c.offload if c.offload == "none" else f"{c.offload}:{c.offload_device}",
-               "recompute": recompute, "mb": c.micro_batch_size, "vpp": c.vpp,
-               "layers": layers_summary(c.stage_layers(plan.model.num_layers)),
-               "mesh": "".join(axis[0] for axis in c.mesh_order),
-               "step s": predicted.time.step_s,
-               "tokens/s": predicted.throughput.tokens_per_s,
-               "MFU": predicted.throughput.mfu,
-               "peak GiB": predicted.memory.peak_reserved_bytes / GIB,
-               "free GiB": plan.cluster.gpu.hbm_bytes / GIB
-               - predicted.memory.peak_reserved_bytes / GIB}
+        row = {"rank": plan.provenance.get("rank")}
+        if objective == "cost":  # plans of several node counts
+            row["gpus"] = c.world_size
+        row |= {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep,
+                "sp": "on" if c.sp else "off", "zero": c.zero_stage,
+                "offload": (c.offload if c.offload == "none"
+                            else f"{c.offload}:{c.offload_device}"),
+                "recompute": recompute, "mb": c.micro_batch_size, "vpp": c.vpp,
+                "layers": layers_summary(c.stage_layers(plan.model.num_layers)),
+                "mesh": "".join(axis[0] for axis in c.mesh_order),
+                "step s": predicted.time.step_s,
+                "tokens/s": predicted.throughput.tokens_per_s,
+                "MFU": predicted.throughput.mfu,
+                "peak GiB": predicted.memory.peak_reserved_bytes / GIB,
+                "free GiB": plan.cluster.gpu.hbm_bytes / GIB
+                - predicted.memory.peak_reserved_bytes / GIB}
+        if objective == "cost":  # the batch is fixed: tokens/s follows the step time
+            del row["tokens/s"]
         if "train_days" in plan.provenance:
             row["days"] = plan.provenance["train_days"]
         if "train_cost" in plan.provenance:

@@ -251,15 +251,20 @@ def test_cost_objective_considers_every_node_count():
     (9.83e9 tokens of 240 x 4096) in 0.3472 days (3.0 s per step) only 5 and 6 nodes are fast
     enough; the cheapest run is on 5 nodes, a count that is not a power of two."""
     tokens, days = 240 * 4096 * 10_000, 3.0 * 10_000 / 86400
-    r = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "8",
-                "--global-batch", "240", "--seq-len", "4096", "--tp", "1", "--pp", "1",
-                "--cp", "1", "--objective", "cost", "--train-tokens", str(tokens),
-                "--gpu-hour-price", "2", "--deadline-days", str(days), "--deterministic",
-                "--json")
+    args = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "8",
+            "--global-batch", "240", "--seq-len", "4096", "--tp", "1", "--pp", "1",
+            "--cp", "1", "--objective", "cost", "--train-tokens", str(tokens),
+            "--gpu-hour-price", "2", "--deadline-days", str(days), "--deterministic"]
+    r = run_cli(*args, "--json")
     assert r.code == 0, r.err
     plans = json.loads(r.out)["plans"]
     best = plans[0]
     assert best["dp"] == 40 and best["predicted"]["time"]["step_s"] <= 3.0
+    text = run_cli(*args)  # the table names each plan's GPU count, within 120 columns
+    assert text.code == 0, text.err
+    table = text.out.split("\n\n")[1].splitlines()
+    assert table[0].split()[:2] == ["rank", "gpus"] and table[1].split()[1] == "40"
+    assert max(len(line) for line in table) <= 120
     model = load_model("llama3-8b")
     space = SearchSpace(global_batch_size=240, seq_len=4096, tp=(1,), pp=(1,), cp=(1,),
                         memory_margin=0.05)
