@@ -479,7 +479,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     top = min(x.step_s for x in best.values())
     floor = min(first.floor(), second.floor())
     gap = max(0.0, (top - floor) / top) if stopped else 0.0
-    ranked = tuple(sorted(best.values(), key=lambda x: x.step_s)[:top_k])
+    ranked = tuple(distinct(best.values())[:top_k])
     return SearchResult(
         ranked=ranked, explored=tuple(best.values()), status=status,
         wall_s=time.perf_counter() - start, candidates=refiner.counted,
@@ -587,6 +587,28 @@ class _Pass:
             best[index] = solved
 
 
+def _equivalence(solved: Solved) -> tuple:
+    """Plans with equal keys differ only in a rank layout that changes nothing the cost model
+    sees (e.g. both mesh orders inside one node): same degrees and knobs, same split, same
+    step time and peak memory."""
+    config, est = solved.estimate.config, solved.estimate
+    return (config.replace(mesh_order=MESH_ORDERS[0]), est.time.step_s,
+            est.memory.peak_reserved_bytes)
+
+
+def distinct(plans) -> list[Solved]:
+    """``plans`` fastest first, one of each equivalence class (``_equivalence``), the
+    default mesh order preferred."""
+    out, seen = [], set()
+    for solved in sorted(plans, key=lambda x: (x.step_s,
+                                               x.estimate.config.mesh_order != MESH_ORDERS[0])):
+        key = _equivalence(solved)
+        if key not in seen:
+            seen.add(key)
+            out.append(solved)
+    return out
+
+
 class AboveCeiling(NoPlanFits):
     """Plans may fit, but none is faster than the search's ``ceiling_s``."""
 
@@ -602,9 +624,10 @@ class _Best(dict):
 
     def __setitem__(self, index: int, solved: Solved) -> None:
         super().__setitem__(index, solved)
-        if len(self) >= self.k:
-            self._kth = min(self.ceiling,
-                            heapq.nsmallest(self.k, (s.step_s for s in self.values()))[-1])
+        if len(self) >= self.k:  # the k-th of the distinct plans (equivalent layouts once)
+            steps = {_equivalence(s): s.step_s for s in self.values()}
+            if len(steps) >= self.k:
+                self._kth = min(self.ceiling, heapq.nsmallest(self.k, steps.values())[-1])
 
     def kth(self) -> float:
         return self._kth

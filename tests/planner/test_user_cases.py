@@ -279,3 +279,26 @@ def test_cost_objective_considers_every_node_count():
             five = cost
         else:
             assert five < cost
+
+
+def test_runner_ups_are_distinct_plans():
+    """Inside one node both mesh orders put every group on NVLink: pp2 x dp4 in either order
+    has the same estimate. The top 5 holds each such pair once (the default order), though
+    the search solved both."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    space = SearchSpace(global_batch_size=64, seq_len=4096, pp=(2,))
+    result = search(model, cluster, space, framework="megatron", calibration=CAL, top_k=5,
+                    deterministic=True)
+
+    def key(solved):
+        c, est = solved.estimate.config, solved.estimate
+        return (c.replace(mesh_order=("tp", "cp", "dp", "pp")), est.time.step_s,
+                est.memory.peak_reserved_bytes)
+
+    ranked = [key(s) for s in result.ranked]
+    assert len(ranked) == 5 and len(set(ranked)) == 5
+    explored = [key(s) for s in result.explored]
+    assert len(set(explored)) < len(explored)  # equivalent twins were solved
+    assert all(s.estimate.config.mesh_order == ("tp", "cp", "dp", "pp") or
+               key(s) not in {key(t) for t in result.explored if t is not s}
+               for s in result.ranked)
