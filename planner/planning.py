@@ -19,9 +19,10 @@ from typing import Any
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec
 from meshplan.costmodel.estimate import Estimate
 from meshplan.planner.plan import Plan
-from meshplan.planner.search import (AboveCeiling, EmptySpace, NoPlanFits, SearchResult, SearchTimeout, Solved,
-                                     empty_space_message, framework_space, nearest_feasible,
-                                     search, space_is_empty)
+from meshplan.planner.search import (AboveCeiling, EmptySpace, NoPlanFits, SearchResult,
+                                     SearchTimeout, Solved, empty_space_message,
+                                     framework_space, nearest_feasible, search,
+                                     space_is_empty)
 from meshplan.planner.space import SearchSpace, pins_of
 
 SECONDS_PER_DAY = 86400.0

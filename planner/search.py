@@ -621,11 +621,13 @@ class _Best(dict):
         self.k = k
         self.ceiling = float("inf") if ceiling is None else ceiling
         self._kth = self.ceiling
+        self._keys: dict[int, tuple] = {}  # each entry's ``_equivalence``
 
     def __setitem__(self, index: int, solved: Solved) -> None:
         super().__setitem__(index, solved)
+        self._keys[index] = _equivalence(solved)
         if len(self) >= self.k:  # the k-th of the distinct plans (equivalent layouts once)
-            steps = {_equivalence(s): s.step_s for s in self.values()}
+            steps = {self._keys[i]: s.step_s for i, s in self.items()}
             if len(steps) >= self.k:
                 self._kth = min(self.ceiling, heapq.nsmallest(self.k, steps.values())[-1])
 
@@ -950,7 +952,7 @@ def tables_bound(tables) -> float | None:
     p, total = len(tables.lo), tables.num_layers
     rows = []  # per stage: (lo, [(base, slope, most layers that fit)])
     for i in range(p):
-        lo, hi = tables.lo[i], tables.hi[i]
+        lo = tables.lo[i]
         forms = []
         for r in tables.allowed[i]:
             most = tables.most(i, r)

@@ -41,7 +41,8 @@ from meshplan.costmodel import composition
 from meshplan.costmodel.config import even_split
 
 from meshplan.planner.tables import (CandidateTables, StageTerms, StageTime, TracedTables, fits,
-                            map_terms, objective_ns, scaled_step_ns, stage_time_ns, traced_objective_ns)
+                                     map_terms, objective_ns, scaled_step_ns, stage_time_ns,
+                                     traced_objective_ns)
 
 
 class Infeasible(Exception):
