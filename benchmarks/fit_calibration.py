@@ -23,6 +23,7 @@ from scipy.optimize import minimize
 
 from meshplan.costmodel import ParallelConfig, default_calibration, load_cluster, load_model
 from meshplan.costmodel.calibration import Calibration
+from meshplan.costmodel.frameworks import eager_kernels
 from meshplan.costmodel.reference import predict, reference_runs
 from meshplan.costmodel.timing import BACKWARD_FACTOR, _tp_comm_per_layer_s, layer_forward_s, stage_links
 
@@ -43,13 +44,22 @@ PARAMETERS = (  # name, initial value, lower, upper
     ("a100_matmul_overhead_s", 2e-5, 1e-7, 2e-4),
     ("a100_attention_efficiency", 0.5, 0.1, 0.9),
     ("h100_matmul_efficiency", 0.65, 0.3, 0.95),
-    ("h100_eager_matmul_efficiency", 0.55, 0.3, 0.95),
     ("elementwise_traffic_factor", 2.0, 0.5, 8.0),
     ("attention_core_traffic_factor", 1.5, 0.3, 8.0),
     ("nvlink_efficiency", 0.75, 0.4, 0.95),
     ("dp_overlap", 0.5, 0.0, 1.0),
     ("deepspeed_compute_factor", 1.1, 0.8, 2.0),
 )
+EAGER_PARAMETERS = (  # fitted on the eager (FSDP trainer) fit runs only, the rest held fixed
+    ("a100_eager_matmul_efficiency", 0.75, 0.3, 0.95),
+    ("h100_eager_matmul_efficiency", 0.55, 0.3, 0.95),
+    ("a100_eager_flash_attention_efficiency", 0.35, 0.1, 0.9),
+    ("h100_eager_flash_attention_efficiency", 0.25, 0.1, 0.9),
+    ("gpu_prefetch_overlap", 0.5, 0.0, 1.0),
+    ("gpu_prefetch_contention", 0.3, 0.0, 1.0),
+)
+GPU_KEYS = ("a100-80gb", "a100-40gb", "h100-sxm", "h200", "b200", "default")
+"""The GPUs of the two generations the fit covers (H200 and B200 take H100's values)."""
 
 
 def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
@@ -61,7 +71,6 @@ def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
     ratio = v["h100_matmul_efficiency"] / v["a100_matmul_efficiency"]
     h100 = dataclasses.replace(base.device("h100-sxm"),
                                matmul_efficiency=v["h100_matmul_efficiency"],
-                               eager_matmul_efficiency=v["h100_eager_matmul_efficiency"],
                                matmul_overhead_s=v["a100_matmul_overhead_s"],
                                attention_efficiency=min(1.0, a100.attention_efficiency * ratio))
     devices = dict(base.devices)
@@ -73,6 +82,23 @@ def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
         attention_core_traffic_factor=v["attention_core_traffic_factor"],
         nvlink_efficiency=v["nvlink_efficiency"], dp_overlap=v["dp_overlap"],
         framework_compute_factor=factors)
+
+
+def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
+    """``base`` with the eager-framework values of ``EAGER_PARAMETERS`` set to ``x``: each
+    generation's eager GEMM and fused-attention efficiency (H200 and B200 take H100's), and the
+    prefetched collectives' overlap and contention on every GPU."""
+    v = {name: float(value) for (name, *_), value in zip(EAGER_PARAMETERS, x)}
+    devices = dict(base.devices)
+    for key in GPU_KEYS:
+        generation = "a100" if key.startswith("a100") or key == "default" else "h100"
+        devices[key] = dataclasses.replace(
+            base.device(key),
+            eager_matmul_efficiency=v[f"{generation}_eager_matmul_efficiency"],
+            eager_flash_attention_efficiency=v[f"{generation}_eager_flash_attention_efficiency"],
+            prefetch_overlap=v["gpu_prefetch_overlap"],
+            prefetch_contention=v["gpu_prefetch_contention"])
+    return dataclasses.replace(base, devices=devices)
 
 
 def table4_predictions_ms(cal: Calibration) -> dict[tuple[str, bool], tuple[float, float]]:
@@ -90,15 +116,20 @@ def table4_predictions_ms(cal: Calibration) -> dict[tuple[str, bool], tuple[floa
     return out
 
 
-def residuals(cal: Calibration) -> tuple[list[float], list[tuple[str, float, float]]]:
-    """Log errors of every fit target, and (name, predicted, published) rows."""
+def residuals(cal: Calibration, *, eager: bool = False
+              ) -> tuple[list[float], list[tuple[str, float, float]]]:
+    """Log errors of every fit target, and (name, predicted, published) rows: the fit runs of
+    non-eager frameworks plus Korthikanti's Table 4 layer times, or (``eager``) the fit runs of
+    eager frameworks (``frameworks.eager_kernels``)."""
     errors, rows = [], []
     for run in reference_runs():
-        if run.set != "fit":
+        if run.set != "fit" or eager_kernels(run.framework) != eager:
             continue
         predicted = predict(run, cal).time.step_s
         errors.append(math.log(predicted / run.measured_step_s))
         rows.append((run.id, predicted, run.measured_step_s))
+    if eager:
+        return errors, rows
     for key, (fwd, bwd) in table4_predictions_ms(cal).items():
         pub_fwd, pub_bwd = TABLE4_LAYER_MS[key]
         name = f"table4-{key[0]}{'-sp' if key[1] else ''}"
@@ -109,58 +140,76 @@ def residuals(cal: Calibration) -> tuple[list[float], list[tuple[str, float, flo
 
 def _current(base: Calibration, name: str) -> float:
     """The base calibration's value of fit parameter ``name`` (the starting point)."""
-    device = {"a100": base.device("a100-80gb"), "h100": base.device("h100-sxm")}
+    device = {"a100": base.device("a100-80gb"), "h100": base.device("h100-sxm"),
+              "gpu": base.device("h100-sxm")}
     prefix, _, field = name.partition("_")
     if prefix in device:
-        return getattr(device[prefix], field)
+        value = getattr(device[prefix], field)
+        return value if value is not None else float("nan")
     if name == "deepspeed_compute_factor":
         return base.compute_factor("deepspeed")
     return getattr(base, name)
 
 
-def fit(base: Calibration) -> Calibration:
-    lower = np.array([p[2] for p in PARAMETERS])
-    upper = np.array([p[3] for p in PARAMETERS])
+def fit(base: Calibration, *, eager: bool = False) -> Calibration:
+    """Minimise mean squared log error plus half the squared largest one over the fit targets,
+    by Nelder-Mead inside each parameter's bounds: ``PARAMETERS`` on the non-eager targets, or
+    (``eager``) ``EAGER_PARAMETERS`` on the eager fit runs with everything else fixed."""
+    parameters = EAGER_PARAMETERS if eager else PARAMETERS
+    build = eager_calibration_from_vector if eager else calibration_from_vector
+    lower = np.array([p[2] for p in parameters])
+    upper = np.array([p[3] for p in parameters])
 
     def objective(z: np.ndarray) -> float:
         x = lower + (upper - lower) / (1 + np.exp(-z))  # keep inside bounds
-        errors, _ = residuals(calibration_from_vector(base, x))
+        errors, _ = residuals(build(base, x), eager=eager)
         return float(np.mean(np.square(errors)) + 0.5 * np.max(np.abs(errors)) ** 2)
 
-    x0 = np.array([_current(base, p[0]) for p in PARAMETERS])
+    x0 = np.array([_current(base, p[0]) for p in parameters])
+    x0 = np.where(np.isnan(x0), [p[1] for p in parameters], x0)
     x0 = np.clip(x0, lower + 1e-3 * (upper - lower), upper - 1e-3 * (upper - lower))
     z0 = -np.log((upper - lower) / (x0 - lower) - 1)
     result = minimize(objective, z0, method="Nelder-Mead",
                       options={"maxiter": 1500, "xatol": 1e-4, "fatol": 1e-7})
     x = lower + (upper - lower) / (1 + np.exp(-result.x))
-    return calibration_from_vector(base, x)
+    return build(base, x)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="update calibration.json")
+    parser.add_argument("--stage", choices=("all", "main", "eager"), default="all",
+                        help="fit the non-eager parameters, the eager ones, or both in turn")
     args = parser.parse_args()
-    base = default_calibration()
-    fitted = fit(base)
-    _, rows = residuals(fitted)
+    fitted = default_calibration()
+    for eager in {"all": (False, True), "main": (False,), "eager": (True,)}[args.stage]:
+        fitted = fit(fitted, eager=eager)
+    rows = residuals(fitted)[1] + residuals(fitted, eager=True)[1]
     for name, predicted, published in rows:
-        print(f"{name:36s} predicted {predicted:9.3f} published {published:9.3f} "
+        print(f"{name:40s} predicted {predicted:9.3f} published {published:9.3f} "
               f"error {predicted / published - 1:+.1%}")
     data = fitted.to_dict()
-    data["source"] = dict(data["source"], fit=(
-        "benchmarks/fit_calibration.py: A100 matmul/attention efficiency, GEMM overhead, "
-        "element-wise traffic factors, NVLink efficiency and DP overlap fitted on the 'fit' runs "
-        "of reference_runs.json (Narayanan et al. 2021 Table 1: 1.7B, 7.5B, 39.1B, 145.6B; "
-        "Korthikanti et al. 2022 Table 5: 22B and 175B, full and SP+selective) and Korthikanti "
-        "Table 4 layer times; H100 matmul efficiency on Llama 3 Table 4 (8,192 GPUs); H100 eager "
-        "(FSDP trainer) GEMM efficiency on the MosaicML fit rows; DeepSpeed compute factor on "
-        "MT-NLG (280 nodes)."))
+    data["source"] = dict(data["source"], fit=FIT_SOURCE)
     print(json.dumps(data, indent=2))
     if args.write:
         data = {"about": json.loads(CALIBRATION_FILE.read_text()).get("about", ""), **data}
         CALIBRATION_FILE.write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {CALIBRATION_FILE}")
+
+
+FIT_SOURCE = (
+    "benchmarks/fit_calibration.py: A100 matmul/attention efficiency, GEMM overhead, "
+    "element-wise traffic factors, NVLink efficiency and DP overlap fitted on the non-eager "
+    "'fit' runs of reference_runs.json (Narayanan et al. 2021 Table 1: 1.7B, 7.5B, 39.1B, "
+    "145.6B; Korthikanti et al. 2022 Table 5: 22B and 175B, full and SP+selective) and "
+    "Korthikanti Table 4 layer times; H100 matmul efficiency on Llama 3 Table 4 (8,192 GPUs); "
+    "DeepSpeed compute factor on MT-NLG (280 nodes). Then, with those fixed, the eager "
+    "(FSDP trainer) values on the eager 'fit' runs (14 MosaicML llm-foundry rows: MPT-7B/13B on "
+    "8 H100s, 30B on 16, 70B on 64, MPT-7B on 8 A100-80GB, 13B on 64 A100-40GB, MPT-1B at 16k "
+    "and 32k tokens on 8 GPUs of each kind, MPT-1B and 3B on 512 H100s): each generation's "
+    "eager GEMM and fused-attention efficiency, and the prefetched FSDP collectives' overlap "
+    "and contention.")
 
 
 if __name__ == "__main__":

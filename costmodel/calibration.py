@@ -61,6 +61,21 @@ class DeviceCalibration:
     copies and waits on the stream), where it differs from ``matmul_efficiency`` (fitted on
     Megatron-LM and Llama 3's stack); None: the same."""
 
+    eager_flash_attention_efficiency: float | None = None
+    """Fraction of dense peak fused attention reaches when an eager PyTorch framework calls it
+    (the flash-attn package or SDPA's flash kernels, against the cuDNN / Transformer Engine
+    kernels of Megatron-LM and Llama 3's stack); None: ``flash_attention_efficiency``."""
+    prefetch_overlap: float | None = None
+    """Fraction of a micro-batch's compute that FSDP-style per-block collectives (all-gather
+    of the next block, reduce-scatter of the last, prefetched on their own stream) hide
+    behind, bytes and latency alike (``timing.prefetches_blocks``); None: the
+    calibration's ``dp_overlap``, and the calls' latency stays exposed."""
+
+    prefetch_contention: float = 0.0
+    """Fraction of its own duration an overlapped prefetched collective still costs the
+    compute it runs beside: NCCL's kernels occupy SMs and HBM bandwidth while the GEMMs run
+    (``timing.prefetches_blocks``). 0: overlap is free."""
+
     def gemm_efficiency(self, eager: bool) -> float:
         """``eager_matmul_efficiency`` for an eager framework when set, else
         ``matmul_efficiency``."""
@@ -68,10 +83,23 @@ class DeviceCalibration:
             return self.eager_matmul_efficiency
         return self.matmul_efficiency
 
+    def fused_attention_efficiency(self, eager: bool) -> float:
+        """``eager_flash_attention_efficiency`` for an eager framework when set, else
+        ``flash_attention_efficiency``."""
+        if eager and self.eager_flash_attention_efficiency is not None:
+            return self.eager_flash_attention_efficiency
+        return self.flash_attention_efficiency
+
     def __post_init__(self) -> None:
-        if self.eager_matmul_efficiency is not None and not 0 < self.eager_matmul_efficiency <= 1:
-            raise ValueError(f"eager_matmul_efficiency must be in (0, 1], got "
-                             f"{self.eager_matmul_efficiency!r}")
+        for name in ("eager_matmul_efficiency", "eager_flash_attention_efficiency"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        if self.prefetch_overlap is not None and not 0 <= self.prefetch_overlap <= 1:
+            raise ValueError(f"prefetch_overlap must be in [0, 1], got {self.prefetch_overlap!r}")
+        if not 0 <= self.prefetch_contention <= 1:
+            raise ValueError(f"prefetch_contention must be in [0, 1], got "
+                             f"{self.prefetch_contention!r}")
         for name in ("matmul_efficiency", "attention_efficiency", "flash_attention_efficiency",
                      "memory_efficiency"):
             value = getattr(self, name)
@@ -207,7 +235,9 @@ class Calibration:
 
 DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "matmul_efficiency": EFFICIENCY, "matmul_overhead_s": NON_NEGATIVE,
-    "eager_matmul_efficiency": EFFICIENCY, "op_overhead_s": NON_NEGATIVE,
+    "eager_matmul_efficiency": EFFICIENCY, "eager_flash_attention_efficiency": EFFICIENCY,
+    "prefetch_overlap": FRACTION, "prefetch_contention": FRACTION,
+    "op_overhead_s": NON_NEGATIVE,
     "collective_call_s": NON_NEGATIVE,
     "attention_efficiency": EFFICIENCY, "flash_attention_efficiency": EFFICIENCY,
     "memory_efficiency": EFFICIENCY})

@@ -62,6 +62,12 @@ class ParallelConfig:
     every other matmul, of attention and of TP reduce-scatters, recomputes the rest), or a
     positive integer N, every Nth transformer block fully recomputed and the others not at all.
     Other frameworks have one selective policy and ignore it."""
+    recompute_early_stop: bool = False
+    """Whether full recomputation stops once backward has every tensor it needs (torch's
+    non-reentrant checkpoint ``early_stop``; torchtitan's activation_checkpoint.early_stop):
+    the block's last matmul, whose output backward never reads, is not run again. meshplan's
+    runtime always stops early (torch's default); Megatron-LM and DeepSpeed recompute the
+    whole layer and ignore it."""
     micro_batch_size: int = 1
     """Sequences per micro-batch per data-parallel replica (b)."""
     global_batch_size: int = 1

@@ -19,18 +19,19 @@ from dataclasses import dataclass
 from meshplan.costmodel import activations as act
 from meshplan.costmodel import collectives as coll
 from meshplan.costmodel import composition
+from meshplan.costmodel import eager
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.calls import (LOSS_REDUCTION_CALLS, call_overhead_s,
                                       collective_calls_per_microbatch, ddp_buckets,
                                       gradient_buckets, latency_steps, zero3_gather_passes,
                                       zero3_prefetch_fraction, zero_call_latency_s)
-from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import eager_kernels
 from meshplan.costmodel.layout import axis_group, dp_cp_ranks, ep_group, rank_of
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
-from meshplan.costmodel.memory import StageParams, stage_layer_range
+from meshplan.costmodel.memory import StageParams, layer_modes, stage_layer_range
 from meshplan.costmodel.model import ModelSpec
 
 BACKWARD_FACTOR = 2.0
@@ -149,10 +150,57 @@ def _gemm_s(flop: float, calls: int, *, peak: float, efficiency: float, overhead
     return flop / (peak * efficiency) + calls * overhead_s if flop > 0 else 0.0
 
 
-def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
-                    calibration: Calibration, *, moe: bool,
-                    framework: str = "megatron") -> tuple[float, float]:
-    """(whole layer, attention core) forward seconds of one layer for one micro-batch.
+@dataclass(frozen=True)
+class LayerForward:
+    """Forward seconds of one layer for one micro-batch, by kind of work."""
+
+    gemm_s: float
+    """The layer's matmuls (projections and MLP, with their per-call cost)."""
+    core_s: float
+    """The attention core (scores, softmax, context; fused or not)."""
+    rest_s: float
+    """Element-wise kernels (norms, RoPE, activation, residuals) and eager operator overhead."""
+    recomputed_mm_fraction: float
+    """Share of the GEMM FLOPs torchtitan's per-op policy does not save (``recompute_s``)."""
+    last_mm_fraction: float
+    """Share of the GEMM FLOPs in the block's last matmul (``w2``), which an early-stopping
+    full recomputation skips (``recompute_s``)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.core_s + self.rest_s
+
+
+def _mm_flops(model: ModelSpec, *, moe: bool) -> tuple[tuple[float, ...], float]:
+    """(FLOPs per token of each ``aten.mm`` of a block in forward order, FLOPs per token of its
+    grouped expert matmuls). Order as ``activations.matmul_output_bytes``: ``wq``, ``wk``,
+    ``wv``, ``wo``, then ``w1``, ``w3`` (SwiGLU), ``w2``; an MoE block's router is its fifth
+    mm and its experts run as grouped matmuls (``torch._grouped_mm``), which no policy saves."""
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    attention = (2.0 * h * q, 2.0 * h * kv, 2.0 * h * kv, 2.0 * q * h)
+    mats = 3 if model.activation == "swiglu" else 2
+    if moe:
+        return attention + (2.0 * h * model.num_experts,), \
+            2.0 * model.moe_top_k * mats * h * model.expert_ffn_size
+    f = model.ffn_hidden_size
+    up = (2.0 * h * f,) * (mats - 1)
+    return attention + up + (2.0 * f * h,), 0.0
+
+
+def _torchtitan_recomputed_mm_fraction(model: ModelSpec, *, moe: bool) -> float:
+    """Share of a block's matmul FLOPs torchtitan 0.2.2's per-op policy recomputes
+    (``distributed/activation_checkpoint.py`` ``_apply_op_sac``: ``aten.mm`` is in the save
+    list, but every second mm of the block, counted in forward order, is recomputed; grouped
+    expert matmuls are not in the list)."""
+    mms, grouped = _mm_flops(model, moe=moe)
+    recomputed = sum(f for k, f in enumerate(mms, start=1) if k % 2 == 0) + grouped
+    return recomputed / (sum(mms) + grouped)
+
+
+def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                  calibration: Calibration, *, moe: bool,
+                  framework: str = "megatron") -> LayerForward:
+    """Forward seconds of one layer for one micro-batch, by kind of work.
 
     GEMMs run at ``DeviceCalibration.gemm_efficiency``: for frameworks that launch them from
     eager PyTorch (``frameworks.eager_kernels``) the device's ``eager_matmul_efficiency``
@@ -176,17 +224,66 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
                                                        causal=causal) / t
-    efficiency = (device.flash_attention_efficiency if config.flash_attention
-                  else device.attention_efficiency)
+    efficiency = (device.fused_attention_efficiency(eager_kernels(framework))
+                  if config.flash_attention else device.attention_efficiency)
     core = _gemm_s(attention_flop, 2, peak=peak, efficiency=efficiency,
                    overhead_s=device.matmul_overhead_s)
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
     core_bytes = act.attention_core_bytes(model, config) if not config.flash_attention else 0.0
     layer_bytes = act.layer_activation_bytes(model, config, recompute="none", moe=moe)
     core += calibration.attention_core_traffic_factor * core_bytes / bandwidth
-    elementwise = calibration.elementwise_traffic_factor * (layer_bytes - core_bytes) / bandwidth
+    if eager_kernels(framework):
+        elementwise = eager.layer_elementwise_bytes(model, config, moe=moe,
+                                                    tokens=tokens) / bandwidth
+    else:
+        elementwise = (calibration.elementwise_traffic_factor * (layer_bytes - core_bytes)
+                       / bandwidth)
     host_ops = EAGER_OPS_PER_LAYER * device.op_overhead_s
-    return gemm + core + elementwise + host_ops, core
+    fraction = (_torchtitan_recomputed_mm_fraction(model, moe=moe)
+                if framework == "torchtitan" else 0.0)
+    mms, grouped = _mm_flops(model, moe=moe)
+    last = 0.0 if moe else mms[-1] / (sum(mms) + grouped)
+    return LayerForward(gemm_s=gemm, core_s=core, rest_s=elementwise + host_ops,
+                        recomputed_mm_fraction=fraction, last_mm_fraction=last)
+
+
+def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                    calibration: Calibration, *, moe: bool,
+                    framework: str = "megatron") -> tuple[float, float]:
+    """(whole layer, attention core) forward seconds of one layer for one micro-batch
+    (``layer_forward``)."""
+    parts = layer_forward(model, cluster, config, calibration, moe=moe, framework=framework)
+    return parts.total_s, parts.core_s
+
+
+def stops_early(framework: str, config: ParallelConfig) -> bool:
+    """Whether full recomputation stops early (``ParallelConfig.recompute_early_stop``):
+    always under meshplan's runtime (``checkpoint_wrapper``, torch's non-reentrant
+    checkpoint, whose ``early_stop`` defaults to True), under torchtitan when configured."""
+    return framework == "meshplan" or (framework == "torchtitan" and config.recompute_early_stop)
+
+
+def recompute_s(parts: LayerForward, mode: str, *, framework: str,
+                saves_attention: bool = True, early_stop: bool = False) -> float:
+    """Forward work one layer repeats in backward under ``mode`` (``memory.layer_modes``):
+    ``full`` the whole forward (less the last matmul when it ``early_stop``s: backward
+    needs that matmul's input, not its output, and the recomputation ends once the input is
+    saved); ``selective`` the attention core (Korthikanti et al. 2022);
+    ``op``, a per-op policy, what it does not save: under torchtitan's the unsaved matmuls
+    (``LayerForward.recomputed_mm_fraction``) and every element-wise op (and the attention
+    core where SDPA's op is not in its list, as on CPU); under meshplan's runtime
+    (``_SAVED_OPS``: every matmul and TP collective output) the attention core and the
+    element-wise ops."""
+    if mode == "full":
+        return parts.total_s - (parts.last_mm_fraction * parts.gemm_s if early_stop else 0.0)
+    if mode == "selective":
+        return parts.core_s
+    if mode == "op":
+        if framework == "torchtitan":
+            return (parts.recomputed_mm_fraction * parts.gemm_s + parts.rest_s
+                    + (0.0 if saves_attention else parts.core_s))
+        return parts.core_s + parts.rest_s
+    return 0.0
 
 
 def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -313,21 +410,29 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         return _traced_microbatch_time(model, cluster, config, calibration, stage,
                                        layer_range=layer_range, params=params, links=links,
                                        pp_link=pp_link, framework=framework)
-    moe_layers = sum(1 for i in layer_range if model.is_moe_layer(i))
+    modes = layer_modes(config, framework, stage, len(layer_range))
+    groups: dict[tuple[bool, str], int] = {}
+    for index, layer_mode in zip(layer_range, modes):
+        key = (model.is_moe_layer(index), layer_mode)
+        groups[key] = groups.get(key, 0) + 1
+    saves_attention = framework != "torchtitan" or cluster.gpu.key != CPU_DEVICE_KEY
     compute = tp = cp = ep = 0.0
     tp_layer = _tp_comm_per_layer_s(model, config, links.tp, calibration, recompute=mode)
-    for moe, count in ((False, len(layer_range) - moe_layers), (True, moe_layers)):
-        if not count:
-            continue
-        fwd, core = layer_forward_s(model, cluster, config, calibration, moe=moe,
-                                    framework=framework)
-        extra = fwd if mode == "full" else (core if mode == "selective" else 0.0)
+    forward: dict[bool, LayerForward] = {}
+    for (moe, layer_mode), count in groups.items():
+        if moe not in forward:
+            forward[moe] = layer_forward(model, cluster, config, calibration, moe=moe,
+                                         framework=framework)
+        parts = forward[moe]
+        extra = recompute_s(parts, layer_mode, framework=framework,
+                            saves_attention=saves_attention,
+                            early_stop=stops_early(framework, config))
         if config.flash_attention:
-            extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * core
-        compute += count * ((1 + BACKWARD_FACTOR) * fwd + extra)
+            extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * parts.core_s
+        compute += count * ((1 + BACKWARD_FACTOR) * parts.total_s + extra)
         tp += count * tp_layer
         cp += count * _cp_comm_per_layer_s(model, config, links.cp, calibration,
-                                           attention_fwd_s=core)
+                                           attention_fwd_s=parts.core_s)
         if moe:
             ep += count * _ep_comm_per_layer_s(model, config, links.ep, calibration)
     if stage == config.pp - 1:
@@ -337,6 +442,17 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     pp = _pp_comm_s(model, config, pp_link, calibration)
     return _stage_time(model, cluster, config, calibration, stage, params=params, links=links,
                        framework=framework, compute=compute, tp=tp, cp=cp, ep=ep, pp=pp)
+
+
+def prefetches_blocks(framework: str, config: ParallelConfig) -> bool:
+    """Whether the framework's ZeRO-2/3 collectives are per-block and issued ahead of use on
+    their own stream: FSDP2 (torchtitan; meshplan's runtime) all-gathers block k+1 while block
+    k computes and reduce-scatters block k's gradients while block k-1's backward runs
+    (``fully_shard``'s implicit prefetching), so their bytes and their ring latency overlap
+    compute up to ``DeviceCalibration.prefetch_overlap`` of it. DeepSpeed's ZeRO-3 gathers
+    per parameter tensor, prefetching at most its prefetch bucket (``calls.
+    zero3_prefetch_fraction``), so its calls' latency stays on the critical path."""
+    return framework in ("torchtitan", "meshplan") and config.zero_stage >= 2
 
 
 def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
@@ -355,12 +471,26 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration,
                                                            cluster.gpu.key)
     tp, pp = tp + tp_calls_s, pp + pp_calls_s
-    zero_latency = zero_calls_s + (zero_call_latency_s(calls, links.dp) if zero else 0.0)
-    prefetch = zero3_prefetch_fraction(model, config, framework) if config.zero_stage == 3 \
-        else 1.0
+    network_latency = zero_call_latency_s(calls, links.dp) if zero else 0.0
+    device = calibration.device(cluster.gpu.key)
+    if device.prefetch_overlap is not None and prefetches_blocks(framework, config):
+        # the next block's gather is in flight while this one computes: its latency hides
+        # too; the part it overlaps still costs ``prefetch_contention`` of its time, written
+        # as that share of all the traffic paid outright and the rest hidden in proportion
+        # (``k r + (1-k) max(0, r - h)`` = ``max(k r, r - (1-k) h)``, the overlapped part
+        # costing k of itself)
+        keep = 1 - device.prefetch_contention
+        traffic = zero + network_latency
+        zero, hidden = keep * traffic, keep * device.prefetch_overlap * compute
+        zero_latency = zero_calls_s + device.prefetch_contention * traffic
+    else:
+        prefetch = zero3_prefetch_fraction(model, config, framework) \
+            if config.zero_stage == 3 else 1.0
+        zero_latency = zero_calls_s + network_latency
+        hidden = calibration.dp_overlap * prefetch * compute
     return StageTime(compute_s=compute, tp_comm_s=tp, cp_comm_s=cp, ep_comm_s=ep,
                      pp_comm_s=pp, zero_comm_s=zero,
-                     zero_hidden_s=calibration.dp_overlap * prefetch * compute if zero else 0.0,
+                     zero_hidden_s=hidden if zero else 0.0,
                      offload_raw_s=offload,
                      offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0,
                      zero_latency_s=zero_latency)
@@ -409,17 +539,23 @@ def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Para
 
 def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                calibration: Calibration, *, framework: str = "megatron") -> float:
-    """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits."""
+    """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits
+    (Megatron's fused loss: the fitted element-wise factor; eager frameworks: the unfused
+    loss's own traffic, ``eager.loss_bytes``)."""
     device = calibration.device(cluster.gpu.key)
     tokens = act.tokens_per_microbatch(config)
     flop = tokens * lm_head_flop_per_token(model) / config.tp
     gemm = _gemm_s((1 + BACKWARD_FACTOR) * flop, 3, peak=cluster.gpu.peak(config.dtype),
                    efficiency=device.gemm_efficiency(eager_kernels(framework)),
                    overhead_s=device.matmul_overhead_s)
-    logits_bytes = act.LOGIT_BYTES * tokens * model.vocab_rows / config.tp
+    logits = tokens * model.vocab_rows / config.tp
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
     host_ops = (1 + BACKWARD_FACTOR) * EAGER_OPS_HEAD * device.op_overhead_s
-    return gemm + calibration.elementwise_traffic_factor * logits_bytes / bandwidth + host_ops
+    if eager_kernels(framework):
+        loss = eager.loss_bytes(config, logits)
+    else:
+        loss = calibration.elementwise_traffic_factor * act.LOGIT_BYTES * logits
+    return gemm + loss / bandwidth + host_ops
 
 
 def grad_comm_bytes(framework: str, dtype: str) -> int:

@@ -583,7 +583,9 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
     mode = recompute_mode(plan, target="torchtitan")
     checkpointing: dict[str, Any] = {"mode": mode}
     if mode == "selective":
-        checkpointing["selective_ac_option"] = "op"
+        checkpointing["selective_ac_option"] = plan.config.selective_ac
+    if mode == "full" and plan.config.recompute_early_stop:
+        checkpointing["early_stop"] = True
     return {
         "job": {"dump_folder": "./outputs",
                 "description": f"meshplan plan: {model.name} on {plan.cluster.name}"},

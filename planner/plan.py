@@ -39,6 +39,9 @@ CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "off
                "recompute", "micro_batch_size", "global_batch_size", "grad_accum_steps", "vpp",
                "seq_len", "layers_per_stage", "mesh_order", "flash_attention", "dtype")
 """Plan keys at the top level of a plan file (``grad_accum_steps`` is derived, checked)."""
+OPTIONAL_CONFIG_KEYS = ("selective_ac", "recompute_early_stop")
+"""Configuration keys a plan file holds only when they differ from the default (torchtitan's
+selective policy and early-stopping recomputation), so older plan files still read."""
 OTHER_KEYS = ("schema_version", "framework", "model", "cluster", "predicted", "provenance")
 PLAN_FILE_KEYS = frozenset(CONFIG_KEYS + OTHER_KEYS)
 MAX_GLOBAL_BATCH = 2**24
@@ -115,8 +118,8 @@ class Plan:
         """The plan file object; ``predicted`` repeats the configuration, as DESIGN.md says."""
         cluster = dataclasses.asdict(self.cluster)
         cluster["gpu"] = dataclasses.asdict(self.cluster.gpu)
-        extra = ({"selective_ac": self.config.selective_ac}
-                 if self.config.selective_ac != ParallelConfig.selective_ac else {})
+        extra = {key: getattr(self.config, key) for key in OPTIONAL_CONFIG_KEYS
+                 if getattr(self.config, key) != getattr(ParallelConfig, key)}
         return {"schema_version": SCHEMA_VERSION, **config_to_dict(self.config, self.model),
                 **extra,
                 "framework": self.framework, "model": self.model.to_dict(), "cluster": cluster,
@@ -141,8 +144,9 @@ def plan_from_dict(data: dict[str, Any], *, origin: str = "plan") -> Plan:
     cluster = cluster_from_dict(data["cluster"], origin=f"{origin} cluster",
                                 name=str(data["cluster"].get("name", "cluster")))
     values = {k: data[k] for k in CONFIG_KEYS if k != "grad_accum_steps"}
-    if "selective_ac" in data:  # optional: torchtitan's selective policy when not "op"
-        values["selective_ac"] = data["selective_ac"]
+    for key in OPTIONAL_CONFIG_KEYS:  # written only when not the default
+        if key in data:
+            values[key] = data[key]
     for key in ("recompute", "layers_per_stage", "mesh_order"):
         if isinstance(values[key], list):
             values[key] = tuple(values[key])

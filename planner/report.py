@@ -186,6 +186,15 @@ def estimate_report(est: Estimate) -> str:
     ])
 
 
+def _offload_cell(config) -> str:
+    """The offload column, short: ``opt`` (optimizer states) or ``opt+params``, ``:nvme`` when
+    they go to NVMe rather than host memory."""
+    if config.offload == "none":
+        return "none"
+    what = config.offload.replace("optimizer", "opt")
+    return what if config.offload_device == "cpu" else f"{what}:{config.offload_device}"
+
+
 def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: str,
                  memory_margin: float = 0.0, seq_source: str | None = None) -> str:
     """Ranked plans of ``meshplan plan`` as a table, with the solver's status."""
@@ -198,8 +207,7 @@ def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: s
             row["gpus"] = c.world_size
         row |= {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep,
                 "sp": "on" if c.sp else "off", "zero": c.zero_stage,
-                "offload": (c.offload if c.offload == "none"
-                            else f"{c.offload}:{c.offload_device}"),
+                "offload": _offload_cell(c),
                 "recompute": recompute, "mb": c.micro_batch_size, "vpp": c.vpp,
                 "layers": layers_summary(c.stage_layers(plan.model.num_layers)),
                 "mesh": "".join(axis[0] for axis in c.mesh_order),

@@ -752,7 +752,9 @@ class _Refiner:
                                   offload=offload, offload_device=device, micro_batch_size=mb,
                                   global_batch_size=space.global_batch_size, vpp=vpp,
                                   seq_len=space.seq_len, mesh_order=order, dtype=space.dtype,
-                                  flash_attention=space.flash_attention)
+                                  flash_attention=space.flash_attention,
+                                  selective_ac=space.selective_ac,
+                                  recompute_early_stop=space.recompute_early_stop)
         except ValueError:
             return None
 

@@ -79,6 +79,12 @@ class SearchSpace:
     min_micro_batches_per_stage: bool = False
     """Only pipelines with at least pp micro-batches per step (the framework's schedules need
     them: ``costmodel.frameworks.min_micro_batches``); ``search`` sets it per framework."""
+    selective_ac: str = "op"
+    """torchtitan's selective policy for every configuration (``ParallelConfig.selective_ac``;
+    a setting of the run, not searched)."""
+    recompute_early_stop: bool = False
+    """Early-stopping full recomputation for every configuration
+    (``ParallelConfig.recompute_early_stop``; a setting, not searched)."""
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -105,7 +111,14 @@ def pins_of(space: SearchSpace) -> dict:
         pins["recompute_modes"] = list(space.recompute_modes)
     if space.memory_margin:
         pins["memory_margin"] = space.memory_margin
+    for name in SETTING_FIELDS:
+        if getattr(space, name) != getattr(SearchSpace, name):
+            pins[name] = getattr(space, name)
     return pins
+
+
+SETTING_FIELDS = ("selective_ac", "recompute_early_stop")
+"""Run settings every configuration of the space carries (recorded when not the default)."""
 
 
 def _listed(value):
@@ -118,7 +131,7 @@ def _tupled(value):
 
 def space_with_pins(pins: dict, **fixed) -> SearchSpace:
     """A SearchSpace with ``pins`` (as ``pins_of`` writes them) and the ``fixed`` fields."""
-    known = set(PIN_FIELDS) | {"recompute_modes", "memory_margin"}
+    known = set(PIN_FIELDS) | set(SETTING_FIELDS) | {"recompute_modes", "memory_margin"}
     return SearchSpace(**fixed, **{k: _tupled(v) for k, v in pins.items() if k in known})
 
 
@@ -197,7 +210,9 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
                                                global_batch_size=space.global_batch_size,
                                                vpp=v, seq_len=space.seq_len,
                                                mesh_order=order, dtype=space.dtype,
-                                               flash_attention=space.flash_attention)
+                                               flash_attention=space.flash_attention,
+                                               selective_ac=space.selective_ac,
+                                               recompute_early_stop=space.recompute_early_stop)
                                 if config is not None:
                                     out.append(config)
     return out

@@ -122,6 +122,8 @@ def search_space_from_args(given: dict[str, Any], *, model: ModelSpec,
     return SearchSpace(global_batch_size=given["global_batch_size"],
                        seq_len=given.get("seq_len", model.seq_len), dtype=dtype,
                        flash_attention=given.get("flash_attention", True),
+                       selective_ac=given.get("selective_ac", "op"),
+                       recompute_early_stop=given.get("recompute_early_stop", False),
                        memory_margin=memory_margin, **pins)
 
 

@@ -19,6 +19,7 @@ from meshplan.costmodel import ParallelConfig
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "sp": "--sp",
          "zero_stage": "--zero", "offload": "--offload", "offload_device": "--offload-device",
          "recompute": "--recompute", "selective_ac": "--selective-ac",
+         "recompute_early_stop": "--recompute-early-stop",
          "micro_batch_size": "--micro-batch",
          "global_batch_size": "--global-batch", "vpp": "--vpp", "seq_len": "--seq-len",
          "layers_per_stage": "--layers-per-stage", "mesh_order": "--mesh-order",

@@ -1010,3 +1010,20 @@ def test_torchtitan_flavour_table_is_the_installed_torchtitans(torchtitan):
     for name in ("llama4", "deepseek_v3"):
         moe_args = [args.moe_args for args in torchtitan.get_train_spec(name).model_args.values()]
         assert moe_args and all(moe.num_shared_experts > 0 for moe in moe_args)
+
+
+def test_torchtitan_exports_its_checkpointing_settings(torchtitan, tmp_path):
+    """The plan's every-Nth-block selective policy and early-stopping recomputation reach
+    torchtitan's own config manager as its activation_checkpoint options."""
+    layer = for_target(make_plan(**{**PLAN_ZERO3_OFFLOAD, "offload": "none",
+                                    "recompute": "selective", "selective_ac": "2"}),
+                       "torchtitan")
+    job = load_torchtitan(torchtitan, layer, tmp_path)
+    assert (job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option) == \
+        ("selective", "2")
+    full = for_target(make_plan(**{**PLAN_ZERO3_OFFLOAD, "offload": "none",
+                                   "recompute_early_stop": True}), "torchtitan")
+    job = load_torchtitan(torchtitan, full, tmp_path)
+    assert job.activation_checkpoint.mode == "full" and job.activation_checkpoint.early_stop
+    plain = for_target(make_plan(**{**PLAN_ZERO3_OFFLOAD, "offload": "none"}), "torchtitan")
+    assert not load_torchtitan(torchtitan, plain, tmp_path).activation_checkpoint.early_stop

@@ -210,9 +210,18 @@ def test_tp_pin_on_llama3_8b():
 
 
 def test_pins_restrict_the_space():
+    """--zero 3 leaves a subset of the configurations (the solver's candidate count is not a
+    measure of that: it depends on how soon bounds prune), and no faster plan."""
+    from meshplan.costmodel import load_cluster
+    from meshplan.planner.space import SearchSpace, candidates
+
+    model, cluster = load_model("megatron-1.7b"), load_cluster("dgx-a100-80gb", nodes=1)
+    whole = set(candidates(model, cluster, SearchSpace(global_batch_size=64, seq_len=2048)))
+    zero3 = set(candidates(model, cluster, SearchSpace(global_batch_size=64, seq_len=2048,
+                                                       zero_stage=(3,))))
+    assert zero3 < whole and {c.zero_stage for c in zero3} == {3}
     free = plan_json(*SMALL, "--nodes", "1")
     pinned = plan_json(*SMALL, "--nodes", "1", "--zero", "3")
-    assert pinned["solver"]["candidates"] < free["solver"]["candidates"]
     # a restricted space cannot find a faster plan
     assert step_s(pinned["plans"][0]) >= step_s(free["plans"][0]) * (1 - REL)
 
@@ -429,3 +438,20 @@ def test_same_command_same_plans():
     assert [without_wall_time(p) for p in first["plans"]] == \
         [without_wall_time(p) for p in second["plans"]]
     assert first["pareto"] == second["pareto"]
+
+
+def test_plan_carries_torchtitan_checkpoint_settings(tmp_path):
+    """--recompute-early-stop and --selective-ac are settings of every configuration the search
+    tries, recorded in the plan file: early stopping makes full recomputation cheaper."""
+    args = ["--model", "megatron-1.7b", *A100, "--nodes", "1", "--global-batch", "64",
+            "--framework", "torchtitan", "--tp", "1", "--pp", "1", "--recompute", "full",
+            "--deterministic"]
+    plain = plan_json(*args)["plans"][0]
+    path = tmp_path / "plan.json"
+    meshplan("plan", *args, "--recompute-early-stop", "-o", str(path))
+    early = json.loads(path.read_text())
+    assert early["recompute_early_stop"] is True and "recompute_early_stop" not in plain
+    assert step_s(early) < step_s(plain)
+    layer = plan_json(*args[:-3], "--recompute", "selective", "--selective-ac", "2",
+                      "--deterministic")["plans"][0]
+    assert layer["selective_ac"] == "2"

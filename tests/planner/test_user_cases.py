@@ -248,9 +248,10 @@ def test_empty_space_names_the_pipeline_fill_rule():
 def test_cost_objective_considers_every_node_count():
     """tp, pp and cp pinned to 1 on up to 8 nodes with global batch 240: dp = 8n must divide
     240, so 1, 2, 3, 5 and 6 nodes form plans (4, 7 and 8 do not). With 10,000 steps
-    (9.83e9 tokens of 240 x 4096) in 0.3472 days (3.0 s per step) only 5 and 6 nodes are fast
-    enough; the cheapest run is on 5 nodes, a count that is not a power of two."""
-    tokens, days = 240 * 4096 * 10_000, 3.0 * 10_000 / 86400
+    (9.83e9 tokens of 240 x 4096) in 0.3935 days (3.4 s per step) only 5 and 6 nodes are fast
+    enough (3.3 and 2.9 s per step; 3 nodes take 5.5 s); the cheapest run is on 5 nodes, a
+    count that is not a power of two."""
+    tokens, days = 240 * 4096 * 10_000, 3.4 * 10_000 / 86400
     args = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "8",
             "--global-batch", "240", "--seq-len", "4096", "--tp", "1", "--pp", "1",
             "--cp", "1", "--objective", "cost", "--train-tokens", str(tokens),
@@ -259,7 +260,7 @@ def test_cost_objective_considers_every_node_count():
     assert r.code == 0, r.err
     plans = json.loads(r.out)["plans"]
     best = plans[0]
-    assert best["dp"] == 40 and best["predicted"]["time"]["step_s"] <= 3.0
+    assert best["dp"] == 40 and best["predicted"]["time"]["step_s"] <= 3.4
     text = run_cli(*args)  # the table names each plan's GPU count, within 120 columns
     assert text.code == 0, text.err
     table = text.out.split("\n\n")[1].splitlines()
@@ -272,7 +273,7 @@ def test_cost_objective_considers_every_node_count():
         fastest = search(model, load_cluster("dgx-h100", nodes=nodes), space,
                          framework="meshplan", calibration=CAL, top_k=1,
                          deterministic=True).ranked[0]
-        assert fastest.step_s <= 3.0
+        assert fastest.step_s <= 3.4
         cost = fastest.step_s * 10_000 * 8 * nodes * 2 / 3600
         if nodes == 5:
             assert best["predicted"]["time"]["step_s"] == pytest.approx(fastest.step_s)

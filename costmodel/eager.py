@@ -1,0 +1,89 @@
+"""HBM traffic of the kernels an eager PyTorch trainer launches between its matmuls.
+
+Megatron-LM fuses its element-wise work (bias-GeLU, bias-dropout-add, fused layer norm, fused
+vocab-parallel cross entropy), and ``calibration.elementwise_traffic_factor`` was fitted on
+its runs. Trainers that run unfused PyTorch modules (``frameworks.eager_kernels``:
+torchtitan without ``torch.compile``, Composer/llm-foundry, meshplan's runtime) launch one
+kernel per operator instead, and each kernel reads its inputs from HBM and writes its output
+back. Their traffic is counted here operator by operator, from what each kernel reads and
+writes, with no fitted factor; it runs at the device's calibrated memory bandwidth.
+
+Counts are bytes per token (per logit for the loss) of one layer's forward on one rank.
+Backward moves about ``timing.BACKWARD_FACTOR`` times as much (each gradient kernel reads the
+saved input and the incoming gradient and writes the outgoing one).
+"""
+
+from __future__ import annotations
+
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.model import ModelSpec
+
+FP32 = 4
+"""Bytes of an fp32 element (RoPE's complex product, the loss's upcast logits)."""
+
+RMSNORM_PASSES = 7
+"""Tensor-sized reads and writes of an unfused RMSNorm (``torch.rms_norm``'s composite
+form: ``pow`` reads and writes, ``mean`` reads, the ``rsqrt`` product reads and writes, the
+weight product reads and writes; the per-token statistics are negligible)."""
+LAYERNORM_PASSES = 2
+"""A layer norm is one native kernel (``torch.native_layer_norm``): it reads its input and
+writes its output."""
+RESIDUAL_PASSES = 3
+"""A residual add reads two tensors and writes one."""
+ROPE_BYTES_PER_ELEMENT = 2 * FP32 + 2 * FP32
+"""Per element of q or k, beyond reading it and writing the result in the activation dtype:
+torchtitan's ``apply_rotary_emb`` (and meshplan's) upcasts to fp32 (writes 4 B), the complex
+product reads and writes fp32 (4 + 4), and ``type_as`` reads fp32 back (4)."""
+GELU_PASSES = 2
+"""GeLU reads its input and writes its output."""
+SWIGLU_PASSES = 5
+"""SiLU (read, write) then the gate product (two reads, one write)."""
+
+LOSS_BYTES_PER_LOGIT = 44
+"""Bytes per logit of an unfused cross entropy on bf16 logits (``F.cross_entropy(
+logits.float(), labels)``, as torchtitan's ``cross_entropy_loss``, llm-foundry under autocast
+and meshplan's runtime compute it): forward, the fp32 upcast (read 2, write 4) and
+``log_softmax`` (reads its input for the maximum and for the exponential sum, writes the
+result: 12); backward, ``nll_loss_backward`` writes a dense zero-filled gradient (4),
+``log_softmax_backward`` reads the gradient and the saved output, reduces the gradient and
+writes its own (16), and the upcast's backward casts it back (read 4, write 2). The LM head's
+matmuls read and write the bf16 logits themselves."""
+LOSS_BYTES_PER_LOGIT_FP32 = 32
+"""The same loss on fp32 logits: no upcast, no cast back."""
+
+
+def layer_elementwise_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bool = False,
+                            tokens: float) -> float:
+    """HBM bytes the element-wise kernels of one layer's forward move on one rank for
+    ``tokens`` tokens.
+
+    A decoder block runs two norms (``LAYERNORM_PASSES`` or ``RMSNORM_PASSES`` each), two
+    residual adds, with RoPE the rotary products on q and k, the copy that lays the attention
+    output out for the output projection (``transpose(1, 2).contiguous()`` after SDPA; a
+    flash-attn kernel that returns (batch, seq, heads, dim) needs none, and MPT-style learned
+    positions use it), and the MLP activation (``GELU_PASSES`` over the ffn width, or
+    ``SWIGLU_PASSES``). Bias adds ride in the matmuls' epilogues (``addmm``). Norms and
+    residuals are sequence-split under SP; attention and MLP widths are split over tp.
+    """
+    e = config.bytes_per_activation
+    t = config.tp
+    seq_div = t if config.sp else 1
+    h = model.hidden_size
+    norm = RMSNORM_PASSES if model.norm == "rmsnorm" else LAYERNORM_PASSES
+    per_token = (2 * norm + 2 * RESIDUAL_PASSES) * e * h / seq_div
+    q, kv = model.q_size / t, model.kv_size / t
+    if model.position_embedding == "rope":
+        per_token += (q + kv) * (2 * e + ROPE_BYTES_PER_ELEMENT)
+        per_token += 2 * e * q  # the head-merging copy after SDPA
+    f = (model.expert_ffn_size * model.moe_top_k if moe else model.ffn_hidden_size) / t
+    passes = SWIGLU_PASSES if model.activation == "swiglu" else GELU_PASSES
+    per_token += passes * e * f
+    return per_token * tokens
+
+
+def loss_bytes(config: ParallelConfig, logits: float) -> float:
+    """HBM bytes of an unfused cross entropy over ``logits`` logit elements (forward and
+    backward, ``LOSS_BYTES_PER_LOGIT``)."""
+    per_logit = LOSS_BYTES_PER_LOGIT_FP32 if config.bytes_per_activation == FP32 \
+        else LOSS_BYTES_PER_LOGIT
+    return per_logit * logits
