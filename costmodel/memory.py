@@ -39,6 +39,12 @@ class StageParams:
     ``largest_layer``."""
     head: float = 0.0
     """Final norm and LM head (per TP shard) on the last stage, 0 elsewhere."""
+    root: float = 0.0
+    """Parameters outside the transformer blocks (per TP shard): embedding on the first
+    stage, final norm and LM head (or the tied embedding's copy) on the last."""
+    root_grad_early: float = 0.0
+    """Those of ``root`` whose gradients backward computes first (the last stage's norm and
+    head, and the word embedding itself when tied to the head on one stage)."""
     layers: int = 0
     """Transformer layers of the stage."""
 
@@ -95,18 +101,26 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
     if plain:
         largest = max(largest, model.dense_layer_params / t)
     block = largest
-    head = 0.0
+    head = root = early = 0.0
+    word = model.vocab_rows * model.hidden_size
     if stage == 0:
         dense += model.embedding_params
-        largest = max(largest, model.vocab_rows * model.hidden_size / t)
+        root += model.embedding_params
+        largest = max(largest, word / t)
     if stage == config.pp - 1:
         dense += model.head_params
-        if model.tied_embeddings and config.pp > 1:
-            dense += model.vocab_rows * model.hidden_size
-        largest = max(largest, model.vocab_rows * model.hidden_size / t)
+        root += model.head_params
+        early += model.head_params
+        if model.tied_embeddings:
+            early += word
+            if config.pp > 1:
+                dense += word
+                root += word
+        largest = max(largest, word / t)
         head = model.head_params / t
     return StageParams(dense=dense / t, expert=expert / (t * config.ep), largest_layer=largest,
-                       largest_block=block, head=head, layers=len(layers))
+                       largest_block=block, head=head, root=root / t,
+                       root_grad_early=early / t, layers=len(layers))
 
 
 def persistent_layer_params(model: ModelSpec) -> int:
@@ -266,7 +280,8 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         framework, zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
         largest_layer_params=params.largest_layer, fp32=config.dtype == "fp32",
         data_parallel=config.dp * config.cp > 1, largest_block_params=params.largest_block,
-        kept_gathered_params=params.head, pipelined=config.pp > 1)
+        kept_gathered_params=params.root if framework == "meshplan" else params.head,
+        early_root_grad_params=params.root_grad_early, pipelined=config.pp > 1)
     if framework == "deepspeed" and config.zero_stage == 3:
         buffers += deepspeed_zero3_extra_buffer_bytes(
             largest_layer_params=params.largest_layer,

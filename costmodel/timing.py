@@ -8,7 +8,13 @@ through HBM. TP/SP, CP, EP and PP communication per micro-batch use the alpha-be
 ``collectives.py`` on the groups' links in the cluster graph.
 
 How a step is composed from these per-stage terms (the pipeline bubble of Narayanan et al.
-2021, exposed traffic, once-per-step terms) is written once, in ``composition.py``.
+2021, exposed traffic, once-per-step terms) is written once, in ``composition.py``; what each
+framework recomputes, in ``recompute.py``; the eager frameworks' kernel traffic, in
+``eager.py``.
+
+Why one module of ~600 lines: every term of a stage's micro-batch (layer compute, TP/CP/EP/PP
+traffic, ZeRO and offload traffic with what compute hides) reads the same links and
+calibration, and the planner's tables call it term by term.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from meshplan.costmodel import activations as act
 from meshplan.costmodel import collectives as coll
 from meshplan.costmodel import composition
 from meshplan.costmodel import eager
+from meshplan.costmodel import recompute
+from meshplan.costmodel.recompute import LayerForward
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.calls import (LOSS_REDUCTION_CALLS, call_overhead_s,
@@ -150,53 +158,6 @@ def _gemm_s(flop: float, calls: int, *, peak: float, efficiency: float, overhead
     return flop / (peak * efficiency) + calls * overhead_s if flop > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class LayerForward:
-    """Forward seconds of one layer for one micro-batch, by kind of work."""
-
-    gemm_s: float
-    """The layer's matmuls (projections and MLP, with their per-call cost)."""
-    core_s: float
-    """The attention core (scores, softmax, context; fused or not)."""
-    rest_s: float
-    """Element-wise kernels (norms, RoPE, activation, residuals) and eager operator overhead."""
-    recomputed_mm_fraction: float
-    """Share of the GEMM FLOPs torchtitan's per-op policy does not save (``recompute_s``)."""
-    last_mm_fraction: float
-    """Share of the GEMM FLOPs in the block's last matmul (``w2``), which an early-stopping
-    full recomputation skips (``recompute_s``)."""
-
-    @property
-    def total_s(self) -> float:
-        return self.gemm_s + self.core_s + self.rest_s
-
-
-def _mm_flops(model: ModelSpec, *, moe: bool) -> tuple[tuple[float, ...], float]:
-    """(FLOPs per token of each ``aten.mm`` of a block in forward order, FLOPs per token of its
-    grouped expert matmuls). Order as ``activations.matmul_output_bytes``: ``wq``, ``wk``,
-    ``wv``, ``wo``, then ``w1``, ``w3`` (SwiGLU), ``w2``; an MoE block's router is its fifth
-    mm and its experts run as grouped matmuls (``torch._grouped_mm``), which no policy saves."""
-    h, q, kv = model.hidden_size, model.q_size, model.kv_size
-    attention = (2.0 * h * q, 2.0 * h * kv, 2.0 * h * kv, 2.0 * q * h)
-    mats = 3 if model.activation == "swiglu" else 2
-    if moe:
-        return attention + (2.0 * h * model.num_experts,), \
-            2.0 * model.moe_top_k * mats * h * model.expert_ffn_size
-    f = model.ffn_hidden_size
-    up = (2.0 * h * f,) * (mats - 1)
-    return attention + up + (2.0 * f * h,), 0.0
-
-
-def _torchtitan_recomputed_mm_fraction(model: ModelSpec, *, moe: bool) -> float:
-    """Share of a block's matmul FLOPs torchtitan 0.2.2's per-op policy recomputes
-    (``distributed/activation_checkpoint.py`` ``_apply_op_sac``: ``aten.mm`` is in the save
-    list, but every second mm of the block, counted in forward order, is recomputed; grouped
-    expert matmuls are not in the list)."""
-    mms, grouped = _mm_flops(model, moe=moe)
-    recomputed = sum(f for k, f in enumerate(mms, start=1) if k % 2 == 0) + grouped
-    return recomputed / (sum(mms) + grouped)
-
-
 def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                   calibration: Calibration, *, moe: bool,
                   framework: str = "megatron") -> LayerForward:
@@ -239,10 +200,9 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
         elementwise = (calibration.elementwise_traffic_factor * (layer_bytes - core_bytes)
                        / bandwidth)
     host_ops = EAGER_OPS_PER_LAYER * device.op_overhead_s
-    fraction = (_torchtitan_recomputed_mm_fraction(model, moe=moe)
+    fraction = (recompute.torchtitan_recomputed_mm_fraction(model, moe=moe)
                 if framework == "torchtitan" else 0.0)
-    mms, grouped = _mm_flops(model, moe=moe)
-    last = 0.0 if moe else mms[-1] / (sum(mms) + grouped)
+    last = recompute.last_mm_fraction(model, moe=moe)
     return LayerForward(gemm_s=gemm, core_s=core, rest_s=elementwise + host_ops,
                         recomputed_mm_fraction=fraction, last_mm_fraction=last)
 
@@ -254,36 +214,6 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
     (``layer_forward``)."""
     parts = layer_forward(model, cluster, config, calibration, moe=moe, framework=framework)
     return parts.total_s, parts.core_s
-
-
-def stops_early(framework: str, config: ParallelConfig) -> bool:
-    """Whether full recomputation stops early (``ParallelConfig.recompute_early_stop``):
-    always under meshplan's runtime (``checkpoint_wrapper``, torch's non-reentrant
-    checkpoint, whose ``early_stop`` defaults to True), under torchtitan when configured."""
-    return framework == "meshplan" or (framework == "torchtitan" and config.recompute_early_stop)
-
-
-def recompute_s(parts: LayerForward, mode: str, *, framework: str,
-                saves_attention: bool = True, early_stop: bool = False) -> float:
-    """Forward work one layer repeats in backward under ``mode`` (``memory.layer_modes``):
-    ``full`` the whole forward (less the last matmul when it ``early_stop``s: backward
-    needs that matmul's input, not its output, and the recomputation ends once the input is
-    saved); ``selective`` the attention core (Korthikanti et al. 2022);
-    ``op``, a per-op policy, what it does not save: under torchtitan's the unsaved matmuls
-    (``LayerForward.recomputed_mm_fraction``) and every element-wise op (and the attention
-    core where SDPA's op is not in its list, as on CPU); under meshplan's runtime
-    (``_SAVED_OPS``: every matmul and TP collective output) the attention core and the
-    element-wise ops."""
-    if mode == "full":
-        return parts.total_s - (parts.last_mm_fraction * parts.gemm_s if early_stop else 0.0)
-    if mode == "selective":
-        return parts.core_s
-    if mode == "op":
-        if framework == "torchtitan":
-            return (parts.recomputed_mm_fraction * parts.gemm_s + parts.rest_s
-                    + (0.0 if saves_attention else parts.core_s))
-        return parts.core_s + parts.rest_s
-    return 0.0
 
 
 def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -424,9 +354,9 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
             forward[moe] = layer_forward(model, cluster, config, calibration, moe=moe,
                                          framework=framework)
         parts = forward[moe]
-        extra = recompute_s(parts, layer_mode, framework=framework,
-                            saves_attention=saves_attention,
-                            early_stop=stops_early(framework, config))
+        extra = recompute.recompute_s(parts, layer_mode, framework=framework,
+                                      saves_attention=saves_attention,
+                                      early_stop=recompute.stops_early(framework, config))
         if config.flash_attention:
             extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * parts.core_s
         compute += count * ((1 + BACKWARD_FACTOR) * parts.total_s + extra)

@@ -9,7 +9,7 @@ import pytest
 
 from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
                                 load_model)
-from meshplan.costmodel import timing
+from meshplan.costmodel import recompute, timing
 
 
 def _step(model, cluster, framework="torchtitan", calibration=None, **config):
@@ -25,7 +25,7 @@ def test_torchtitan_op_policy_recomputes_every_second_matmul():
     h, kv, f = 4096, 1024, 14336
     recomputed = h * kv + h * h + h * f
     total = 2 * h * h + 2 * h * kv + 3 * h * f
-    fraction = timing._torchtitan_recomputed_mm_fraction(load_model("llama3-8b"), moe=False)
+    fraction = recompute.torchtitan_recomputed_mm_fraction(load_model("llama3-8b"), moe=False)
     assert fraction == pytest.approx(recomputed / total, rel=1e-12)
 
 
