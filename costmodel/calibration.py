@@ -71,6 +71,10 @@ class DeviceCalibration:
     behind, bytes and latency alike (``timing.prefetches_blocks``); None: the
     calibration's ``dp_overlap``, and the calls' latency stays exposed."""
 
+    optimizer_params_per_s: float | None = None
+    """Parameters per second of one rank's AdamW step on this device when it is not offloaded
+    (the runtime's default ``foreach`` kernel), where the HBM-traffic formula
+    (``timing.OPTIMIZER_BYTES_PER_PARAM``) does not hold; None: that formula."""
     prefetch_contention: float = 0.0
     """Fraction of its own duration an overlapped prefetched collective still costs the
     compute it runs beside: NCCL's kernels occupy SMs and HBM bandwidth while the GEMMs run
@@ -97,6 +101,9 @@ class DeviceCalibration:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
         if self.prefetch_overlap is not None and not 0 <= self.prefetch_overlap <= 1:
             raise ValueError(f"prefetch_overlap must be in [0, 1], got {self.prefetch_overlap!r}")
+        if self.optimizer_params_per_s is not None and self.optimizer_params_per_s <= 0:
+            raise ValueError(f"optimizer_params_per_s must be positive, got "
+                             f"{self.optimizer_params_per_s!r}")
         if not 0 <= self.prefetch_contention <= 1:
             raise ValueError(f"prefetch_contention must be in [0, 1], got "
                              f"{self.prefetch_contention!r}")
@@ -237,6 +244,7 @@ DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "matmul_efficiency": EFFICIENCY, "matmul_overhead_s": NON_NEGATIVE,
     "eager_matmul_efficiency": EFFICIENCY, "eager_flash_attention_efficiency": EFFICIENCY,
     "prefetch_overlap": FRACTION, "prefetch_contention": FRACTION,
+    "optimizer_params_per_s": POSITIVE,
     "op_overhead_s": NON_NEGATIVE,
     "collective_call_s": NON_NEGATIVE,
     "attention_efficiency": EFFICIENCY, "flash_attention_efficiency": EFFICIENCY,

@@ -535,7 +535,7 @@ def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec
         return 0.0
     shard = (params.dense + params.expert) / (config.dp * config.cp)
     pcie = calibration.host_copy_rate(cluster.pcie_bytes_per_s,
-                                      pinned=pinned_host_buffers(framework))
+                                      pinned=pinned_host_buffers(framework, cluster.gpu.key))
     transfer = 2 * shard * config.bytes_per_activation / pcie
     if config.offload_device == "nvme":
         transfer += 2 * shard * config.bytes_per_activation * cluster.gpus_per_node \
@@ -543,11 +543,16 @@ def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec
     return transfer
 
 
-def pinned_host_buffers(framework: str) -> bool:
-    """Whether the framework offloads into page-locked host memory: DeepSpeed's offload
-    buffers and torchtitan's FSDP2 ``CPUOffloadPolicy()`` (``pin_memory=True``) do; meshplan's
-    runtime offloads with ``pin_memory=False`` (runtime/parallelize.py)."""
-    return framework != "meshplan"
+def pinned_host_buffers(framework: str, device_key: str = "") -> bool:
+    """Whether host-device copies of the framework's offload buffers run at the pinned rate.
+    They do for every framework modelled: DeepSpeed's offload buffers and torchtitan's FSDP2
+    ``CPUOffloadPolicy()`` (``pin_memory=True``) are page-locked, and so are meshplan's on CUDA
+    (runtime/optim.py ``HostOffloadAdamW``, runtime/parallelize.py ``CPUOffloadPolicy``); on the
+    CPU device there is nothing to pin, since the "device" is host memory too and a copy is one
+    memcpy with no staging buffer. ``Calibration.host_copy_rate`` keeps the pageable rate for
+    buffers that are not pinned."""
+    del framework, device_key  # every modelled framework pins (or needs no staging)
+    return True
 
 
 def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: StageParams,
@@ -591,7 +596,8 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     """(device optimizer, offload) seconds of the optimizer step of one stage.
 
     On the device: a fused Adam moves ``OPTIMIZER_BYTES_PER_PARAM`` per sharded parameter
-    through HBM. Offloaded: gradients go down and parameters come back over PCIe (pinned or
+    through HBM, or the device's measured rate (``DeviceCalibration.optimizer_params_per_s``)
+    where it has one. Offloaded: gradients go down and parameters come back over PCIe (pinned or
     pageable host buffers, ``pinned_host_buffers``), the host runs Adam for all GPUs of the
     node at the slower of ``host_adam_flop_per_param`` FLOPs and ``host_adam_bytes_per_param``
     bytes of host memory traffic per parameter (the second binds: ~28 bytes per parameter at
@@ -599,16 +605,19 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     optimizer state once.
     """
     shard = config.dp * config.cp if config.zero_stage >= 1 else 1
-    local = (params.dense + params.expert) / shard
+    # expert weights are sharded over the replicas of their expert group, as in memory
+    local = params.dense / shard + params.expert / max(1, shard // config.ep)
     device = calibration.device(cluster.gpu.key)
     loss_s = (calibration.call_s(cluster.gpu.key) * LOSS_REDUCTION_CALLS  # the logged loss
               * latency_steps("all_reduce", config.world_size))
     if config.offload == "none":
+        if device.optimizer_params_per_s is not None:
+            return local / device.optimizer_params_per_s + loss_s, 0.0
         bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
         return local * OPTIMIZER_BYTES_PER_PARAM / bandwidth + loss_s, 0.0
     per_node = local * min(cluster.gpus_per_node, cluster.num_gpus)
     rate = calibration.host_copy_rate(cluster.pcie_bytes_per_s,
-                                      pinned=pinned_host_buffers(framework))
+                                      pinned=pinned_host_buffers(framework, cluster.gpu.key))
     pcie = local * (4 + config.bytes_per_activation) / rate
     host = max(per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s,
                calibration.host_memory_s(cluster.gpu.key,

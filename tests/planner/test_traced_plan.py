@@ -110,9 +110,11 @@ class Scenario:
 SCENARIOS = {
     "1gpu-meshplan": Scenario(1, 1, "meshplan", tight_mib=(3.5,), none_fit_mib=3.0),
     "2gpu-pp2-meshplan": Scenario(2, 2, "meshplan", tight_mib=(1.95, 2.3), none_fit_mib=0.75),
-    "2gpu-pp2-deepspeed": Scenario(2, 2, "deepspeed", tight_mib=(1004.0, 1007.0),
+    # the roomy best plans offload the optimizer (host copies on the CPU run at the memcpy
+    # rate) and need 1006.6 and 4.4 MiB: the tight capacities sit below that
+    "2gpu-pp2-deepspeed": Scenario(2, 2, "deepspeed", tight_mib=(1004.0, 1006.0),
                                    none_fit_mib=1001.0),
-    "4gpu-pp2-no-recompute": Scenario(4, 2, "meshplan", tight_mib=(3.0, 5.0),
+    "4gpu-pp2-no-recompute": Scenario(4, 2, "meshplan", tight_mib=(3.0, 4.0),
                                       none_fit_mib=1.85, modes=("none",)),
     "2gpu-pp2-full-only": Scenario(2, 2, "deepspeed", tight_mib=(), none_fit_mib=1.0,
                                    modes=("full",)),
