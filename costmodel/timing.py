@@ -60,6 +60,15 @@ OPTIMIZER_BYTES_PER_PARAM = 36.0
 """HBM traffic of a fused Adam step per parameter: read and write params, grads, master, m, v."""
 
 
+PINNED_HOST_BUFFERS = True
+"""Host-device copies of offload buffers run at the pinned rate for every framework modelled:
+DeepSpeed's offload buffers and torchtitan's FSDP2 ``CPUOffloadPolicy()`` (``pin_memory=True``)
+are page-locked, and so are meshplan's on CUDA (runtime/optim.py ``HostOffloadAdamW``,
+runtime/parallelize.py ``CPUOffloadPolicy``); on the CPU device there is nothing to pin, since
+the "device" is host memory too and a copy is one memcpy with no staging buffer.
+``Calibration.host_copy_rate`` keeps the pageable rate for buffers that are not pinned."""
+
+
 @dataclass(frozen=True)
 class StageTime:
     """Seconds per micro-batch on one stage, by term (communication already as exposed)."""
@@ -191,12 +200,12 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
                    overhead_s=device.matmul_overhead_s)
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
     core_bytes = act.attention_core_bytes(model, config) if not config.flash_attention else 0.0
-    layer_bytes = act.layer_activation_bytes(model, config, recompute="none", moe=moe)
     core += calibration.attention_core_traffic_factor * core_bytes / bandwidth
     if eager_kernels(framework):
         elementwise = eager.layer_elementwise_bytes(model, config, moe=moe,
                                                     tokens=tokens) / bandwidth
     else:
+        layer_bytes = act.layer_activation_bytes(model, config, recompute="none", moe=moe)
         elementwise = (calibration.elementwise_traffic_factor * (layer_bytes - core_bytes)
                        / bandwidth)
     host_ops = EAGER_OPS_PER_LAYER * device.op_overhead_s
@@ -395,7 +404,7 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework, recompute=mode)
     offload = _param_offload_per_microbatch_s(config, cluster, params=params,
-                                              calibration=calibration, framework=framework)
+                                              calibration=calibration)
     calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
                                             recompute=mode)
     tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration,
@@ -526,33 +535,19 @@ def _bandwidth_s(op: str, link: coll.GroupLink, size_bytes: float, *, intra_eff:
 
 
 def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec, *,
-                                    params: StageParams, calibration: Calibration,
-                                    framework: str) -> float:
+                                    params: StageParams, calibration: Calibration) -> float:
     """Parameters offloaded under ZeRO-3 cross PCIe (and NVMe) for forward and backward each
-    micro-batch, at the host-copy rate of the framework's buffers (``pinned_host_buffers``);
+    micro-batch, at the pinned host-copy rate (``PINNED_HOST_BUFFERS``);
     up to ``offload_overlap`` of the compute can hide it."""
     if config.offload != "optimizer+params":
         return 0.0
     shard = (params.dense + params.expert) / (config.dp * config.cp)
-    pcie = calibration.host_copy_rate(cluster.pcie_bytes_per_s,
-                                      pinned=pinned_host_buffers(framework, cluster.gpu.key))
+    pcie = calibration.host_copy_rate(cluster.pcie_bytes_per_s, pinned=PINNED_HOST_BUFFERS)
     transfer = 2 * shard * config.bytes_per_activation / pcie
     if config.offload_device == "nvme":
         transfer += 2 * shard * config.bytes_per_activation * cluster.gpus_per_node \
             / cluster.nvme_bytes_per_s
     return transfer
-
-
-def pinned_host_buffers(framework: str, device_key: str = "") -> bool:
-    """Whether host-device copies of the framework's offload buffers run at the pinned rate.
-    They do for every framework modelled: DeepSpeed's offload buffers and torchtitan's FSDP2
-    ``CPUOffloadPolicy()`` (``pin_memory=True``) are page-locked, and so are meshplan's on CUDA
-    (runtime/optim.py ``HostOffloadAdamW``, runtime/parallelize.py ``CPUOffloadPolicy``); on the
-    CPU device there is nothing to pin, since the "device" is host memory too and a copy is one
-    memcpy with no staging buffer. ``Calibration.host_copy_rate`` keeps the pageable rate for
-    buffers that are not pinned."""
-    del framework, device_key  # every modelled framework pins (or needs no staging)
-    return True
 
 
 def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: StageParams,
@@ -598,7 +593,7 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     On the device: a fused Adam moves ``OPTIMIZER_BYTES_PER_PARAM`` per sharded parameter
     through HBM, or the device's measured rate (``DeviceCalibration.optimizer_params_per_s``)
     where it has one. Offloaded: gradients go down and parameters come back over PCIe (pinned or
-    pageable host buffers, ``pinned_host_buffers``), the host runs Adam for all GPUs of the
+    pageable host buffers, ``PINNED_HOST_BUFFERS``), the host runs Adam for all GPUs of the
     node at the slower of ``host_adam_flop_per_param`` FLOPs and ``host_adam_bytes_per_param``
     bytes of host memory traffic per parameter (the second binds: ~28 bytes per parameter at
     a few hundred GB/s is ~10 G parameters/s per node), and NVMe offload reads and writes the
@@ -617,7 +612,7 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
         return local * OPTIMIZER_BYTES_PER_PARAM / bandwidth + loss_s, 0.0
     per_node = local * min(cluster.gpus_per_node, cluster.num_gpus)
     rate = calibration.host_copy_rate(cluster.pcie_bytes_per_s,
-                                      pinned=pinned_host_buffers(framework, cluster.gpu.key))
+                                      pinned=PINNED_HOST_BUFFERS)
     pcie = local * (4 + config.bytes_per_activation) / rate
     host = max(per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s,
                calibration.host_memory_s(cluster.gpu.key,
