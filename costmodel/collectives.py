@@ -36,6 +36,8 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
+
+import numpy as np
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,31 +101,52 @@ def group_link(cluster: ClusterSpec, ranks: tuple[int, ...]) -> GroupLink:
 
 @functools.lru_cache(maxsize=65536)
 def _group_link_cached(cluster: ClusterSpec, ranks: tuple[int, ...]) -> GroupLink:
+    """Ring neighbours are grouped by what their path depends on (same node, local GPU
+    indices, same leaf switch); one shortest path per kind (``_kind_path``)."""
     n = len(ranks)
-    nodes = {cluster.node_of(r) for r in ranks}
-    per_node = max(1, n // len(nodes))
     if n == 1:
         return GroupLink(size=1, nodes=1, intra_bytes_per_s=math.inf,
                          inter_bytes_per_s=math.inf, per_node=1, latency_s=0.0)
-    intra, inter, latency, intra_latency = math.inf, math.inf, 0.0, 0.0
-    seen: dict[tuple, tuple[float, float]] = {}
     gpn, npl = cluster.gpus_per_node, cluster.nodes_per_leaf
-    for u, v in zip(ranks, ranks[1:] + ranks[:1]):
-        nu, nv = u // gpn, v // gpn
-        key = (nu == nv, u % gpn, v % gpn, nu // npl == nv // npl)
-        if key not in seen:
-            seen[key] = _pair_path(cluster.graph, u, v)
-        bandwidth, hop_latency = seen[key]
-        if nu == nv:
+    u = np.asarray(ranks, dtype=np.int64)
+    v = np.roll(u, -1)
+    nu, nv = u // gpn, v // gpn
+    nodes = len(np.unique(nu))
+    per_node = max(1, n // nodes)
+    kinds = (((nu == nv) * gpn + u % gpn) * gpn + v % gpn) * 2 + (nu // npl == nv // npl)
+    _, first = np.unique(kinds, return_index=True)
+    intra, inter, latency, intra_latency = math.inf, math.inf, 0.0, 0.0
+    for i in first.tolist():
+        a, b = int(u[i]), int(v[i])
+        same_node = a // gpn == b // gpn
+        bandwidth, hop_latency = _kind_path(cluster, same_node, a % gpn, b % gpn,
+                                            a // gpn // npl == b // gpn // npl, a, b)
+        if same_node:
             intra = min(intra, bandwidth)
             intra_latency = max(intra_latency, hop_latency)
         else:
             inter = min(inter, bandwidth)
         latency = max(latency, hop_latency)
-    spans = len(nodes) > 1
-    return GroupLink(size=n, nodes=len(nodes), intra_bytes_per_s=intra,
+    spans = nodes > 1
+    return GroupLink(size=n, nodes=nodes, intra_bytes_per_s=intra,
                      inter_bytes_per_s=inter, per_node=per_node, latency_s=latency,
                      intra_latency_s=(intra_latency if spans and intra_latency > 0 else None))
+
+
+@functools.lru_cache(maxsize=64)
+def _kind_paths(cluster: ClusterSpec) -> dict[tuple, tuple[float, float]]:
+    return {}
+
+
+def _kind_path(cluster: ClusterSpec, same_node: bool, local_u: int, local_v: int,
+               same_leaf: bool, u: int, v: int) -> tuple[float, float]:
+    """``_pair_path`` of GPUs u and v, shared by every pair of the same kind in ``cluster``
+    (the first pair of a kind met is the one measured)."""
+    paths = _kind_paths(cluster)
+    key = (same_node, local_u, local_v, same_leaf)
+    if key not in paths:
+        paths[key] = _pair_path(cluster.graph, u, v)
+    return paths[key]
 
 
 def with_latency(link: GroupLink, latency_s: Mapping[str, float]) -> GroupLink:

@@ -8,6 +8,8 @@ fastest- to slowest-varying axis (``costmodel/config.py``).
 
 from __future__ import annotations
 
+import numpy as np
+
 from meshplan.costmodel import traced
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.model import ModelSpec
@@ -94,8 +96,9 @@ def dp_cp_ranks(config: ParallelConfig, *, stage: int = 0) -> tuple[int, ...]:
     """Ranks of the dp x cp group of the first rank of ``stage``, ascending."""
     stride = strides(config)
     base = stage * stride["pp"]
-    return tuple(sorted(base + d * stride["dp"] + c * stride["cp"]
-                        for d in range(config.dp) for c in range(config.cp)))
+    ranks = np.add.outer(np.arange(config.dp) * stride["dp"],
+                         np.arange(config.cp) * stride["cp"]).ravel() + base
+    return tuple(np.sort(ranks).tolist())
 
 
 def ep_group(config: ParallelConfig) -> tuple[int, ...]:

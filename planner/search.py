@@ -26,11 +26,13 @@ from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.timing import stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
+from meshplan.planner.bounds import capacity_bound, split_bound, uniform_layers
 from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, degree_tuples,
                                     micro_batch_choices, offload_choices, pick, vpp_choices,
                                     zero_choices)
 from meshplan.planner.tables import (CandidateTables, TracedTables, build_tables,
-                                     build_traced_tables, layer_bounds, stage_config)
+                                     build_traced_tables, layer_bounds, stage_config,
+                                     stage_most_layers)
 
 SOLVE_TIME_CAP_S = 10.0
 """No single candidate's CP-SAT solve gets more than this."""
@@ -152,6 +154,14 @@ class Bound:
     stages: int
     micro_batches: int
     vpp: int
+
+    def with_split(self, top_micro_s: float, sum_micro_s: float) -> float:
+        """``value`` with a split-aware slowest stage and sum (``bounds.capacity_bound``):
+        each is the larger of the two lower bounds."""
+        total = max(self.per_micro_s, sum_micro_s)
+        return composition.scaled_step(micro_batches=self.micro_batches, vpp=self.vpp,
+                                       top_micro=max(top_micro_s, total / self.stages),
+                                       sum_micro=total, once=self.once_s) / self.vpp
 
     def value(self, extra_per_micro_s: float = 0.0) -> float:
         """``composition.scaled_step`` over v, with the slowest stage's time bounded below
@@ -643,6 +653,21 @@ def _cutoff(kth_s: float, incumbent: Solved | None) -> float | None:
     return min(values) if values else None
 
 
+@dataclass(frozen=True)
+class _Family:
+    """Lower bounds shared by the members of a family (``_Refiner.family``): the slowest
+    stage's and the summed per-micro-batch work, and the micro-batches per step."""
+
+    top: float
+    total: float
+    micro_batches: int
+
+    def value(self, v: int) -> float:
+        """The step of any member with ``v`` virtual chunks (``composition.scaled_step``)."""
+        return composition.scaled_step(micro_batches=self.micro_batches, vpp=v,
+                                       top_micro=self.top, sum_micro=self.total, once=0) / v
+
+
 class _Refiner:
     """The search tree (``search``), refined one node at a time.
 
@@ -779,46 +804,142 @@ class _Refiner:
     # ----- refinement -----------------------------------------------------------------------
 
     def refine(self, node: _Node, best: dict) -> tuple[list[_Node], int]:
-        """The children of ``node`` and how many candidates it dropped as not fitting."""
+        """The children of ``node`` and how many candidates it dropped as not fitting.
+
+        Bounds that need memory are computed lazily: a node first carries a bound inherited
+        from its parent (cheap), and when it is reached it is evaluated and pushed back with
+        its own bound (``fitting``, ``layout_fit``, ``chunks_fit``), so nodes that an
+        incumbent prunes on the cheap bound cost nothing."""
         kind = node.kind
         if kind == "degrees":
             degrees, layouts = node.data
-            pairs = []
-            for b, sp, order in layouts:
-                vpps = self.vpps(degrees, b)
-                # None: the leanest sibling fits no split, so none does
-                pairs.append((self.family_bound(degrees, b, sp, order, 1, flat=len(vpps) > 1),
-                              (degrees, b, sp, order, vpps)))
-            return self.bounded(node, "layout", pairs)
+            per_layout = ({(sp, order): node.bound for _, sp, order in layouts} if self.flat
+                          else self.degrees_fit_bounds(degrees, layouts))
+            if not per_layout:
+                return [], 1
+            return [self.node(max(min(per_layout.values()), node.bound), "fitting",
+                              (degrees, layouts, per_layout))], 0
+        if kind == "fitting":
+            degrees, layouts, per_layout = node.data
+            out = [self.node(max(per_layout[sp, order], node.bound), "layout",
+                             (degrees, b, sp, order, self.vpps(degrees, b)))
+                   for b, sp, order in layouts if (sp, order) in per_layout]
+            return out, 0
         if kind == "layout":
             degrees, b, sp, order, vpps = node.data
-            return self.bounded(node, "chunks", [
-                (self.family_bound(degrees, b, sp, order, v), (degrees, b, sp, order, v))
-                for v in vpps])
-        if kind == "chunks":
-            degrees, b, sp, order, v = node.data
-            out = []
+            if not vpps:
+                return [], 0
+            family = self.family(degrees, b, sp, order, 1)
+            if family is None:  # the leanest sibling fits no split, so none does
+                return [], 1
+            value = min(family.value(v) for v in vpps)
+            return [self.node(max(value, node.bound), "layout_fit", (node.data, family))], 0
+        if kind == "layout_fit":
+            (degrees, b, sp, order, vpps), family = node.data
             tp, cp, pp, dp, ep = degrees
+            out = []
             for zero in zero_choices(self.space, dp * cp, core=self.core):
                 for offload, device in offload_choices(self.space, zero, self.model,
                                                        self.cluster):
-                    config = self.config(degrees, b, sp, order, v, zero, offload, device)
-                    if config is None or config in self.skip:
-                        continue
-                    child = self.candidate_node(config, floor=node.bound)
+                    out.append(self.node(node.bound, "kind", (degrees, b, sp, order, vpps,
+                                                              (zero, offload, device), family)))
+            return out, 0
+        if kind == "kind":
+            return self.kind_node(node)
+        if kind == "kind_fit":
+            return self.kind_caps_node(node)
+        if kind == "kind_caps":
+            degrees, b, sp, order, vpps, (zero, offload, device), terms = node.data
+            out = []
+            for v in vpps:
+                config = self.config(degrees, b, sp, order, v, zero, offload, device)
+                if config is None or config in self.skip:
+                    continue
+                value = max(terms.value(v), node.bound)
+                if v == 1:
+                    child = self.candidate_node(config, floor=value)
                     if child is not None:
                         out.append(child)
+                else:
+                    out.append(self.node(value, "member", config))
             return out, 0
+        if kind == "member":
+            child = self.candidate_node(node.data, floor=node.bound)
+            return ([child] if child is not None else []), 0
         if kind == "candidate":
             return self.memory_node(node)
         if kind == "memory":
             return self.tables_node(node, best)
         raise AssertionError(kind)
 
+    def kind_node(self, node: _Node) -> tuple[list[_Node], int]:
+        """A (ZeRO, offload) choice of a family, for every v at once, from its v = 1 member:
+        dropped when that member cannot fit even its heaviest stage (``heavy_infeasible``;
+        memory does not fall with v), else bounded by that member's every term
+        (``bound``: its exposed ZeRO and offload traffic too) with the family's split-aware
+        slowest stage and sum. The per-micro-batch terms of a stage do not fall with v
+        (linear work: interleaving adds transfers; the ZeRO and offload traffic and the
+        compute that hides it do not depend on v), so the v = 1 terms bound every v."""
+        degrees, b, sp, order, vpps, choice, family = node.data
+        member = self.config(degrees, b, sp, order, 1, *choice)
+        if member is None:
+            return [self.node(node.bound, "kind_caps", (*node.data[:6], family))], 0
+        if self.heavy_infeasible(member):
+            return [], 1
+        terms = self.member_terms(member, family.top, family.total)
+        value = min(terms.value(v) for v in vpps)
+        return [self.node(max(value, node.bound), "kind_fit", (*node.data[:6], terms,
+                                                               member))], 0
+
+    def kind_caps_node(self, node: _Node) -> tuple[list[_Node], int]:
+        """The (ZeRO, offload) choice's bound with its own v = 1 member's capacities
+        (``capacity_split``; at least the leanest member's, so at least as tight)."""
+        degrees, b, sp, order, vpps, choice, terms, member = node.data
+        if self.flat or member.pp == 1:
+            return [self.node(node.bound, "kind_caps", (*node.data[:6], terms))], 0
+        split = self.capacity_split(member, member)
+        if split is None:
+            return [], 1
+        terms = self.member_terms(member, max(split[0], terms.top), max(split[1], terms.total))
+        value = min(terms.value(v) for v in vpps)
+        return [self.node(max(value, node.bound), "kind_caps", (*node.data[:6], terms))], 0
+
+    def member_terms(self, member: ParallelConfig, top: float, total: float) -> "_Family":
+        lows, highs = layer_bounds(self.model, member, None)
+        self.evaluated += 1
+        piece = bound(self.model, self.cluster, member, framework=self.framework,
+                      calibration=self.calibration, lo=lows[0],
+                      hi=max(highs[0], lows[0] + 1), cache=self.cache)
+        total = max(total, piece.per_micro_s)
+        return _Family(top=max(top, total / piece.stages), total=total,
+                       micro_batches=piece.micro_batches)
+
+    def heavy_infeasible(self, config: ParallelConfig) -> bool:
+        """True when no stage can hold ceil(L/p) layers (some stage must) under the most
+        memory-saving mode allowed. A middle stage needs at least what stage p - 2 needs
+        (``bounds``: memory does not fall as the stage index falls), so stages 0, p - 2 and
+        p - 1 are evaluated; every stage for models with two kinds of layer."""
+        if self.flat:
+            return False
+        p, total = config.pp, self.model.num_layers
+        heavy = -(-total // p)
+        saving = [m for m in ("full", "selective", "none") if m in self.space.recompute_modes][0]
+        stages = {0, max(0, p - 2), p - 1} if uniform_layers(self.model) else set(range(p))
+        if config.mesh_order != MESH_ORDERS[0]:  # memory does not depend on rank layout
+            config = self._first_order(config)
+        for stage in sorted(stages):
+            key = ("heavy", config, stage, heavy, saving)
+            if key not in self.cache:
+                self.cache[key] = _reserved(self.model, self.cluster, config, stage, heavy,
+                                            saving, self.framework, self.calibration)
+            if self.cache[key] <= self.capacity:
+                return False
+        return True
+
     def leanest(self, degrees, b, sp, order, v) -> ParallelConfig | None:
         """The member of a (degrees, micro-batch, sp, layout, vpp) family that holds the least
-        device memory: the highest allowed ZeRO stage with the most offload
-        (``INVARIANTS`` 4)."""
+        device memory: the highest allowed ZeRO stage with the most offload (memory does not
+        grow with the ZeRO stage or with offload)."""
         tp, cp, pp, dp, ep = degrees
         for zero in sorted(zero_choices(self.space, dp * cp, core=self.core), reverse=True):
             choices = offload_choices(self.space, zero, self.model, self.cluster)
@@ -829,31 +950,94 @@ class _Refiner:
                     return config
         return None
 
-    def family_bound(self, degrees, b, sp, order, v, flat: bool = False) -> float | None:
-        """Bound of every ZeRO / offload choice at (degrees, b, sp, order, v), from the
-        linear work (ZeRO-0, no offload) plus the recomputation the leanest member's memory
-        forces; None if even the leanest fits no split. ``flat``: also bound every vpp >= 2
-        (``m * (S + X) / p``: linear work and memory do not fall with v)."""
+    def family(self, degrees, b, sp, order, v) -> "_Family | None":
+        """Bounds of every ZeRO / offload choice at (degrees, b, sp, order, v): the linear
+        work (ZeRO-0, no offload: it does not depend on either) with the capacities of the
+        leanest member (``capacity_split``); None if even the leanest fits no split."""
         base = self.config(degrees, b, sp, order, v, 0, "none", "cpu")
         lean = self.leanest(degrees, b, sp, order, v)
         if base is None or lean is None:
             return None
         piece = self.linear_bound(base)
-        extra = 0.0
-        if not self.flat:
-            lo = max(1, v)
-            args = dict(framework=self.framework, calibration=self.calibration, lo=lo,
+        p = piece.stages
+        if self.flat:
+            return _Family(top=piece.per_micro_s / p, total=piece.per_micro_s,
+                           micro_batches=piece.micro_batches)
+        if base.pp == 1:  # exactly: the fastest fitting mode's step (_one_stage_deficit)
+            args = dict(framework=self.framework, calibration=self.calibration, lo=1,
                         capacity=self.capacity, modes=self.space.recompute_modes)
             if surely_infeasible(self.model, self.cluster, lean, **args):
                 return None
             extra = recompute_deficit(self.model, self.cluster, lean, **args)
             if extra is None:
                 return None
-        value = Bound(per_micro_s=piece.per_micro_s, once_s=0.0, stages=piece.stages,
-                      micro_batches=piece.micro_batches, vpp=v).value(extra)
-        if flat:
-            value = min(value, piece.micro_batches * (piece.per_micro_s + extra) / piece.stages)
-        return value
+            total = piece.per_micro_s + extra
+            return _Family(top=total, total=total, micro_batches=piece.micro_batches)
+        split = self.capacity_split(lean, base)
+        if split is None:
+            return None
+        total = max(split[1], piece.per_micro_s)
+        return _Family(top=max(split[0], total / p), total=total,
+                       micro_batches=piece.micro_batches)
+
+    def capacity_split(self, memory_config: ParallelConfig, time_config: ParallelConfig,
+                       time_scale: float = 1.0) -> tuple[float, float] | None:
+        """``bounds.capacity_bound`` of a candidate or family (one stage: at its layer
+        count, exactly)."""
+        lows, highs = layer_bounds(self.model, time_config, None)
+        lo, hi = lows[0], max(highs[0], lows[0])
+        if time_config.pp == 1:
+            lo = hi = self.model.num_layers
+        cache = self.cache
+
+        def most(config: ParallelConfig, stage: int, mode: str, lo: int, hi: int) -> int:
+            if config.mesh_order != MESH_ORDERS[0]:  # memory does not depend on rank layout
+                config = self._first_order(config)
+            key = ("most", config, stage, mode, lo, hi)
+            if key not in cache:
+                cache[key] = stage_most_layers(self.model, self.cluster, config, stage, mode,
+                                               lo, hi, self.capacity, framework=self.framework,
+                                               calibration=self.calibration)
+            return cache[key]
+
+        self.evaluated += 1
+        return capacity_bound(self.model, self.cluster, memory_config=memory_config,
+                              time_config=time_config, framework=self.framework,
+                              calibration=self.calibration, capacity=self.capacity,
+                              modes=self.space.recompute_modes, lo=lo, hi=hi,
+                              most_layers=most, cache=cache, time_scale=time_scale)
+
+    def _first_order(self, config: ParallelConfig) -> ParallelConfig:
+        key = ("first order", config)
+        if key not in self.cache:
+            self.cache[key] = config.replace(mesh_order=MESH_ORDERS[0])
+        return self.cache[key]
+
+    def degrees_fit_bounds(self, degrees, layouts) -> dict[tuple, float]:
+        """Per (sp, rank layout) of a degree tuple, a memory-aware bound of its members;
+        the layouts where none fits are left out.
+
+        Any member with micro-batch b, m = B / (dp b) micro-batches and any v takes at least
+        ``m T_b`` (``v step >= (m v - 1) T + S`` and S >= T), T_b its slowest stage's linear
+        work per micro-batch (``bounds.capacity_bound``). Per sample, linear work does not
+        grow with b, and memory does not fall with b or v and is least for the leanest ZeRO and
+        offload, so the per-sample work at the layout's largest b with the capacities of its
+        leanest member at its smallest b bounds ``T_b / b`` below: the step is at least
+        ``B / dp`` times that."""
+        tp, cp, pp, dp, ep = degrees
+        sizes: dict[tuple, list[int]] = {}
+        for b, sp, order in layouts:
+            sizes.setdefault((sp, order), []).append(b)
+        out = {}
+        for (sp, order), bs in sizes.items():
+            timing = self.config(degrees, max(bs), sp, order, 1, 0, "none", "cpu")
+            lean = self.leanest(degrees, min(bs), sp, order, 1)
+            if timing is None or lean is None:
+                continue
+            split = self.capacity_split(lean, timing, time_scale=1.0 / max(bs))
+            if split is not None:
+                out[sp, order] = self.space.global_batch_size / dp * split[0]
+        return out
 
     def bounded(self, parent: _Node, kind: str, pairs) -> tuple[list[_Node], int]:
         """Nodes of ``kind`` for the (bound, data) ``pairs`` (bounds at least the parent's);
@@ -900,10 +1084,16 @@ class _Refiner:
                         calibration=self.calibration)[0] > offload_capacity(self.cluster,
                                                                             config):
             return [], 1
-        extra = recompute_deficit(self.model, self.cluster, config, **args)
-        if extra is None:
-            return [], 1
-        value = max(node.bound, piece.value(extra))
+        if config.pp == 1:
+            extra = recompute_deficit(self.model, self.cluster, config, **args)
+            if extra is None:
+                return [], 1
+            value = max(node.bound, piece.value(extra))
+        else:
+            split = self.capacity_split(config, config)
+            if split is None:
+                return [], 1
+            value = max(node.bound, piece.with_split(*split))
         return [self.node(value, "memory", (index, config, value))], 0
 
     def tables_node(self, node: _Node, best: dict) -> tuple[list[_Node], int]:
@@ -944,58 +1134,23 @@ def _greedy_incumbent(model: ModelSpec, cluster: ClusterSpec, config: ParallelCo
 
 
 def tables_bound(tables) -> float | None:
-    """A step time no split of ``tables`` beats, or None when none fits.
-
-    With ``cap_i`` the most layers stage i holds under a mode within time T per micro-batch
-    (its linear work only, the rest being at least 0) and memory, the slowest stage takes at
-    least the smallest T with ``sum_i cap_i(T) >= L`` (found by bisection); the sum over stages
-    is at least the sum of each stage's smallest linear work at ``lo``. Composed as the step is.
-    """
-    p, total = len(tables.lo), tables.num_layers
-    rows = []  # per stage: (lo, [(base, slope, most layers that fit)])
-    for i in range(p):
+    """A step time no split of ``tables`` beats, or None when none fits: ``bounds.split_bound``
+    on the tables' exact per-stage forms (linear work per micro-batch, the rest being at least
+    0, and the most layers each mode fits), composed as the step is."""
+    rows = []
+    for i in range(len(tables.lo)):
         lo = tables.lo[i]
         forms = []
         for r in tables.allowed[i]:
             most = tables.most(i, r)
-            if most < lo:
-                continue
-            linear = tables.time_ns[i][r].linear
-            forms.append((linear.base, max(linear.slope, 0), int(most)))
-        if not forms:
-            return None
+            if most >= lo:
+                linear = tables.time_ns[i][r].linear
+                forms.append((linear.base, max(linear.slope, 0), int(most)))
         rows.append((lo, forms))
-    if sum(max(f[2] for f in forms) for _, forms in rows) < total:
+    split = split_bound(rows, tables.num_layers)
+    if split is None:
         return None
-
-    def held(limit: float) -> int:
-        count = 0
-        for lo, forms in rows:
-            most = 0
-            for base, slope, fit in forms:
-                if base > limit:
-                    continue
-                n = fit if slope == 0 else min(fit, lo + int((limit - base) // slope))
-                most = max(most, n)
-            count += most
-        return count
-
-    low = max(min(f[0] for f in forms) for _, forms in rows)
-    high = max(f[0] + f[1] * (f[2] - lo) for lo, forms in rows for f in forms)
-    if held(low) < total:
-        for _ in range(48):
-            mid = (low + high) / 2
-            if held(mid) >= total:
-                high = mid
-            else:
-                low = mid
-        top = low
-    else:
-        top = low
-    sums = sum(min(f[0] for f in forms) for _, forms in rows)
-    slope = min(f[1] for _, forms in rows for f in forms)
-    sums += slope * (total - sum(lo for lo, _ in rows))
-    top = max(top, sums / p)
+    top, sums = split
     value = composition.scaled_step(micro_batches=tables.micro_batches, vpp=tables.vpp,
                                     top_micro=top, sum_micro=sums, once=0)
     return value / tables.vpp / 1e9

@@ -277,6 +277,24 @@ def _most_layers(reserved: Callable[[int], float], lo: int, hi: int, capacity: i
     return good
 
 
+def stage_most_layers(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                      stage: int, mode: str, lo: int, hi: int, capacity: float, *,
+                      framework: str, calibration: Calibration) -> int:
+    """The most layers in [lo, hi] ``stage`` holds within ``capacity`` under ``mode``
+    (``lo - 1``: none), by the rule the tables use (``_most_layers``)."""
+    def reserved(n: int) -> float:
+        return _reserved(model, cluster, config, stage, n, mode, framework, calibration)
+
+    capacity = math.floor(capacity)
+    first = reserved(lo)
+    known = {lo: first}
+    if hi > lo:
+        known[lo + 1] = reserved(lo + 1)
+    form = _linear(first, known.get(lo + 1, first), 1.0)
+    return _most_layers(reserved, lo, hi, capacity, guess=_most_of_form(form, lo, hi, capacity),
+                        known=known)
+
+
 def _reserved(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
               layers: int, mode: str, framework: str, calibration: Calibration) -> float:
     staged = stage_config(config, model, stage, layers, mode)
