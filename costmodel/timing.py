@@ -20,6 +20,7 @@ calibration, and the planner's tables call it term by term.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from meshplan.costmodel import activations as act
@@ -36,7 +37,7 @@ from meshplan.costmodel.calls import (LOSS_REDUCTION_CALLS, call_overhead_s,
                                       zero3_prefetch_fraction, zero_call_latency_s)
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import eager_kernels
-from meshplan.costmodel.layout import axis_group, dp_cp_ranks, ep_group, rank_of
+from meshplan.costmodel.layout import axis_group, dp_cp_ranks, ep_group, rank_of, strides
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import StageParams, layer_modes, stage_layer_range
@@ -152,6 +153,19 @@ def _stage_links(cluster: ClusterSpec, tp: int, cp: int, dp: int, pp: int, ep: i
                  mesh_order: tuple[str, ...], stage: int) -> Links:
     layout = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, mesh_order=mesh_order,
                             global_batch_size=dp, seq_len=cp)
+    # Shifting every rank by whole leaves (gpus per node x nodes per leaf) keeps what a
+    # group's links depend on (``collectives._group_link_cached``): the stage's groups see
+    # the links of the first stage an exact number of leaves before it.
+    leaf = cluster.gpus_per_node * cluster.nodes_per_leaf
+    period = leaf // math.gcd(strides(layout)["pp"], leaf)
+    if period <= stage < pp - 1:
+        return _stage_links(cluster, tp, cp, dp, pp, ep, mesh_order, stage % period)
+    return direct_stage_links(cluster, layout, stage)
+
+
+def direct_stage_links(cluster: ClusterSpec, layout: ParallelConfig, stage: int) -> Links:
+    """``stage_links`` read off the stage's own ranks (without the shift by whole leaves)."""
+    pp = layout.pp
     pp_next = None
     if stage + 1 < pp:
         pp_next = coll.group_link(cluster, (rank_of(layout, {"pp": stage}),

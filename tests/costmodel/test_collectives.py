@@ -362,3 +362,49 @@ def test_zero3_collapses_as_data_parallelism_grows_at_fixed_batch():
         rate[gpus] = work / step[gpus] / gpus
     assert rate[384] > 1.3 * rate[768] > 1.3 * 1.3 * rate[1536]
     assert step[1536] > 0.9 * step[768]
+
+
+def _reference_group_link(cluster, ranks):
+    """A group's links from the shortest path of every ring-neighbour pair (no sharing)."""
+    gpn = cluster.gpus_per_node
+    intra, inter, latency, intra_latency = math.inf, math.inf, 0.0, 0.0
+    for u, v in zip(ranks, ranks[1:] + ranks[:1]):
+        bandwidth, hop = coll._pair_path(cluster.graph, u, v)
+        if u // gpn == v // gpn:
+            intra, intra_latency = min(intra, bandwidth), max(intra_latency, hop)
+        else:
+            inter = min(inter, bandwidth)
+        latency = max(latency, hop)
+    nodes = len({r // gpn for r in ranks})
+    return (nodes, intra, inter, latency, intra_latency if nodes > 1 and intra_latency else None)
+
+
+@pytest.mark.parametrize("cluster_name,nodes", [("dgx-a100-80gb", 10), ("dgx-h100", 9)])
+def test_group_links_match_every_pair_and_stages_shift_by_whole_leaves(cluster_name, nodes):
+    """Each group's links equal those read off every ring-neighbour pair's own path, and a
+    stage's links (reused from the stage a whole number of leaves before it) equal the ones
+    read off its own ranks, for every stage of layouts whose stages cross leaves."""
+    from meshplan.costmodel import timing
+
+    cluster = load_cluster(cluster_name, nodes=nodes)
+    n = cluster.num_gpus
+    checked = 0
+    for tp, cp, pp, order in [(2, 1, n // 8, ("tp", "cp", "dp", "pp")),
+                              (1, 2, n // 4, ("tp", "cp", "dp", "pp")),
+                              (2, 2, n // 16 if n % 16 == 0 else n // 8,
+                               ("tp", "cp", "pp", "dp")),
+                              (8, 1, n // 8, ("tp", "pp", "cp", "dp"))]:
+        dp = n // (tp * cp * pp)
+        layout = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, mesh_order=order,
+                                global_batch_size=dp, seq_len=cp)
+        for stage in range(pp):
+            got = timing.stage_links(cluster, layout, stage)
+            assert got == timing.direct_stage_links(cluster, layout, stage)
+            for link, ranks in ((got.dp, timing.dp_cp_ranks(layout, stage=stage)),
+                                (got.tp, axis_group(layout, "tp", stage=stage))):
+                if len(ranks) > 1:
+                    assert (link.nodes, link.intra_bytes_per_s, link.inter_bytes_per_s,
+                            link.latency_s, link.intra_latency_s) == \
+                        _reference_group_link(cluster, list(ranks))
+                    checked += 1
+    assert checked > 50
