@@ -32,17 +32,25 @@ from meshplan.planner.tables import stage_config
 MIDDLE_SAMPLES = 6
 """Middle stages whose capacity ``capacity_bound`` evaluates (all of them when fewer)."""
 
-Row = tuple[int, list[tuple[float, float, int]]]
-"""One stage: its ``lo`` and, per usable mode, (base, slope >= 0, most layers that fit)."""
+Row = tuple[int, list[tuple[tuple[tuple[float, float], ...], int]]]
+"""One stage: its ``lo`` and, per usable mode, its time as the largest of linear pieces
+((base, slope) each: ``base + slope (n - lo)``) and the most layers that fit."""
 
 
 def split_bound(rows: list[Row], total_layers: int) -> tuple[float, float] | None:
-    """(slowest stage, sum over stages) lower bounds of the per-micro-batch linear work of
-    any split of ``total_layers`` layers over stages of ``rows`` (module docstring); None
-    when the stages cannot hold the layers at all."""
+    """(slowest stage, sum over stages) lower bounds of the per-micro-batch time of any split
+    of ``total_layers`` layers over stages of ``rows`` (module docstring); None when the
+    stages cannot hold the layers at all.
+
+    A form's time is the largest of its linear pieces (one piece: linear work; more: the
+    exposed traffic ``max(0, raw - hidden)`` written out), so it is convex in the layer count
+    and at least its two-point line from ``lo``: the sum over stages is at least the sum of
+    each stage's least time at ``lo`` plus the least such slope for the layers above."""
+    rows = [(lo, [(_rising(pieces, lo, most), most) for pieces, most in forms])
+            for lo, forms in rows]
     if any(not forms for _, forms in rows):
         return None
-    if sum(max(f[2] for f in forms) for _, forms in rows) < total_layers:
+    if sum(max(f[1] for f in forms) for _, forms in rows) < total_layers:
         return None
     alike: dict[tuple, int] = {}  # identical stages, counted once each
     for lo, forms in rows:
@@ -53,16 +61,23 @@ def split_bound(rows: list[Row], total_layers: int) -> tuple[float, float] | Non
         count = 0
         for (lo, forms), times in alike.items():
             most = 0
-            for base, slope, fit in forms:
-                if base > limit:
-                    continue
-                n = fit if slope == 0 else min(fit, lo + int((limit - base) // slope))
+            for pieces, fit in forms:
+                n = fit
+                for base, slope in pieces:
+                    if base > limit:
+                        n = 0
+                        break
+                    if slope > 0:
+                        n = min(n, lo + int((limit - base) // slope))
                 most = max(most, n)
             count += times * most
         return count
 
-    low = max(min(f[0] for f in forms) for _, forms in rows)
-    high = max(f[0] + f[1] * (f[2] - lo) for lo, forms in rows for f in forms)
+    def at(pieces, n: int, lo: int) -> float:
+        return max(base + slope * (n - lo) for base, slope in pieces)
+
+    low = max(min(at(p, lo, lo) for p, _ in forms) for lo, forms in rows)
+    high = max(at(p, fit, lo) for lo, forms in rows for p, fit in forms)
     if held(low) < total_layers:
         for _ in range(48):
             mid = (low + high) / 2
@@ -70,10 +85,17 @@ def split_bound(rows: list[Row], total_layers: int) -> tuple[float, float] | Non
                 high = mid
             else:
                 low = mid
-    sums = sum(min(f[0] for f in forms) for _, forms in rows)
-    slope = min(f[1] for _, forms in rows for f in forms)
-    sums += slope * (total_layers - sum(lo for lo, _ in rows))
+    sums = sum(min(at(p, lo, lo) for p, _ in forms) for lo, forms in rows)
+    slope = min(at(p, lo + 1, lo) - at(p, lo, lo) for lo, forms in rows for p, _ in forms)
+    sums += max(slope, 0) * (total_layers - sum(lo for lo, _ in rows))
     return max(low, sums / len(rows)), sums
+
+
+def _rising(pieces, lo: int, most: int) -> tuple[tuple[float, float], ...]:
+    """``pieces`` with each falling piece replaced by its least value over [lo, most] (a
+    constant no larger than the piece anywhere there)."""
+    return tuple((base, slope) if slope >= 0 else (base + slope * max(most - lo, 0), 0.0)
+                 for base, slope in pieces)
 
 
 def stage_classes(cluster: ClusterSpec, config: ParallelConfig,
@@ -127,24 +149,26 @@ def capacity_bound(model: ModelSpec, cluster: ClusterSpec, *, memory_config: Par
                    capacity: float, modes: tuple[str, ...], lo: int, hi: int,
                    most_layers: Callable, cache: dict | None = None, time_scale: float = 1.0
                    ) -> tuple[float, float] | None:
-    """``split_bound`` of a candidate with the capacities of ``memory_config`` and the linear
-    work of ``time_config`` (seconds per micro-batch), or None when no split fits.
+    """``split_bound`` of a candidate with the capacities of ``memory_config`` and the time
+    per micro-batch of ``time_config`` (``micro_pieces``, seconds), or None when no split
+    fits.
 
     For one candidate both are the candidate. For a family that differs only in ZeRO stage and
     offload, ``memory_config`` is its leanest member (no member holds more layers) and
-    ``time_config`` any member (linear work does not depend on ZeRO or offload).
+    ``time_config`` its ZeRO-0 member without offload (linear work does not depend on ZeRO or
+    offload, which only add exposed traffic).
     ``most_layers(config, stage, mode, lo, hi)`` is the most layers the stage fits (the
-    tables' exact rule). ``time_scale`` multiplies the linear work (``1 / b``: per sample).
+    tables' exact rule). ``time_scale`` multiplies the times (``1 / b``: per sample).
     """
     p = memory_config.pp
     classes = stage_classes(cluster, time_config, cache)
-    forms: dict[tuple[int, str], tuple[float, float]] = {}
+    forms: dict[tuple[int, str], tuple[tuple[float, float], ...]] = {}
     for stage in set(classes):
         for mode in modes:
-            at = [_linear_s(model, cluster, time_config, stage, n, mode, framework,
-                            calibration, cache) for n in ((lo, lo + 1) if hi > lo else (lo,))]
-            forms[stage, mode] = (at[0] * time_scale,
-                                  max(at[-1] - at[0], 0.0) * time_scale)
+            at = [_micro_terms(model, cluster, time_config, stage, n, mode, framework,
+                               calibration, cache) for n in ((lo, lo + 1) if hi > lo else (lo,))]
+            forms[stage, mode] = tuple((first * time_scale, (last - first) * time_scale)
+                                       for first, last in zip(at[0], at[-1]))
     exact = {}
     caps = {}
     for mode in modes:
@@ -153,22 +177,36 @@ def capacity_bound(model: ModelSpec, cluster: ClusterSpec, *, memory_config: Par
         caps[mode] = stage_caps(model, p, exact)
     rows = []
     for stage in range(p):
-        rows.append((lo, [(*forms[classes[stage], mode], caps[mode][stage]) for mode in modes
+        rows.append((lo, [(forms[classes[stage], mode], caps[mode][stage]) for mode in modes
                           if caps[mode][stage] >= lo]))
     return split_bound(rows, model.num_layers)
 
 
-def _linear_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
-              layers: int, mode: str, framework: str, calibration: Calibration,
-              cache: dict | None) -> float:
-    key = ("linear", config, stage, layers, mode)
+def micro_pieces(linear, zero_comm, zero_hidden, offload_raw, offload_hidden) -> tuple:
+    """A stage's time per micro-batch (``composition.micro_total``) as the largest of four
+    values: linear work plus each subset of the exposed terms' ``raw - hidden`` (works on
+    numbers and on (base, slope) pairs alike, term by term)."""
+    zero, offload = zero_comm - zero_hidden, offload_raw - offload_hidden
+    return (linear, linear + zero, linear + offload, linear + zero + offload)
+
+
+def _micro_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
+                 layers: int, mode: str, framework: str, calibration: Calibration,
+                 cache: dict | None) -> tuple[float, ...]:
+    """``micro_pieces`` of the stage at ``layers`` layers under ``mode`` (seconds)."""
+    key = ("micro", config, stage, layers, mode)
     if cache is not None:
         if key in cache:
             return cache[key]
-        if mode == "none" and (config, stage, layers) in cache:  # ``search.bound``'s entry
-            return cache[config, stage, layers].micro.linear_s
-    value = stage_terms(model, cluster, stage_config(config, model, stage, layers, mode), stage,
-                        framework=framework, calibration=calibration).micro.linear_s
+        terms = cache.get((config, stage, layers)) if mode == "none" else None  # ``search.bound``'s
+    else:
+        terms = None
+    if terms is None:
+        terms = stage_terms(model, cluster, stage_config(config, model, stage, layers, mode),
+                            stage, framework=framework, calibration=calibration)
+    t = terms.micro
+    value = micro_pieces(t.linear_s, t.zero_comm_s, t.zero_hidden_s, t.offload_raw_s,
+                         t.offload_hidden_s)
     if cache is not None:
         cache[key] = value
     return value

@@ -18,6 +18,8 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
 from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_terms
@@ -26,7 +28,7 @@ from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.timing import stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
-from meshplan.planner.bounds import capacity_bound, split_bound, uniform_layers
+from meshplan.planner.bounds import capacity_bound, micro_pieces, split_bound, uniform_layers
 from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, degree_tuples,
                                     micro_batch_choices, offload_choices, pick, vpp_choices,
                                     zero_choices)
@@ -632,14 +634,21 @@ class _Best(dict):
         self.ceiling = float("inf") if ceiling is None else ceiling
         self._kth = self.ceiling
         self._keys: dict[int, tuple] = {}  # each entry's ``_equivalence``
+        self._holders: dict[tuple, int] = {}  # entries per equivalence class
+        self._steps: dict[tuple, float] = {}  # each class's step time
 
     def __setitem__(self, index: int, solved: Solved) -> None:
         super().__setitem__(index, solved)
-        self._keys[index] = _equivalence(solved)
-        if len(self) >= self.k:  # the k-th of the distinct plans (equivalent layouts once)
-            steps = {self._keys[i]: s.step_s for i, s in self.items()}
-            if len(steps) >= self.k:
-                self._kth = min(self.ceiling, heapq.nsmallest(self.k, steps.values())[-1])
+        old = self._keys.get(index)
+        if old is not None:
+            self._holders[old] -= 1
+            if not self._holders[old]:
+                del self._holders[old], self._steps[old]
+        key = self._keys[index] = _equivalence(solved)
+        self._holders[key] = self._holders.get(key, 0) + 1
+        self._steps[key] = solved.step_s
+        if len(self._steps) >= self.k:  # the k-th of the distinct plans (equivalent layouts once)
+            self._kth = min(self.ceiling, heapq.nsmallest(self.k, self._steps.values())[-1])
 
     def kth(self) -> float:
         return self._kth
@@ -1073,7 +1082,8 @@ class _Refiner:
     def memory_node(self, node: _Node) -> tuple[list[_Node], int]:
         index, config, piece = node.data
         if self.flat:
-            return [self.node(node.bound, "memory", (index, config, node.bound))], 0
+            return [self.node(node.bound, "memory", (index, config, node.bound,
+                                                     piece.once_s))], 0
         modes = self.space.recompute_modes
         lo = max(1, config.vpp)
         args = dict(framework=self.framework, calibration=self.calibration, lo=lo,
@@ -1094,16 +1104,16 @@ class _Refiner:
             if split is None:
                 return [], 1
             value = max(node.bound, piece.with_split(*split))
-        return [self.node(value, "memory", (index, config, value))], 0
+        return [self.node(value, "memory", (index, config, value, piece.once_s))], 0
 
     def tables_node(self, node: _Node, best: dict) -> tuple[list[_Node], int]:
-        index, config, floor = node.data
+        index, config, floor, once_s = node.data
         tables = build_tables(self.model, self.cluster, config, modes=self.space.recompute_modes,
                               framework=self.framework, calibration=self.calibration,
                               memory_margin=self.space.memory_margin,
                               pinned_layers=self.space.layers_per_stage,
                               pinned_modes=self.space.recompute_pinned)
-        value = tables_bound(tables)
+        value = tables_bound(tables, once_s)
         if value is None:
             return [], 1
         value = max(value, floor)
@@ -1120,8 +1130,8 @@ def _greedy_incumbent(model: ModelSpec, cluster: ClusterSpec, config: ParallelCo
                       tables: CandidateTables, framework: str, calibration: Calibration,
                       bound_s: float) -> Solved | None:
     """The even split with each stage's fastest fitting mode (``solver.greedy_hint``) as a
-    plan, ``OPTIMAL`` when it meets ``bound_s`` (no split can beat it); None if it does not
-    fit."""
+    plan, ``OPTIMAL`` when it meets ``bound_s`` (no split can beat it) or the pipeline has
+    one stage; None if it does not fit."""
     hint = cpsat.greedy_hint(tables)
     if hint is None:
         return None
@@ -1129,14 +1139,17 @@ def _greedy_incumbent(model: ModelSpec, cluster: ClusterSpec, config: ParallelCo
     est = estimate(model, cluster, final, framework=framework, calibration=calibration)
     if not est.fits:
         return None
-    met = est.time.step_s <= bound_s * (1 + 1e-9)
+    # one stage: nothing to split, and the hint took the fastest fitting mode by the tables'
+    # own objective, so no solve can beat it
+    met = est.time.step_s <= bound_s * (1 + 1e-9) or config.pp == 1
     return Solved(estimate=est, status="OPTIMAL" if met else "FEASIBLE", lower_bound_s=bound_s)
 
 
-def tables_bound(tables) -> float | None:
+def tables_bound(tables, once_s: float = 0.0) -> float | None:
     """A step time no split of ``tables`` beats, or None when none fits: ``bounds.split_bound``
-    on the tables' exact per-stage forms (linear work per micro-batch, the rest being at least
-    0, and the most layers each mode fits), composed as the step is."""
+    on the tables' exact per-stage forms (each stage's time per micro-batch, linear work
+    plus its exposed ZeRO and offload traffic, and the most layers each mode fits), composed
+    as the step is, with ``once_s`` for the once-per-step terms (a lower bound of them)."""
     rows = []
     for i in range(len(tables.lo)):
         lo = tables.lo[i]
@@ -1144,16 +1157,25 @@ def tables_bound(tables) -> float | None:
         for r in tables.allowed[i]:
             most = tables.most(i, r)
             if most >= lo:
-                linear = tables.time_ns[i][r].linear
-                forms.append((linear.base, max(linear.slope, 0), int(most)))
+                forms.append((_micro_pieces(tables.time_ns[i][r]), int(most)))
         rows.append((lo, forms))
     split = split_bound(rows, tables.num_layers)
     if split is None:
         return None
     top, sums = split
     value = composition.scaled_step(micro_batches=tables.micro_batches, vpp=tables.vpp,
-                                    top_micro=top, sum_micro=sums, once=0)
+                                    top_micro=top, sum_micro=sums, once=once_s * 1e9)
     return value / tables.vpp / 1e9
+
+
+def _micro_pieces(terms) -> tuple[tuple[int, int], ...]:
+    """``bounds.micro_pieces`` of a stage's tables forms, as (base, slope) pairs."""
+    def pair(form):
+        return np.array([form.base, form.slope])
+
+    return tuple(tuple(int(x) for x in piece) for piece in micro_pieces(
+        pair(terms.linear), pair(terms.zero_comm), pair(terms.zero_hidden),
+        pair(terms.offload_raw), pair(terms.offload_hidden)))
 
 
 def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
