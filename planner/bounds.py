@@ -93,9 +93,10 @@ def split_bound(rows: list[Row], total_layers: int) -> tuple[float, float] | Non
 
 def _rising(pieces, lo: int, most: int) -> tuple[tuple[float, float], ...]:
     """``pieces`` with each falling piece replaced by its least value over [lo, most] (a
-    constant no larger than the piece anywhere there)."""
-    return tuple((base, slope) if slope >= 0 else (base + slope * max(most - lo, 0), 0.0)
-                 for base, slope in pieces)
+    constant no larger than the piece anywhere there), each distinct piece once."""
+    rising = {(base, slope) if slope >= 0 else (base + slope * max(most - lo, 0), 0.0)
+              for base, slope in pieces}
+    return tuple(sorted(rising))
 
 
 def stage_classes(cluster: ClusterSpec, config: ParallelConfig,

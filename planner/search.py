@@ -834,10 +834,20 @@ class _Refiner:
                              (degrees, b, sp, order, self.vpps(degrees, b)))
                    for b, sp, order in layouts if (sp, order) in per_layout]
             return out, 0
-        if kind == "layout":
+        if kind == "layout":  # its linear work alone first (cheaper than its capacities)
             degrees, b, sp, order, vpps = node.data
             if not vpps:
                 return [], 0
+            base = self.config(degrees, b, sp, order, 1, 0, "none", "cpu")
+            if base is None:
+                return [self.node(node.bound, "layout_caps", node.data)], 0
+            piece = self.linear_bound(base)
+            linear = _Family(top=piece.per_micro_s / piece.stages, total=piece.per_micro_s,
+                             micro_batches=piece.micro_batches)
+            value = min(linear.value(v) for v in vpps)
+            return [self.node(max(value, node.bound), "layout_caps", node.data)], 0
+        if kind == "layout_caps":
+            degrees, b, sp, order, vpps = node.data
             family = self.family(degrees, b, sp, order, 1)
             if family is None:  # the leanest sibling fits no split, so none does
                 return [], 1
