@@ -1,0 +1,152 @@
+"""The search's split-aware lower bounds (``planner/bounds.py``) never exceed what a split
+achieves, and the rule they rest on (a middle stage needs no less memory than a later one)
+holds in the cost model.
+
+Expected values come from enumerating every split and mode choice of small instances, and
+from ``stage_memory`` / ``build_tables`` of the cost model itself, not from the bound code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from meshplan.costmodel import ParallelConfig, default_calibration, load_cluster, load_model
+from meshplan.costmodel.memory import stage_memory
+from meshplan.planner import search as search_module
+from meshplan.planner.bounds import sampled_stages, split_bound, stage_caps
+from meshplan.planner.space import SearchSpace
+from meshplan.planner.tables import build_tables, stage_config
+
+CAL = default_calibration()
+
+
+def _time(pieces, n, lo):
+    return max(base + slope * (n - lo) for base, slope in pieces)
+
+
+def _random_rows(rng: random.Random, p: int, lo: int):
+    rows = []
+    for _ in range(p):
+        forms = []
+        for _ in range(rng.randint(1, 3)):
+            pieces = tuple((rng.uniform(0, 5), rng.uniform(-0.5, 3))
+                           for _ in range(rng.randint(1, 3)))
+            forms.append((pieces, rng.randint(lo - 1, lo + 5)))
+        rows.append((lo, forms))
+    return rows
+
+
+def test_split_bound_is_below_every_split_of_random_instances():
+    """Every split of L layers and every choice of form per stage: the slowest stage takes
+    at least the bound's top, the stages together at least its sum; None only when no split
+    fits (a split-free instance may still get numbers: any number bounds it)."""
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(300):
+        p, lo = rng.randint(1, 4), rng.randint(1, 2)
+        total = rng.randint(p * lo, p * lo + 8)
+        rows = _random_rows(rng, p, lo)
+        best_top = best_sum = float("inf")
+        for counts in itertools.product(range(lo, total + 1), repeat=p):
+            if sum(counts) != total:
+                continue
+            per_stage = []
+            for (low, forms), n in zip(rows, counts):
+                per_stage.append([_time(pieces, n, low) for pieces, most in forms if n <= most])
+            if any(not times for times in per_stage):
+                continue
+            for times in itertools.product(*per_stage):
+                best_top, best_sum = min(best_top, max(times)), min(best_sum, sum(times))
+        got = split_bound(rows, total)
+        if got is None:  # only when no split fits
+            assert best_top == float("inf")
+            continue
+        if best_top == float("inf"):
+            continue
+        top, sums = got
+        assert top <= best_top + 1e-9 and sums <= best_sum + 1e-9
+        checked += 1
+    assert checked > 100
+
+
+CONFIGS = [  # model, cluster, nodes, config, framework
+    ("llama3-70b", "dgx-h100", 8, dict(tp=4, pp=16, dp=1, micro_batch_size=1,
+                                       global_batch_size=64, seq_len=8192, zero_stage=1),
+     "megatron"),
+    ("llama3-70b", "dgx-h100", 8, dict(tp=2, pp=10, dp=1, cp=2, micro_batch_size=2, vpp=2,
+                                       global_batch_size=80, seq_len=8192, zero_stage=0),
+     "megatron"),
+    ("gpt3-175b", "dgx-a100-80gb", 12, dict(tp=8, pp=12, dp=1, micro_batch_size=1,
+                                            global_batch_size=48, seq_len=2048,
+                                            zero_stage=1, sp=True), "meshplan"),
+    ("llama3-8b", "dgx-h100", 2, dict(tp=1, pp=16, dp=1, micro_batch_size=1,
+                                      global_batch_size=32, seq_len=8192, zero_stage=0),
+     "torchtitan"),
+    ("llama3-8b", "dgx-h100", 2, dict(tp=1, pp=8, dp=2, micro_batch_size=2,
+                                      global_batch_size=32, seq_len=4096, zero_stage=3,
+                                      offload="optimizer"), "deepspeed"),
+]
+
+
+@pytest.mark.parametrize("case", CONFIGS, ids=[f"{c[0]}-{c[4]}-pp{c[3]['pp']}" for c in CONFIGS])
+def test_middle_stages_need_no_less_memory_than_later_ones(case):
+    """For every layer count and mode, a middle stage's reserved bytes are at least those of
+    every later middle stage (what ``stage_caps`` uses for the stages it does not sample)."""
+    name, cluster_name, nodes, kwargs, framework = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    config = ParallelConfig(**kwargs)
+    p = config.pp
+    for mode in ("none", "selective", "full"):
+        for n in (config.vpp, config.vpp + 1, model.num_layers // p + 2):
+            need = [stage_memory(model, cluster, stage_config(config, model, i, n, mode), i,
+                                 framework=framework, calibration=CAL).reserved_bytes
+                    for i in range(1, p - 1)]
+            assert all(a >= b for a, b in zip(need, need[1:])), (mode, n, need)
+
+
+@pytest.mark.parametrize("case", CONFIGS, ids=[f"{c[0]}-{c[4]}-pp{c[3]['pp']}" for c in CONFIGS])
+def test_sampled_capacities_are_at_least_the_tables_exact_ones(case):
+    """The capacities ``capacity_bound`` reads at a few stages and carries to the others are
+    at least the tables' exact per-stage capacities, at a capacity where memory binds."""
+    name, cluster_name, nodes, kwargs, framework = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    config = ParallelConfig(**kwargs)
+    tables = build_tables(model, cluster, config, modes=("none", "selective", "full"),
+                          framework=framework, calibration=CAL, memory_margin=0.35)
+    p = config.pp
+    for mode in ("none", "full"):
+        exact = {i: tables.most(i, mode) for i in sampled_stages(model, p)}
+        caps = stage_caps(model, p, exact)
+        assert all(caps[i] >= tables.most(i, mode) for i in range(p))
+    assert len(sampled_stages(model, 16)) < 16  # the sampling does skip stages
+
+
+@pytest.mark.parametrize("case", CONFIGS, ids=[f"{c[0]}-{c[4]}-pp{c[3]['pp']}" for c in CONFIGS])
+def test_capacity_bound_is_below_the_tables_bound(case):
+    """A candidate's capacity bound (a few stages' capacities) is at most its tables' bound
+    (every stage's exact capacity, the same time forms)."""
+    name, cluster_name, nodes, kwargs, framework = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    config = ParallelConfig(**kwargs)
+    margin = 0.35
+    space = SearchSpace(global_batch_size=config.global_batch_size, seq_len=config.seq_len,
+                        memory_margin=margin)
+    refiner = search_module._Refiner(model, cluster, space, framework=framework,
+                                     calibration=CAL)
+    split = refiner.capacity_split(config, config)
+    tables = build_tables(model, cluster, config, modes=space.recompute_modes,
+                          framework=framework, calibration=CAL, memory_margin=margin)
+    exact = search_module.tables_bound(tables)
+    if split is None:
+        assert exact is None
+        return
+    lo = search_module.layer_bounds(model, config, None)
+    piece = search_module.bound(model, cluster, config, framework=framework,
+                                calibration=CAL, lo=lo[0][0], hi=max(lo[1][0], lo[0][0] + 1))
+    light = search_module.Bound(per_micro_s=0.0, once_s=0.0, stages=piece.stages,
+                                micro_batches=piece.micro_batches,
+                                vpp=piece.vpp).with_split(*split)
+    assert exact is not None and light <= exact * (1 + 1e-6)
