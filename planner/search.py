@@ -1,16 +1,20 @@
-"""The planner: branch and bound over global candidates, CP-SAT for each candidate's split.
+"""The planner: best-first branch and bound over the search space, CP-SAT for each candidate's
+layer split and recompute modes.
 
-1. ``space.candidates`` lists the global configurations (degrees and knobs).
-2. Each gets a lower bound on its step time that holds for every split and recompute choice
-   (``lower_bound_s``): the per-micro-batch terms that only add, with no recomputation, spread
-   perfectly over the stages.
-3. Candidates are solved in order of their bound (``tables.build_tables`` + ``solver.solve``);
-   once the k-th best solved step time is at most the next bound, no unsolved candidate can
-   enter the top k and the search stops. The result is optimal within the cost model and the
-   space unless a time limit cut it short (then ``status`` is ``FEASIBLE``).
+1. The space is a tree (``_Refiner``): degree tuples, then micro-batch, sp and rank layout,
+   then ZeRO stage and offload, then vpp; its leaves are global candidates.
+2. Every node carries a step time no candidate below it can beat, for any split and recompute
+   choice: linear work spread over the stages, the capacities memory leaves each stage
+   (``bounds.capacity_bound``), exposed traffic and once-per-step terms where the node fixes
+   them. Bounds that need memory are evaluated lazily, when the search reaches the node.
+3. Nodes are refined in order of their bound; a candidate gets its CP-SAT tables
+   (``tables.build_tables``), an incumbent from its even split, and a solve
+   (``solver.solve``) only when its bound leaves room. Once the k-th best plan is at most the
+   lowest open bound, no configuration can enter the top k and the search stops: the result
+   is optimal within the cost model and the space unless a budget cut it short (then
+   ``status`` is ``FEASIBLE`` with its proven gap).
 4. Every solution is re-evaluated with ``costmodel.estimate`` (the authoritative numbers).
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -680,24 +684,41 @@ class _Family:
 class _Refiner:
     """The search tree (``search``), refined one node at a time.
 
-    Levels and their bounds, each valid for every candidate below it:
+    The bounds rest on these properties of the cost model (checked by
+    ``tests/planner/test_bounds.py::test_the_invariants_the_search_bounds_rest_on``):
+
+    1. linear work (compute, TP/CP/EP/PP traffic) is least without ZeRO or offload, which
+       only add terms that are at least 0;
+    2. a stage's linear work and time per micro-batch do not fall with v (interleaving adds
+       transfers; the ZeRO and offload traffic and the compute that hides it do not depend on
+       v), nor does its memory;
+    3. per sample, a stage's linear work does not grow with the micro-batch, and its memory
+       does not fall with it;
+    4. memory does not grow with the ZeRO stage or offload (the leanest member of a family
+       holds the most layers);
+    5. a middle stage needs no less memory than a later one (``bounds``).
+
+    Levels, each bounding every candidate below it. A node first carries a cheap bound (its
+    parent's, or one read off its parent's numbers) and is evaluated only when the search
+    reaches it; it then comes back with its own bound (``refine``):
 
     ``degrees`` (tp, cp, pp, dp, ep)
-        ``m * S / p`` with the per-sample linear work at the largest allowed micro-batch:
-        per-micro-batch linear work per sample does not grow with the micro-batch
-        (``INVARIANTS`` 3), so no micro-batch does better; the bubble, the added ZeRO and
-        offload traffic and the once-per-step terms are at least 0.
-    ``layout`` (+ micro-batch, sequence parallelism, rank layout)
-        the v = 1 candidate's linear-only bound, and ``m * S / p`` for v >= 2 (linear work does
-        not fall with v, ``INVARIANTS`` 2, and the bubble is at least 0).
-    ``chunks`` (+ vpp)
-        the linear-only bound at this v (linear work does not depend on ZeRO or offload,
-        ``INVARIANTS`` 1, which only add terms that are at least 0).
-    ``candidate`` (+ ZeRO stage, offload)
-        ``bound`` (every term, split-free).
+        at the root ``m * S / p`` with the per-sample linear work at the largest micro-batch
+        (3); reached, ``fitting``: per (sp, rank layout), ``B / dp`` times the per-sample
+        slowest stage of ``bounds.capacity_bound`` (largest micro-batch's work, smallest
+        micro-batch's leanest capacities: 3, 4); degree tuples no member of which fits drop.
+    ``layout`` (+ micro-batch, sp, rank layout)
+        the layout's linear work over every v (2), then its leanest member's capacities
+        (``family``: 1, 4); ``layout_fit`` bounds each v from the v = 1 terms (2).
+    ``kind`` (+ ZeRO stage, offload)
+        dropped if its v = 1 member cannot hold its heaviest stage (``heavy_infeasible``;
+        2, 5); else that member's every term (``bound``: exposed ZeRO and offload traffic
+        too) over every v (2), then its own capacities (``kind_fit``).
+    ``member`` (+ vpp) and ``candidate``
+        ``bound`` of the candidate itself (every term, split-free).
     ``memory``
-        plus the recomputation memory forces (``recompute_deficit``); candidates no split fits
-        are dropped (``surely_infeasible``).
+        its own capacities with its exposed traffic (``capacity_split``); candidates no split
+        fits, or whose offloaded states exceed host memory or NVMe, drop.
     ``tables``
         the split-aware bound of the CP-SAT tables (``tables_bound``); the even split with the
         fastest fitting modes (``solver.greedy_hint``) becomes an incumbent plan at once, and

@@ -150,3 +150,49 @@ def test_capacity_bound_is_below_the_tables_bound(case):
                                 micro_batches=piece.micro_batches,
                                 vpp=piece.vpp).with_split(*split)
     assert exact is not None and light <= exact * (1 + 1e-6)
+
+
+INVARIANT_CASES = [  # model, cluster, nodes, degrees and knobs, framework
+    ("llama3-70b", "dgx-h100", 4, dict(tp=4, pp=4, dp=2, zero_stage=3, seq_len=8192),
+     "megatron"),
+    ("llama3-8b", "dgx-h100", 2, dict(tp=1, pp=4, dp=4, zero_stage=3, seq_len=4096,
+                                      offload="optimizer+params"), "deepspeed"),
+    ("gpt3-13b", "dgx-a100-80gb", 2, dict(tp=2, pp=4, dp=2, zero_stage=2, seq_len=2048),
+     "meshplan"),
+    ("llama3-8b", "dgx-h100", 2, dict(tp=2, pp=4, dp=2, zero_stage=3, seq_len=4096),
+     "torchtitan"),
+]
+
+
+@pytest.mark.parametrize("case", INVARIANT_CASES, ids=[c[0] + "-" + c[4] for c in INVARIANT_CASES])
+def test_the_invariants_the_search_bounds_rest_on(case):
+    """``search._Refiner``'s invariants, on the cost model's own stage terms: (1) linear
+    work does not depend on ZeRO or offload; (2) a stage's linear work and time per
+    micro-batch do not fall with v, nor does its memory; (3) per sample, linear work does not
+    grow with the micro-batch and memory does not fall with it; (4) memory does not grow with
+    the ZeRO stage or offload."""
+    from meshplan.costmodel.estimate import stage_terms
+
+    name, cluster_name, nodes, kwargs, framework = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    batch = 8 * kwargs["dp"] * kwargs["pp"]
+
+    def terms(n, mode, **over):
+        config = ParallelConfig(**dict(kwargs, global_batch_size=batch, **over))
+        staged = stage_config(config, model, 1, n, mode)
+        time = stage_terms(model, cluster, staged, 1, framework=framework, calibration=CAL)
+        memory = stage_memory(model, cluster, staged, 1, framework=framework,
+                              calibration=CAL).reserved_bytes
+        return time.micro, memory
+
+    for mode in ("none", "full"):
+        for n in (2, 4):
+            (t1, m1), (t2, m2) = terms(n, mode, vpp=1), terms(n, mode, vpp=2)
+            assert t2.linear_s >= t1.linear_s and t2.total_s >= t1.total_s and m2 >= m1
+            plain, _ = terms(n, mode, zero_stage=0, offload="none")
+            assert plain.linear_s <= t1.linear_s * (1 + 1e-12)
+            lean = terms(n, mode)[1]
+            assert terms(n, mode, zero_stage=1, offload="none")[1] >= lean
+            (a, ma), (b, mb) = terms(n, mode, micro_batch_size=1), terms(n, mode,
+                                                                         micro_batch_size=4)
+            assert b.linear_s / 4 <= a.linear_s * (1 + 1e-12) and mb >= ma
