@@ -838,13 +838,13 @@ class _Refiner:
 
         Bounds that need memory are computed lazily: a node first carries a bound inherited
         from its parent (cheap), and when it is reached it is evaluated and pushed back with
-        its own bound (``fitting``, ``layout_fit``, ``chunks_fit``), so nodes that an
-        incumbent prunes on the cheap bound cost nothing."""
+        its own bound (``fitting``, ``layout_caps``, ``layout_fit``, ``kind_fit``,
+        ``kind_caps``), so nodes that an incumbent prunes on the cheap bound cost nothing. The
+        tree is built only for non-flat searches (``roots``)."""
         kind = node.kind
         if kind == "degrees":
             degrees, layouts = node.data
-            per_layout = ({(sp, order): node.bound for _, sp, order in layouts} if self.flat
-                          else self.degrees_fit_bounds(degrees, layouts))
+            per_layout = self.degrees_fit_bounds(degrees, layouts)
             if not per_layout:
                 return [], 1
             return [self.node(max(min(per_layout.values()), node.bound), "fitting",
@@ -935,7 +935,7 @@ class _Refiner:
         """The (ZeRO, offload) choice's bound with its own v = 1 member's capacities
         (``capacity_split``; at least the leanest member's, so at least as tight)."""
         degrees, b, sp, order, vpps, choice, terms, member = node.data
-        if self.flat or member.pp == 1:
+        if member.pp == 1:  # ``family`` read its one stage exactly
             return [self.node(node.bound, "kind_caps", (*node.data[:6], terms))], 0
         split = self.capacity_split(member, member)
         if split is None:
@@ -959,8 +959,6 @@ class _Refiner:
         memory-saving mode allowed. A middle stage needs at least what stage p - 2 needs
         (``bounds``: memory does not fall as the stage index falls), so stages 0, p - 2 and
         p - 1 are evaluated; every stage for models with two kinds of layer."""
-        if self.flat:
-            return False
         p, total = config.pp, self.model.num_layers
         heavy = -(-total // p)
         saving = [m for m in ("full", "selective", "none") if m in self.space.recompute_modes][0]
@@ -1000,9 +998,6 @@ class _Refiner:
             return None
         piece = self.linear_bound(base)
         p = piece.stages
-        if self.flat:
-            return _Family(top=piece.per_micro_s / p, total=piece.per_micro_s,
-                           micro_batches=piece.micro_batches)
         if base.pp == 1:  # exactly: the fastest fitting mode's step (_one_stage_deficit)
             args = dict(framework=self.framework, calibration=self.calibration, lo=1,
                         capacity=self.capacity, modes=self.space.recompute_modes)
@@ -1078,13 +1073,6 @@ class _Refiner:
             if split is not None:
                 out[sp, order] = self.space.global_batch_size / dp * split[0]
         return out
-
-    def bounded(self, parent: _Node, kind: str, pairs) -> tuple[list[_Node], int]:
-        """Nodes of ``kind`` for the (bound, data) ``pairs`` (bounds at least the parent's);
-        pairs whose bound is None (nothing fits) are dropped and counted."""
-        out = [self.node(max(value, parent.bound), kind, data) for value, data in pairs
-               if value is not None]
-        return out, len(pairs) - len(out)
 
     def vpps(self, degrees, b) -> list[int]:
         tp, cp, pp, dp, ep = degrees
