@@ -242,7 +242,8 @@ def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: s
     footer = (f"solver {status}: {result.candidates} candidates, "
               f"{result.wall_s:.2f} s; Pareto front (step time vs memory): "
               f"{len(result.pareto)} plans")
-    return "\n".join([header, "", table, "", footer])
+    legend = ["'=': the same choice as rank 1"] if len(rows) > 1 else []
+    return "\n".join([header, "", table, *legend, "", footer])
 
 
 def layers_summary(layers) -> str:
