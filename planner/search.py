@@ -22,17 +22,15 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
 from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_terms
 from meshplan.costmodel.frameworks import min_micro_batches
 from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
-from meshplan.costmodel.timing import stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
-from meshplan.planner.bounds import capacity_bound, micro_pieces, split_bound, uniform_layers
+from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, stage_classes,
+                                     uniform_layers)
 from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, degree_tuples,
                                     micro_batch_choices, offload_choices, pick, vpp_choices,
                                     zero_choices)
@@ -257,21 +255,11 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
 
 def _stage_kinds(cluster: ClusterSpec, config: ParallelConfig,
                  cache: dict | None) -> dict[int, int]:
-    """First stage of each kind (role and links) and how many stages are of that kind; cached
-    by layout, which is all the links depend on."""
-    key = ("kinds", config.tp, config.cp, config.dp, config.pp, config.ep,
-           tuple(config.mesh_order))
-    if cache is not None and key in cache:
-        return cache[key]
-    p = config.pp
-    kinds: dict[tuple, int] = {}
+    """First stage of each kind (role and links, ``bounds.stage_classes``) and how many
+    stages are of that kind."""
     counts: dict[int, int] = {}
-    for stage in range(p):
-        kind = (stage == 0, stage == p - 1, stage_link_signature(cluster, config, stage))
-        first = kinds.setdefault(kind, stage)
+    for first in stage_classes(cluster, config, cache):
         counts[first] = counts.get(first, 0) + 1
-    if cache is not None:
-        cache[key] = counts
     return counts
 
 
@@ -1191,12 +1179,10 @@ def tables_bound(tables, once_s: float = 0.0) -> float | None:
 
 def _micro_pieces(terms) -> tuple[tuple[int, int], ...]:
     """``bounds.micro_pieces`` of a stage's tables forms, as (base, slope) pairs."""
-    def pair(form):
-        return np.array([form.base, form.slope])
-
-    return tuple(tuple(int(x) for x in piece) for piece in micro_pieces(
-        pair(terms.linear), pair(terms.zero_comm), pair(terms.zero_hidden),
-        pair(terms.offload_raw), pair(terms.offload_hidden)))
+    forms = (terms.linear, terms.zero_comm, terms.zero_hidden, terms.offload_raw,
+             terms.offload_hidden)
+    return tuple(zip(micro_pieces(*(f.base for f in forms)),
+                     micro_pieces(*(f.slope for f in forms))))
 
 
 def _solve_one(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
