@@ -11,7 +11,14 @@ under both plans (a rank past 3 GB).
 
 Each rank's peak resident set size is compared with the cost model's predicted peak for its
 stage plus a fixed overhead: the peak RSS of the same launch shape with the ``tiny`` model,
-whose own tensors are negligible (what torch, gloo and Python hold).
+whose own tensors are negligible (what torch, gloo and Python hold: 345-346 MiB here), plus
+``ALLOWANCE_MIB`` for resident memory that is neither a live tensor nor in that baseline
+(glibc's arenas for allocations under the workers' 64 KiB mmap threshold, gloo's transient
+buffers on its own threads). The allowance is twice the most such memory seen on any rank
+(14 MiB, dp8 on 2026-12-02: peak RSS less live-tensor peak less baseline); the table shows that
+unexplained part per rank, so how much of the allowance a run uses is visible. The cost model
+is meant to be exact, not conservative, so without an allowance a rank whose prediction is
+right to the MiB passes or fails by rounding.
 
     python benchmarks/large_cpu_rss.py [--out DIR]
 
@@ -44,6 +51,7 @@ MEDIUM = dataclasses.replace(LARGE, name="llama-0.32b", num_layers=8)
 PLANS = {"dp8 zero3": (MEDIUM, ParallelConfig(dp=8, **COMMON), 3),
          "pp2 dp4 zero3": (MEDIUM, ParallelConfig(pp=2, dp=4, **COMMON), 3)}
 TIMEOUT_S = 1500
+ALLOWANCE_MIB = 32
 
 
 def _run(model, config: ParallelConfig, folder: Path, steps: int) -> dict:
@@ -69,23 +77,28 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             base = _run(dataclasses.replace(load_model("tiny"), name="tiny"), config, Path(tmp), 1)
             run = _run(model, config, Path(tmp), steps)
-        overhead = max(rank["rss_peak_bytes"] for rank in base["per_rank"])
+        baseline = max(rank["rss_peak_bytes"] for rank in base["per_rank"])
+        overhead = baseline + ALLOWANCE_MIB * 2 ** 20
         weights = model.num_params * 4
         lines += [f"## {name}: {model.name} ({model.num_params / 1e9:.2f} B params, "
                   f"{weights / 2 ** 30:.2f} GiB fp32), {steps} steps", "",
-                  f"Fixed overhead (peak RSS of the same launch with `tiny`): "
-                  f"{overhead / 2 ** 20:.0f} MiB. Losses: {[round(x, 4) for x in run['losses']]}.",
+                  f"Fixed overhead {overhead / 2 ** 20:.0f} MiB: the peak RSS of the same "
+                  f"launch with `tiny` ({baseline / 2 ** 20:.0f} MiB) plus {ALLOWANCE_MIB} MiB. "
+                  f"Losses: {[round(x, 4) for x in run['losses']]}.",
                   "", "| rank | stage | peak RSS MiB | RSS growth while building MiB | live "
-                  "tensors peak MiB | predicted peak MiB | live / predicted | predicted + "
-                  "overhead MiB | RSS within |", "|---|---|---|---|---|---|---|---|---|"]
+                  "tensors peak MiB | predicted peak MiB | live / predicted | RSS - live - "
+                  "baseline MiB | predicted + overhead MiB | RSS within |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for rank in run["per_rank"]:
             bound = rank["predicted_peak_bytes"] + overhead
+            unexplained = rank["rss_peak_bytes"] - (rank["peak_bytes"] or 0) - baseline
             row = {"plan": name, "rank": rank["rank"], "stage": rank["stage"],
                    "rss_peak_bytes": rank["rss_peak_bytes"],
                    "build_rss_bytes": rank["build_rss_bytes"],
                    "live_peak_bytes": rank["peak_bytes"],
                    "predicted_peak_bytes": rank["predicted_peak_bytes"],
-                   "overhead_bytes": overhead, "within": rank["rss_peak_bytes"] <= bound}
+                   "baseline_bytes": baseline, "overhead_bytes": overhead,
+                   "within": rank["rss_peak_bytes"] <= bound}
             rows.append(row)
             lines.append(f"| {rank['rank']} | {rank['stage']} | "
                          f"{rank['rss_peak_bytes'] / 2 ** 20:.0f} | "
@@ -93,6 +106,7 @@ def main() -> None:
                          f"{(rank['peak_bytes'] or 0) / 2 ** 20:.0f} | "
                          f"{rank['predicted_peak_bytes'] / 2 ** 20:.0f} | "
                          f"{(rank['peak_bytes'] or 0) / rank['predicted_peak_bytes']:.3f} | "
+                         f"{unexplained / 2 ** 20:+.1f} | "
                          f"{bound / 2 ** 20:.0f} | {row['within']} |")
         lines.append("")
     text = "# Large models on 8 CPU processes: peak RSS per rank\n\n" + "\n".join(lines)

@@ -224,6 +224,35 @@ def pipeline_recv_buffer_bytes(framework: str, *, boundary_bytes: float, micro_b
     return directions * micro_batches * boundary_bytes
 
 
+def pipeline_send_in_flight_bytes(framework: str, *, boundary_bytes: float,
+                                  stages: int) -> float:
+    """The boundary tensor of the last send still held at a stage's peak (bytes per rank).
+
+    A send of ``torch.distributed.pipelining`` keeps its tensor referenced until the schedule
+    waits on it, and the schedules wait lazily, so the stage's output (first stage) or its
+    input gradient (last stage) of the previous micro-batch is still alive at the peak.
+    Measured with the runtime's live-tensor tracker at the peaks of pp2 x dp4 ZeRO-3 (a 0.32 B
+    Llama shape on 8 CPU processes, ``benchmarks/large_cpu_rss.py``): one 128 x 1536 fp32
+    tensor on each stage beside the receive buffers, the first stage's a block output and the
+    last stage's a residual gradient."""
+    return boundary_bytes if framework in ("meshplan", "torchtitan") and stages > 1 else 0.0
+
+
+def pipelined_fsdp_reduce_scatter_bytes(*, largest_group_params: float, shard: int) -> float:
+    """The reduce-scatter that ends a pipelined FSDP stage's backward (bytes on one rank).
+
+    Under ``torch.distributed.pipelining`` FSDP reduce-scatters the stage's groups once, after
+    the last micro-batch's backward (``framework_buffer_bytes``, pipelined branch). For each
+    group it copies the unsharded gradients into a flat fp32 reduce-scatter input and receives
+    the rank's shard (torch ``_fsdp_collectives.foreach_reduce``), while the gathered
+    parameters and every unsharded gradient are still allocated: the largest group (the
+    embedding or the head, usually) sets the peak of this phase, with no activation left.
+    Measured at the first stage of pp2 x dp4 ZeRO-3 (``benchmarks/large_cpu_rss.py``): its
+    live-tensor peak falls here, with the embedding's gradient in the reduce-scatter input and
+    its quarter in the output."""
+    return FP32_BYTES * largest_group_params * (1 + 1 / shard)
+
+
 def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: float,
                                  largest_block_params: float, kept_gathered_params: float,
                                  compute_bytes: int) -> float:

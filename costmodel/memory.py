@@ -19,7 +19,9 @@ from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, StateBytes,
                                   framework_buffer_bytes, kept_stage_output_copies, logit_copies,
                                   model_state_bytes,
                                   optimizer_workspace_bytes, pipeline_recv_buffer_bytes,
-                                  torchtitan_cached_bytes, vocab_parallel_loss)
+                                  pipeline_send_in_flight_bytes,
+                                  pipelined_fsdp_reduce_scatter_bytes, torchtitan_cached_bytes,
+                                  vocab_parallel_loss)
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.model import ModelSpec
 
@@ -140,13 +142,17 @@ def persistent_layer_params(model: ModelSpec) -> int:
 
 def stage_recv_buffer_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
                             framework: str) -> float:
-    """Pipeline receive buffers of ``stage`` (``frameworks.pipeline_recv_buffer_bytes``); the
-    boundary tensor is one micro-batch's hidden states, sequence-split under SP."""
+    """Pipeline communication buffers of ``stage``: the receive buffers
+    (``frameworks.pipeline_recv_buffer_bytes``) and the send in flight
+    (``frameworks.pipeline_send_in_flight_bytes``); the boundary tensor is one micro-batch's
+    hidden states, sequence-split under SP."""
     boundary = (config.bytes_per_activation * act.tokens_per_microbatch(config)
                 * model.hidden_size / (config.tp if config.sp else 1))
-    return pipeline_recv_buffer_bytes(framework, boundary_bytes=boundary,
-                                      micro_batches=config.grad_accum_steps, stage=stage,
-                                      stages=config.pp, vpp=config.vpp)
+    return (pipeline_recv_buffer_bytes(framework, boundary_bytes=boundary,
+                                       micro_batches=config.grad_accum_steps, stage=stage,
+                                       stages=config.pp, vpp=config.vpp)
+            + pipeline_send_in_flight_bytes(framework, boundary_bytes=boundary,
+                                            stages=config.pp))
 
 
 def stage_states(model: ModelSpec, config: ParallelConfig, stage: int,
@@ -290,6 +296,7 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     persistent = buffers if framework in ("meshplan", "torchtitan") and \
         config.zero_stage <= 1 else 0.0
     recv = stage_recv_buffer_bytes(model, config, stage, framework)
+    gathered = buffers + recv  # gather and gradient buffers with the pipeline's
     buffers += recv
     persistent += recv
     if framework != "ideal":
@@ -300,10 +307,23 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                            if config.zero_stage >= 1 else 1))
     step_workspace = optimizer_workspace_bytes(framework, optimizer_params=optimizer_params)
     in_block = activations + buffers - persistent  # a block's backward: the loss is freed
+    phases = [activations + buffers - persistent]
+    # under a pipeline FSDP creates the sharded gradients only in the reduce-scatter after the
+    # last micro-batch's backward, and the step sets them to None, so they are not allocated
+    # through forward and backward (measured: ``pipelined_fsdp_reduce_scatter_bytes``)
+    pipelined_fsdp = framework == "meshplan" and config.pp > 1 and config.zero_stage >= 2
     if framework == "meshplan" and not model.is_traced:
         in_block += _block_backward_bytes(model, config, stage)
-    peak = (states.params + states.grads + states.optimizer + persistent
-            + max(activations + buffers - persistent, in_block, step_workspace))
+        phases.append(activations + buffers - persistent
+                      + _head_backward_bytes(model, config, stage, params))
+    phases.append(in_block)
+    if pipelined_fsdp:
+        phases.append(gathered - persistent + pipelined_fsdp_reduce_scatter_bytes(
+            largest_group_params=max(params.root, params.largest_block),
+            shard=config.dp * config.cp))
+    live_grads = 0.0 if pipelined_fsdp else states.grads
+    peak = max(states.params + live_grads + states.optimizer + persistent + max(phases),
+               states.params + states.grads + states.optimizer + persistent + step_workspace)
     comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
     reserved = peak * (1 + calibration.allocator_fragmentation) + comm
     return StageMemory(stage=stage, layers=len(stage_layer_range(model, config, stage)),
@@ -325,6 +345,28 @@ def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) 
         workspace -= act.logit_bytes(model, config, copies=logit_copies("meshplan", fp32),
                                      vocab_parallel=vocab_parallel_loss("meshplan"))
     return max(0.0, workspace)
+
+
+def _head_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
+                         params: StageParams) -> float:
+    """What the LM head's backward adds over the loss phase on the last stage when gradients
+    accumulate (later micro-batches of a step): the head's fresh weight gradient, before it is
+    added to the ``.grad`` of the earlier ones, and the gradient of the head's input (the
+    whole hidden width, before TP reduces it), while of the loss's logit copies only the
+    logits' gradient is left. Negative (never the peak) when the logits outweigh the head, as
+    in small models. Measured with the runtime's live-tensor tracker at the last stage of
+    pp2 x dp4 ZeRO-3 (a 0.32 B Llama shape, ``benchmarks/large_cpu_rss.py``): two 32000 x 1536
+    fp32 head gradients and a 128 x 1536 input gradient alive at the peak, beside the logits
+    and their gradient: 1989.6 MiB measured, 1989.6 predicted."""
+    if stage != config.pp - 1 or config.grad_accum_steps <= 1:
+        return -float("inf")
+    weight_bytes = 4 if config.dtype == "fp32" or config.zero_stage <= 1 else 2
+    freed = act.logit_bytes(model, config, copies=logit_copies("meshplan",
+                                                               config.dtype == "fp32") - 1,
+                            vocab_parallel=vocab_parallel_loss("meshplan"))
+    input_grad = config.bytes_per_activation * act.tokens_per_microbatch(config) \
+        * model.hidden_size
+    return weight_bytes * params.head + input_grad - freed
 
 
 def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: int, *,

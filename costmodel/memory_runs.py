@@ -1,6 +1,6 @@
 """Measured peak memory of training runs (``data/memory_runs.json``) against the memory model.
 
-Each run names a model, a cluster, a framework and a ``ParallelConfig``, and what was measured:
+Each run names a model (a catalog name, or an object of ModelSpec fields), a cluster, a framework and a ``ParallelConfig``, and what was measured:
 the caching allocator's reserved peak (torchtitan's logged ``max_reserved``), the peak of live
 tensor bytes (meshplan's runtime report), or only whether the run fit on its GPUs. ``compare``
 turns one into the prediction of the same quantity; ``benchmarks/memory_accuracy.py`` prints
@@ -19,7 +19,7 @@ from meshplan.costmodel.estimate import estimate
 from meshplan.costmodel.hardware import ClusterSpec, load_cluster
 from meshplan.costmodel.jsonio import read_package_json
 from meshplan.costmodel.model import ModelSpec
-from meshplan.costmodel.models import load_model
+from meshplan.costmodel.models import load_model, spec_from_dict
 
 GIB = 2**30
 MEASURES = ("peak_reserved_GiB", "peak_allocated_bytes", "fits")
@@ -69,7 +69,10 @@ def _run_from_dict(raw: dict[str, Any]) -> MemoryRun:
     value = measured[measure]
     if measure == "peak_reserved_GiB":
         value = float(value) * GIB
-    return MemoryRun(id=raw["id"], framework=raw["framework"], model=load_model(raw["model"]),
+    model = raw["model"]
+    model = load_model(model) if isinstance(model, str) else \
+        spec_from_dict(model, origin=f"memory_runs.json, run {raw['id']}")
+    return MemoryRun(id=raw["id"], framework=raw["framework"], model=model,
                      cluster=load_cluster(raw["cluster"], nodes=raw["nodes"],
                                           gpus_per_node=raw["gpus_per_node"]),
                      config=ParallelConfig(**raw["config"]), stage=raw.get("stage"),

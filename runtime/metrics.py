@@ -45,6 +45,8 @@ class StepMetrics:
     mfu: float
     allocated_bytes: int | None
     reserved_bytes: int | None
+    optimizer_s: float | None = None
+    """Seconds of clipping and the optimizer step (the slowest rank's), within ``step_s``."""
 
     def to_dict(self) -> dict:
         return asdict(self)

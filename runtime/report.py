@@ -3,8 +3,8 @@
 ``RunReport`` is what a run measured next to what its plan predicted; ``to_dict`` is the one
 place its JSON is produced (the keys of DESIGN.md plus the extras the runtime adds:
 ``ratio``, ``peak_bytes``, ``step_s``, ``compute_dtype``, ``resumed_from_step``,
-``restarts``, ``grad_norms``, ``lrs``, ``recipe``), and ``report_from_dict`` the one place it is read, strictly
-(``costmodel.jsonio``). Its ``plan`` object is the estimate's (``estimate.config_to_dict``).
+``restarts``, ``grad_norms``, ``lrs``, ``optimizer_s``, ``recipe``), and
+``report_from_dict`` the one place it is read, strictly (``costmodel.jsonio``). Its ``plan`` object is the estimate's (``estimate.config_to_dict``).
 Derived values (median step, tokens/s, ratios, the largest peak) are computed from the
 measurements, never stored twice.
 """
@@ -81,6 +81,9 @@ class RunReport:
     """Global gradient L2 norm of every step, before clipping."""
     lrs: tuple[float, ...] = ()
     """Learning rate of every step."""
+    optimizer_s: tuple[float, ...] = ()
+    """Seconds of clipping and the optimizer step (offload copies included; the slowest
+    rank's) of each step this attempt ran: after a resume, only the steps since it."""
     recipe: dict[str, Any] | None = None
     """The training recipe (``recipe.Recipe`` as a dict)."""
     membership_changes: tuple[dict[str, Any], ...] = ()
@@ -118,7 +121,7 @@ class RunReport:
                 "compute_dtype": self.compute_dtype,
                 "resumed_from_step": self.resumed_from_step, "restarts": self.restarts,
                 "grad_norms": list(self.grad_norms), "lrs": list(self.lrs),
-                "recipe": self.recipe,
+                "optimizer_s": list(self.optimizer_s), "recipe": self.recipe,
                 **({"membership_changes": list(self.membership_changes)}
                    if self.membership_changes else {})}
 
@@ -151,7 +154,7 @@ and unknown extras tolerated, as DESIGN.md lets the report grow. Derived keys (m
 tokens/s, ratios, the largest peak) are checked for type and recomputed, not read."""
 _RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankReport))
 _OPTIONAL_FIELDS = ("compute_dtype", "resumed_from_step", "restarts", "recipe")
-_OPTIONAL_SERIES = ("grad_norms", "lrs", "membership_changes")
+_OPTIONAL_SERIES = ("grad_norms", "lrs", "optimizer_s", "membership_changes")
 
 
 def report_from_dict(data: Any, *, origin: str) -> RunReport:

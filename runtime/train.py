@@ -350,6 +350,8 @@ class StepResult:
     grad_norm_clipped: float | None
     """... measured after clipping (None without ``max_grad_norm``)."""
     lr: float
+    optimizer_s: float = 0.0
+    """Seconds of clipping and the optimizer step on this rank (offload copies included)."""
 
 
 def _clip(rank_model: RankModel, recipe: Recipe, grad_norm: torch.Tensor,
@@ -404,9 +406,15 @@ def train_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor, device: t
         raise TrainingDiverged(f"step {step + 1}: loss {loss}, gradient norm {norm}: training "
                                "diverged (the step was not applied; checkpoints before it "
                                "are intact)")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
     clipped = _clip(rank_model, recipe, grad_norm, device)
     rank_model.optimizer.step()
-    return StepResult(loss=loss, grad_norm=norm, grad_norm_clipped=clipped, lr=lr)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return StepResult(loss=loss, grad_norm=norm, grad_norm_clipped=clipped, lr=lr,
+                      optimizer_s=time.perf_counter() - start)
 
 
 def _timed_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor, device: torch.device,
@@ -419,16 +427,17 @@ def _timed_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor, device: 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     allocated, reserved = memory.allocated_bytes, memory.reserved_bytes
-    gathered = torch.tensor([time.perf_counter() - start, allocated or 0, reserved or 0],
-                            dtype=torch.float64, device=device)
+    gathered = torch.tensor([time.perf_counter() - start, allocated or 0, reserved or 0,
+                             result.optimizer_s], dtype=torch.float64, device=device)
     dist.all_reduce(gathered, op=dist.ReduceOp.MAX)
-    step_s, allocated_max, reserved_max = (float(v) for v in gathered)
+    step_s, allocated_max, reserved_max, optimizer_s = (float(v) for v in gathered)
     tokens = plan.config.global_batch_size * plan.config.seq_len
     return StepMetrics(step=step + 1, loss=result.loss, grad_norm=result.grad_norm,
                        grad_norm_clipped=result.grad_norm_clipped, lr=result.lr,
                        step_s=step_s, tokens_per_s=tokens / step_s, mfu=mfu(plan, step_s),
                        allocated_bytes=None if allocated is None else int(allocated_max),
-                       reserved_bytes=None if reserved is None else int(reserved_max))
+                       reserved_bytes=None if reserved is None else int(reserved_max),
+                       optimizer_s=optimizer_s)
 
 
 def run_plan(plan: Plan, options: RunOptions, *, backend: str,
@@ -512,6 +521,7 @@ class _Log:
         self.step_s = list(history.step_s) if history else []
         self.grad_norms = list(history.grad_norms) if history else []
         self.lrs = list(history.lrs) if history else []
+        self.optimizer_s: list[float] = []  # this attempt's steps only (not checkpointed)
         self.resumed_from = history.step if history is not None else None
         self.recipe = dataclasses.asdict(options.recipe)
         self.run_id = options.run_id
@@ -523,6 +533,7 @@ class _Log:
         self.step_s.append(metrics.step_s)
         self.grad_norms.append(metrics.grad_norm)
         self.lrs.append(metrics.lr)
+        self.optimizer_s.append(metrics.optimizer_s)
         self.sink.write(metrics)
 
     def state(self, plan: Plan, data_spec: data_mod.DataSpec) -> checkpoint.TrainState:
@@ -594,7 +605,8 @@ def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
     report = build_report(plan, backend=backend, losses=log.losses, times_s=log.step_s,
                           per_rank=gathered)
     return dataclasses.replace(report, grad_norms=tuple(log.grad_norms), lrs=tuple(log.lrs),
-                               recipe=log.recipe, resumed_from_step=log.resumed_from)
+                               optimizer_s=tuple(log.optimizer_s), recipe=log.recipe,
+                               resumed_from_step=log.resumed_from)
 
 
 def build_report(plan: Plan, *, backend: str, losses: list[float], times_s: list[float],
