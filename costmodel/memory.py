@@ -338,8 +338,8 @@ def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) 
     (``activations.backward_workspace_bytes``) less the loss's logit copies on the last stage;
     never negative (the sum with the loss phase is kept as the larger bound)."""
     fp32 = config.dtype == "fp32"
-    weight_bytes = 4 if fp32 or config.zero_stage <= 1 else 2  # DDP: fp32 weights' grads
-    workspace = act.backward_workspace_bytes(model, config, weight_grad_bytes=weight_bytes,
+    workspace = act.backward_workspace_bytes(model, config,
+                                             weight_grad_bytes=_weight_grad_bytes(config),
                                              accumulating=config.grad_accum_steps > 1)
     if stage == config.pp - 1:
         workspace -= act.logit_bytes(model, config, copies=logit_copies("meshplan", fp32),
@@ -360,13 +360,18 @@ def _head_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     and their gradient: 1989.6 MiB measured, 1989.6 predicted."""
     if stage != config.pp - 1 or config.grad_accum_steps <= 1:
         return -float("inf")
-    weight_bytes = 4 if config.dtype == "fp32" or config.zero_stage <= 1 else 2
     freed = act.logit_bytes(model, config, copies=logit_copies("meshplan",
                                                                config.dtype == "fp32") - 1,
                             vocab_parallel=vocab_parallel_loss("meshplan"))
     input_grad = config.bytes_per_activation * act.tokens_per_microbatch(config) \
         * model.hidden_size
-    return weight_bytes * params.head + input_grad - freed
+    return _weight_grad_bytes(config) * params.head + input_grad - freed
+
+
+def _weight_grad_bytes(config: ParallelConfig) -> int:
+    """Bytes per element of a weight gradient in meshplan's runtime: fp32 unless FSDP holds
+    the unsharded weights in a 16-bit compute dtype (DDP keeps fp32 weights under autocast)."""
+    return 4 if config.dtype == "fp32" or config.zero_stage <= 1 else 2
 
 
 def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: int, *,

@@ -4,7 +4,8 @@
 place its JSON is produced (the keys of DESIGN.md plus the extras the runtime adds:
 ``ratio``, ``peak_bytes``, ``step_s``, ``compute_dtype``, ``resumed_from_step``,
 ``restarts``, ``grad_norms``, ``lrs``, ``optimizer_s``, ``recipe``), and
-``report_from_dict`` the one place it is read, strictly (``costmodel.jsonio``). Its ``plan`` object is the estimate's (``estimate.config_to_dict``).
+``report_from_dict`` the one place it is read, strictly (``costmodel.jsonio``). Its ``plan``
+object is the estimate's (``estimate.config_to_dict``).
 Derived values (median step, tokens/s, ratios, the largest peak) are computed from the
 measurements, never stored twice.
 """

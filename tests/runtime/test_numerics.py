@@ -180,6 +180,9 @@ def test_report_has_the_design_schema(runs):
     assert report["backend"] == "gloo"
     assert report["plan"]["tp"] == 2 and report["plan"]["pp"] == 2 and report["plan"]["dp"] == 2
     assert report["step_s_median"] > 0
+    # the optimizer phase of every step, inside that step's time
+    assert len(report["optimizer_s"]) == len(report["step_s"])
+    assert all(0 < o < s for o, s in zip(report["optimizer_s"], report["step_s"]))
     assert report["tokens_per_s"] == pytest.approx(8 * 64 / report["step_s_median"])
     assert report["predicted"]["step_s"] > 0 and report["predicted"]["peak_bytes"] > 0
     ranks = report["per_rank"]
