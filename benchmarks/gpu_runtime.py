@@ -2,16 +2,23 @@
 
 Runs Llama-3.2-1B (1.24B parameters, bf16, sequence 2048) through ``meshplan run`` on one GPU
 under plans that differ in recomputation (none, selective, full) and ZeRO / offload (ZeRO-0,
-optimizer offload, ZeRO-3 with parameters offloaded), and prints each plan's measured peak
-allocated and reserved memory and median step time next to the cost model's prediction for the
-``meshplan`` framework on a one-GPU cluster of the detected kind. Writes
-``gpu-<gpu>-<date>.{md,json}`` under ``benchmarks/results/`` (rows as notebook 03 reads them).
+ZeRO-1, optimizer offload, ZeRO-3 with parameters offloaded; one GPU is one data-parallel
+rank, so ZeRO-1 shards nothing and checks that the runtime's ZeRO-1 path costs what ZeRO-0
+does), and prints each plan's measured peak allocated and reserved memory and median step time
+next to the cost model's prediction for the ``meshplan`` framework on a one-GPU cluster of the
+detected kind. Writes ``gpu-<gpu>-<date>.{md,json}`` under ``benchmarks/results/`` (rows as
+notebook 03 reads them).
 
 Sized to finish in under 8 minutes on one H200 (about 20 s start-up and 8 steps per plan):
 
     python benchmarks/gpu_runtime.py [--cluster dgx-h200] [--steps 8] [--plans none,full,...]
+    python benchmarks/gpu_runtime.py --dry-run   # CPU: cluster cpu, the tiny model, fp32
 
-On a machine without CUDA it stops with a one-line message (exit 2).
+On a machine without CUDA (and without ``--dry-run``) it stops with a one-line message
+(exit 2). ``--dry-run`` runs every plan the same way on this machine's ``cpu`` cluster with the
+``tiny`` model in fp32 (the CPU has no fast bf16), so the script's whole path, from plans to
+the results files (``gpu-dryrun-cpu-<date>.*``), is checked where no GPU is lent; its numbers
+say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -33,8 +40,11 @@ from meshplan.planner.plan import Plan, write_plan
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "llama3.2-1b"
 COMMON = dict(global_batch_size=8, micro_batch_size=2, seq_len=2048, dtype="bf16")
+DRY_MODEL = "tiny"
+DRY_COMMON = dict(global_batch_size=8, micro_batch_size=2, seq_len=64, dtype="fp32")
 PLANS = {
     "none": dict(recompute="none"),
+    "zero1": dict(recompute="selective", zero_stage=1),
     "selective": dict(recompute="selective"),
     "full": dict(recompute="full"),
     "offload-optimizer": dict(recompute="selective", offload="optimizer"),
@@ -43,10 +53,10 @@ PLANS = {
 }
 
 
-def make_plan(cluster_name: str, fields: dict) -> Plan:
-    model = load_model(MODEL)
+def make_plan(cluster_name: str, fields: dict, *, dry_run: bool = False) -> Plan:
+    model = load_model(DRY_MODEL if dry_run else MODEL)
     cluster = load_cluster(cluster_name, nodes=1, gpus_per_node=1)
-    config = ParallelConfig(**{**COMMON, **fields})
+    config = ParallelConfig(**{**(DRY_COMMON if dry_run else COMMON), **fields})
     est = estimate(model, cluster, config, framework="meshplan",
                    calibration=default_calibration())
     return Plan.from_estimate(est, provenance={"calibration": "built-in",
@@ -73,17 +83,28 @@ def main() -> int:
                         help=f"comma-separated subset of {', '.join(PLANS)}")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per plan")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run every plan on this machine's CPU (tiny model, fp32)")
     args = parser.parse_args()
     import torch
-    if not torch.cuda.is_available():
-        print("gpu_runtime.py: no CUDA device here; run it on a GPU machine", file=sys.stderr)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_runtime.py: no CUDA device here; run it on a GPU machine (or pass "
+              "--dry-run)", file=sys.stderr)
         return 2
+    names = args.plans.split(",")
+    unknown = [n for n in names if n not in PLANS]
+    if unknown:
+        print(f"gpu_runtime.py: unknown plan {unknown[0]!r}; choose from {', '.join(PLANS)}",
+              file=sys.stderr)
+        return 2
+    cluster_name = "cpu" if args.dry_run else args.cluster
+    device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
     rows, start = [], time.perf_counter()
-    for name in args.plans.split(","):
-        plan = make_plan(args.cluster, PLANS[name])
+    for name in names:
+        plan = make_plan(cluster_name, PLANS[name], dry_run=args.dry_run)
         report = run_plan(plan, args.steps, args.timeout)
         rank = report["per_rank"][0]
-        rows.append({"plan": name, "gpu": torch.cuda.get_device_name(0),
+        rows.append({"plan": name, "gpu": device_name,
                      "measured_peak_bytes": rank["peak_bytes"],
                      "measured_reserved_bytes": rank["peak_reserved_bytes"],
                      "predicted_peak_bytes": rank["predicted_peak_bytes"],
@@ -97,9 +118,10 @@ def main() -> int:
     pd.set_option("display.width", 200)
     print(table.to_string(index=False))
     args.out.mkdir(parents=True, exist_ok=True)
-    gpu = load_cluster(args.cluster).gpu.key
+    gpu = "dryrun-cpu" if args.dry_run else load_cluster(args.cluster).gpu.key
+    model = DRY_MODEL if args.dry_run else MODEL
     stem = f"gpu-{gpu}-{dt.date.today().isoformat()}"
-    (args.out / f"{stem}.md").write_text(f"# {MODEL} on one {gpu}: measured vs predicted\n\n"
+    (args.out / f"{stem}.md").write_text(f"# {model} on one {gpu}: measured vs predicted\n\n"
                                          + table.to_markdown(index=False, floatfmt=".4g") + "\n")
     (args.out / f"{stem}.json").write_text(json.dumps(table.to_dict(orient="records"),
                                                       indent=2))

@@ -16,7 +16,14 @@ phase the offload term describes; the difference of those medians is printed too
 step-time difference that forward and backward's run-to-run noise moves can be told from an
 offload term that is wrong.
 
-    python benchmarks/offload_cpu.py [--rounds 5] [--steps 20]
+The sequence is short by default (``--seq-len 32``, two micro-batches of one sequence): the
+offload term is a once-per-step phase that does not depend on the tokens, while forward and
+backward's run-to-run spread on this shared 2-core machine grows with them. At 128 tokens
+forward and backward take about 4 s a step and move by +-0.2 s between runs, as much as the
+difference being measured (rounds of one dp2 measurement ranged from -0.07 to -0.89 s); at 32
+tokens they take a quarter of that, and the difference stands out of the noise.
+
+    python benchmarks/offload_cpu.py [--rounds 5] [--steps 20] [--seq-len 32]
 """
 
 from __future__ import annotations
@@ -40,11 +47,9 @@ MODEL = dataclasses.replace(
     num_kv_heads=None, ffn_hidden_size=2816, vocab_size=32000, padded_vocab_size=None,
     seq_len=128, reported_params=None,
     source="benchmarks/offload_cpu.py: a Llama 2 shape at 0.12 B parameters")
-CONFIG = ParallelConfig(dp=2, zero_stage=3, micro_batch_size=1, global_batch_size=2,
-                        seq_len=128, dtype="fp32")
-PLANS = {"dp1": ParallelConfig(dp=1, zero_stage=0, micro_batch_size=1, global_batch_size=2,
-                               seq_len=128, dtype="fp32"),
-         "dp2 zero3": CONFIG}
+COMMON = dict(micro_batch_size=1, global_batch_size=2, dtype="fp32")
+PLANS = {"dp1": ParallelConfig(dp=1, zero_stage=0, **COMMON),
+         "dp2 zero3": ParallelConfig(dp=2, zero_stage=3, **COMMON)}
 TIMEOUT_S = 900
 
 
@@ -52,9 +57,11 @@ def _median_after_first(values: list[float]) -> float:
     return statistics.median(values[1:] if len(values) > 1 else values)
 
 
-def measure(name: str, config: ParallelConfig, rounds: int, steps: int) -> dict:
+def measure(name: str, config: ParallelConfig, rounds: int, steps: int, seq_len: int) -> dict:
+    config = config.replace(seq_len=seq_len)
+    model = dataclasses.replace(MODEL, seq_len=seq_len)
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=config.world_size)
-    estimates = {kind: estimate(MODEL, cluster, config.replace(offload=offload),
+    estimates = {kind: estimate(model, cluster, config.replace(offload=offload),
                                 framework="meshplan")
                  for kind, offload in (("plain", "none"), ("offload", "optimizer"))}
     step_s: dict[str, list[float]] = {kind: [] for kind in estimates}
@@ -81,6 +88,9 @@ def measure(name: str, config: ParallelConfig, rounds: int, steps: int) -> dict:
             "measured_s": step_s, "measured_optimizer_s": optimizer_s,
             "predicted_diff_s": estimates["offload"].time.step_s
             - estimates["plain"].time.step_s,
+            "predicted_optimizer_diff_s": sum(
+                sign * (estimates[k].time.optimizer_s + estimates[k].time.offload_s)
+                for sign, k in ((1, "offload"), (-1, "plain"))),
             "measured_diff_s": diffs, "measured_optimizer_diff_s": phase}
 
 
@@ -89,6 +99,7 @@ def describe(result: dict, rounds: int, steps: int) -> list[str]:
     phase = result["measured_optimizer_diff_s"]
     mean, median = statistics.mean(diffs), statistics.median(diffs)
     phase_median = statistics.median(phase)
+    phase_predicted = result["predicted_optimizer_diff_s"]
     procs = 1 if result["plan"] == "dp1" else 2
     return [
         f"## {result['plan']}: {procs} CPU process(es), {rounds} rounds of {steps} steps", "",
@@ -103,9 +114,9 @@ def describe(result: dict, rounds: int, steps: int) -> list[str]:
         f"median {median:+.3f} s (rounds {', '.join(f'{d:+.3f}' for d in diffs)}); "
         f"predicted / measured {predicted / mean:.2f} (mean), {predicted / median:.2f} "
         f"(median).", "",
-        f"offload - plain, optimizer phase: measured median {phase_median:+.3f} s (rounds "
-        f"{', '.join(f'{d:+.3f}' for d in phase)}); predicted / measured "
-        f"{predicted / phase_median:.2f}.", ""]
+        f"offload - plain, optimizer phase: predicted {phase_predicted:+.3f} s; measured "
+        f"median {phase_median:+.3f} s (rounds {', '.join(f'{d:+.3f}' for d in phase)}); "
+        f"predicted / measured {phase_predicted / phase_median:.2f}.", ""]
 
 
 def main() -> None:
@@ -113,13 +124,16 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--plans", nargs="+", choices=sorted(PLANS), default=list(PLANS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    results = [measure(name, PLANS[name], args.rounds, args.steps) for name in args.plans]
+    results = [measure(name, PLANS[name], args.rounds, args.steps, args.seq_len)
+               for name in args.plans]
     lines = ["# Optimizer offload on CPU: predicted vs measured step-time difference", "",
              f"{MODEL.name} ({MODEL.num_params / 1e9:.2f} B params), fp32, micro-batch 1, "
-             "global batch 2, seq 128; the run's median step (first step left out).", ""]
+             f"global batch 2, seq {args.seq_len}; the run's median step (first step left "
+             "out).", ""]
     for result in results:
         lines += describe(result, args.rounds, args.steps)
     text = "\n".join(lines)

@@ -352,49 +352,121 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
                           calibration: Calibration, stage: int, *, params: StageParams,
                           links: Links, framework: str) -> StageTime:
     """Seconds one micro-batch spends on ``stage`` (forward, backward, recompute, comm)."""
-    mode = config.stage_recompute(stage)
-    # point-to-point sends keep the path latency (the library's ring-step latencies are
-    # for collectives), so a pipeline hop across the spine still costs more than one
-    # under a leaf
-    pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration)
-    links = calibrated_links(links, calibration, cluster.gpu.key)
-    layer_range = stage_layer_range(model, config, stage)
     if model.is_traced:
+        pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration)
         return _traced_microbatch_time(model, cluster, config, calibration, stage,
-                                       layer_range=layer_range, params=params, links=links,
+                                       layer_range=stage_layer_range(model, config, stage),
+                                       params=params,
+                                       links=calibrated_links(links, calibration,
+                                                              cluster.gpu.key),
                                        pp_link=pp_link, framework=framework)
+    costs = _stage_costs(model, cluster, config, calibration, stage, links, framework)
+    layer_range = stage_layer_range(model, config, stage)
     modes = layer_modes(config, framework, stage, len(layer_range))
     groups: dict[tuple[bool, str], int] = {}
     for index, layer_mode in zip(layer_range, modes):
         key = (model.is_moe_layer(index), layer_mode)
         groups[key] = groups.get(key, 0) + 1
-    saves_attention = framework != "torchtitan" or cluster.gpu.key != CPU_DEVICE_KEY
     compute = tp = cp = ep = 0.0
-    tp_layer = _tp_comm_per_layer_s(model, config, links.tp, calibration, recompute=mode)
-    forward: dict[bool, LayerForward] = {}
-    for (moe, layer_mode), count in groups.items():
-        if moe not in forward:
-            forward[moe] = layer_forward(model, cluster, config, calibration, moe=moe,
-                                         framework=framework)
-        parts = forward[moe]
+    for key, count in groups.items():
+        layer = costs.layer(key)
+        compute += count * layer.compute_s
+        tp += count * costs.tp_layer_s
+        cp += count * layer.cp_s
+        if key[0]:
+            ep += count * costs.ep_layer_s
+    compute += costs.head_s
+    compute *= calibration.compute_factor(framework)
+    tp *= 1 - calibration.tp_overlap
+    return _stage_time(model, cluster, config, calibration, stage, params=params,
+                       links=costs.links, framework=framework, compute=compute, tp=tp, cp=cp,
+                       ep=ep, pp=costs.pp_s)
+
+
+@dataclass(frozen=True)
+class _LayerCost:
+    compute_s: float
+    """Forward, backward and recomputation of one layer (before ``compute_factor``)."""
+    cp_s: float
+    """Its exposed context-parallel ring exchange."""
+
+
+class _StageCosts:
+    """What a stage's micro-batch costs per layer of each kind (MoE or dense, recompute mode)
+    and once (the LM head, pipeline sends), with its calibrated links. None of it depends on
+    how many or which layers the stage holds, on the ZeRO stage or on offload, so one instance
+    serves every split, ZeRO and offload choice of a layout (``_stage_costs``)."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                 calibration: Calibration, stage: int, links: Links, framework: str):
+        self._args = (model, cluster, config, calibration, framework)
+        mode = config.stage_recompute(stage)
+        # point-to-point sends keep the path latency (the library's ring-step latencies are
+        # for collectives), so a pipeline hop across the spine still costs more than one
+        # under a leaf
+        pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration)
+        self.links = calibrated_links(links, calibration, cluster.gpu.key)
+        self.tp_layer_s = _tp_comm_per_layer_s(model, config, self.links.tp, calibration,
+                                               recompute=mode)
+        self.ep_layer_s = _ep_comm_per_layer_s(model, config, self.links.ep, calibration)
+        self.head_s = (_lm_head_s(model, cluster, config, calibration, framework=framework)
+                       if stage == config.pp - 1 else 0.0)
+        self.pp_s = _pp_comm_s(model, config, pp_link, calibration)
+        self._forward: dict[bool, LayerForward] = {}
+        self._layers: dict[tuple[bool, str], _LayerCost] = {}
+
+    def layer(self, key: tuple[bool, str]) -> _LayerCost:
+        hit = self._layers.get(key)
+        if hit is not None:
+            return hit
+        model, cluster, config, calibration, framework = self._args
+        moe, layer_mode = key
+        if moe not in self._forward:
+            self._forward[moe] = layer_forward(model, cluster, config, calibration, moe=moe,
+                                               framework=framework)
+        parts = self._forward[moe]
+        saves_attention = framework != "torchtitan" or cluster.gpu.key != CPU_DEVICE_KEY
         extra = recompute.recompute_s(parts, layer_mode, framework=framework,
                                       saves_attention=saves_attention,
                                       early_stop=recompute.stops_early(framework, config))
         if config.flash_attention:
             extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * parts.core_s
-        compute += count * ((1 + BACKWARD_FACTOR) * parts.total_s + extra)
-        tp += count * tp_layer
-        cp += count * _cp_comm_per_layer_s(model, config, links.cp, calibration,
-                                           attention_fwd_s=parts.core_s)
-        if moe:
-            ep += count * _ep_comm_per_layer_s(model, config, links.ep, calibration)
-    if stage == config.pp - 1:
-        compute += _lm_head_s(model, cluster, config, calibration, framework=framework)
-    compute *= calibration.compute_factor(framework)
-    tp *= 1 - calibration.tp_overlap
-    pp = _pp_comm_s(model, config, pp_link, calibration)
-    return _stage_time(model, cluster, config, calibration, stage, params=params, links=links,
-                       framework=framework, compute=compute, tp=tp, cp=cp, ep=ep, pp=pp)
+        cost = _LayerCost(compute_s=(1 + BACKWARD_FACTOR) * parts.total_s + extra,
+                          cp_s=_cp_comm_per_layer_s(model, config, self.links.cp, calibration,
+                                                    attention_fwd_s=parts.core_s))
+        self._layers[key] = cost
+        return cost
+
+
+_SPLIT_FREE = frozenset({"layers_per_stage", "recompute", "zero_stage", "offload",
+                         "offload_device"})
+"""``ParallelConfig`` fields a ``_StageCosts`` does not depend on (the stage's own recompute
+mode is part of its key instead)."""
+_COST_FIELDS: tuple[str, ...] = tuple(f for f in ParallelConfig.__dataclass_fields__
+                                      if f not in _SPLIT_FREE)
+_STAGE_COSTS: dict[tuple, tuple[tuple, _StageCosts]] = {}
+"""``_StageCosts`` by (ids of model, cluster and calibration, framework, stage, its recompute
+mode, the other fields of the config); each entry keeps those three objects alive so that
+their ids are not reused while it exists."""
+
+
+def _stage_costs(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                 calibration: Calibration, stage: int, links: Links,
+                 framework: str) -> _StageCosts:
+    """The cached ``_StageCosts`` of ``stage`` under ``config`` (models, clusters and
+    calibrations are not changed after they are made)."""
+    fields = config.__dict__
+    key = (id(model), id(cluster), id(calibration), framework, stage,
+           config.stage_recompute(stage), *(fields[f] for f in _COST_FIELDS))
+    hit = _STAGE_COSTS.get(key)
+    if hit is not None and hit[0][0] is model and hit[0][1] is cluster \
+            and hit[0][2] is calibration:
+        return hit[1]
+    if len(_STAGE_COSTS) > 65536:
+        _STAGE_COSTS.clear()
+    costs = _StageCosts(model, cluster, config, calibration, stage, links, framework)
+    _STAGE_COSTS[key] = ((model, cluster, calibration), costs)
+    return costs
 
 
 def prefetches_blocks(framework: str, config: ParallelConfig) -> bool:

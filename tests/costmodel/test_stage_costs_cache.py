@@ -1,0 +1,66 @@
+"""The per-stage cost cache (``timing._stage_costs``) reuses one stage's per-layer and once-per-
+micro-batch costs across layer splits, recompute modes of other stages, ZeRO stages and offload:
+an estimate read through a warm cache must equal the same estimate computed from a cold one,
+whatever was cached before it."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+import pytest
+
+from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
+
+timing = importlib.import_module("meshplan.costmodel.timing")
+
+CASES = (  # model, cluster, nodes, config, framework
+    ("llama3-8b", "dgx-h100", 2,
+     ParallelConfig(tp=2, pp=4, dp=2, sp=True, micro_batch_size=1, global_batch_size=16,
+                    seq_len=4096, vpp=2, recompute=("full", "none", "selective", "none")),
+     "megatron"),
+    ("mixtral-8x7b", "dgx-h100", 4,
+     ParallelConfig(tp=2, pp=2, dp=4, cp=2, ep=4, micro_batch_size=1, global_batch_size=32,
+                    seq_len=4096, flash_attention=True, recompute=("selective", "full")),
+     "torchtitan"),
+    ("gpt3-175b", "dgx-a100-80gb", 8,
+     ParallelConfig(tp=8, pp=8, dp=1, micro_batch_size=1, global_batch_size=32, seq_len=2048,
+                    recompute="full"),
+     "deepspeed"),
+)
+VARIANTS = [dict(zero_stage=z, offload=o) for z, o in
+            itertools.product((0, 1, 3), ("none", "optimizer"))]
+
+
+def _time(model, cluster, config, framework):
+    return estimate(model, cluster, config, framework=framework).time
+
+
+@pytest.mark.parametrize("name,cluster_name,nodes,config,framework", CASES,
+                         ids=[c[0] for c in CASES])
+def test_a_warm_cache_gives_the_cold_answer(name, cluster_name, nodes, config, framework):
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    wanted = []
+    for variant in VARIANTS:
+        timing._STAGE_COSTS.clear()
+        wanted.append(_time(model, cluster, config.replace(**variant), framework))
+    # warm the cache with other splits and modes of the same layout, then read every variant
+    timing._STAGE_COSTS.clear()
+    p = config.pp
+    for split in {(model.num_layers // p,) * (p - 1) + (model.num_layers
+                                                        - (p - 1) * (model.num_layers // p),),
+                  None}:
+        for modes in ("none", "full"):
+            _time(model, cluster, config.replace(layers_per_stage=split, recompute=modes,
+                                                 zero_stage=2), framework)
+    assert timing._STAGE_COSTS, "the cache was not used"
+    got = [_time(model, cluster, config.replace(**variant), framework) for variant in VARIANTS]
+    assert got == wanted
+    # a layout that differs in a field the costs depend on does not read them: the micro-batch
+    # size, with the same global batch
+    bigger = config.replace(micro_batch_size=2)
+    timing._STAGE_COSTS.clear()
+    cold = _time(model, cluster, bigger, framework)
+    timing._STAGE_COSTS.clear()
+    _time(model, cluster, config, framework)
+    assert _time(model, cluster, bigger, framework) == cold
