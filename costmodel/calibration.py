@@ -79,6 +79,26 @@ class DeviceCalibration:
     """Fraction of its own duration an overlapped prefetched collective still costs the
     compute it runs beside: NCCL's kernels occupy SMs and HBM bandwidth while the GEMMs run
     (``timing.prefetches_blocks``). 0: overlap is free."""
+    gemm_half_rows: float | None = None
+    """Rows (tokens of the micro-batch) at which a GEMM reaches half of its large-matrix
+    efficiency: a product with M rows runs at ``efficiency * M / (M + gemm_half_rows)``
+    (``row_efficiency``). A CPU's BLAS packs each weight panel for every call and amortises
+    it over the rows, so a few dozen tokens leave it far from its peak. None: not modelled
+    (GPUs: every fitted efficiency was measured at training shapes of thousands of rows)."""
+    fresh_page_bytes_per_s: float | None = None
+    """Bytes per second of writing memory the process has just mapped (the kernel's page
+    faults and zeroing): a CPU runtime whose allocator returns large blocks to the system
+    (meshplan's CPU workers fix glibc's mmap threshold) writes every weight gradient, the
+    embedding's dense gradient and every ZeRO-3 gather buffer into fresh pages each
+    micro-batch (``timing.fresh_pages_s``). None: not modelled (GPU caching allocators reuse
+    device memory)."""
+
+    def row_efficiency(self, rows: float) -> float:
+        """The fraction of its large-matrix efficiency a GEMM with ``rows`` rows reaches:
+        ``rows / (rows + gemm_half_rows)``, 1 without ``gemm_half_rows``."""
+        if self.gemm_half_rows is None:
+            return 1.0
+        return rows / (rows + self.gemm_half_rows)
 
     def gemm_efficiency(self, eager: bool) -> float:
         """``eager_matmul_efficiency`` for an eager framework when set, else
@@ -101,6 +121,10 @@ class DeviceCalibration:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
         if self.prefetch_overlap is not None and not 0 <= self.prefetch_overlap <= 1:
             raise ValueError(f"prefetch_overlap must be in [0, 1], got {self.prefetch_overlap!r}")
+        for name in ("gemm_half_rows", "fresh_page_bytes_per_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
         if self.optimizer_params_per_s is not None and self.optimizer_params_per_s <= 0:
             raise ValueError(f"optimizer_params_per_s must be positive, got "
                              f"{self.optimizer_params_per_s!r}")
@@ -244,7 +268,8 @@ DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "matmul_efficiency": EFFICIENCY, "matmul_overhead_s": NON_NEGATIVE,
     "eager_matmul_efficiency": EFFICIENCY, "eager_flash_attention_efficiency": EFFICIENCY,
     "prefetch_overlap": FRACTION, "prefetch_contention": FRACTION,
-    "optimizer_params_per_s": POSITIVE,
+    "optimizer_params_per_s": POSITIVE, "gemm_half_rows": POSITIVE,
+    "fresh_page_bytes_per_s": POSITIVE,
     "op_overhead_s": NON_NEGATIVE,
     "collective_call_s": NON_NEGATIVE,
     "attention_efficiency": EFFICIENCY, "flash_attention_efficiency": EFFICIENCY,

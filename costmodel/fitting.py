@@ -291,18 +291,39 @@ class ProfileFit:
     """Pinned host-device copy rate by direction (``h2d``, ``d2h``); empty without a GPU."""
     host_adam_params_per_s: dict[int, float] = field(default_factory=dict, hash=False)
     """Host AdamW parameters per second by thread count (the largest: the node's cores)."""
+    gemm_half_rows: float | None = None
+    """Rows at which a GEMM reaches half the asymptotic rate (``fit_half_rows``); None when
+    no thin GEMM was timed (GPUs)."""
+    fresh_page_bytes_per_s: float | None = None
+    """Rate of zeroing freshly mapped memory; None when not timed (GPUs)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
+def fit_half_rows(thin_gemm: Sequence[tuple[float, float, float]], *,
+                  flop_per_s: float) -> float:
+    """The ``h`` of ``rows / (rows + h)``, the share of the asymptotic GEMM rate
+    ``flop_per_s`` a product with few rows reaches (``DeviceCalibration.gemm_half_rows``),
+    from ``(rows, flop, s)`` samples: each gives ``h = rows (flop_per_s s / flop - 1)``; the
+    median of them (at least a hundredth of a row: a sample at the full rate says only that
+    ``h`` is small)."""
+    if not thin_gemm:
+        raise ValueError("no thin GEMM samples")
+    each = sorted(max(0.01, rows * (flop_per_s * s / flop - 1)) for rows, flop, s in thin_gemm)
+    return each[len(each) // 2]
+
+
 def fit_profile(*, gemm: Sequence[tuple[float, float]], copy: tuple[float, float],
                 collectives: Sequence[tuple[str, str, int, float, float]] = (),
                 host_copy: Sequence[tuple[str, float, float]] = (),
-                host_adam: Sequence[tuple[int, int, float]] = ()) -> ProfileFit:
+                host_adam: Sequence[tuple[int, int, float]] = (),
+                thin_gemm: Sequence[tuple[float, float, float]] = (),
+                fresh_pages: Sequence[float] = ()) -> ProfileFit:
     """Fit raw ``(flop, s)`` GEMM, ``(bytes, s)`` copy, ``(link, op, n, size_bytes, s)``
     collective and ``(direction, bytes, s)`` host-copy samples; one alpha-beta fit per link
-    kind present."""
+    kind present; ``(rows, flop, s)`` thin GEMMs (``fit_half_rows``) and the ``(bytes, s)``
+    of zeroing fresh pages where timed."""
     flop_per_s, overhead_s = fit_gemm_rate([f for f, _ in gemm], [s for _, s in gemm])
     links = {}
     for link in sorted({row[0] for row in collectives}):
@@ -313,7 +334,11 @@ def fit_profile(*, gemm: Sequence[tuple[float, float]], copy: tuple[float, float
     return ProfileFit(matmul_flop_per_s=flop_per_s, matmul_overhead_s=overhead_s,
                       memory_bytes_per_s=copy[0] / copy[1], links=links,
                       host_copy_bytes_per_s={way: b / s for way, b, s in host_copy},
-                      host_adam_params_per_s={t: n / s for t, n, s in host_adam})
+                      host_adam_params_per_s={t: n / s for t, n, s in host_adam},
+                      gemm_half_rows=(fit_half_rows(thin_gemm, flop_per_s=flop_per_s)
+                                      if thin_gemm else None),
+                      fresh_page_bytes_per_s=(fresh_pages[0] / fresh_pages[1]
+                                              if fresh_pages else None))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,12 +361,16 @@ def profiled_calibration(base: Calibration, fit: ProfileFit, *, gpu_key: str,
     measurement beats the catalog), and the measured pinned host-device rate as
     ``host_copy_bytes_per_s["pinned"]``, and the host AdamW rate on the node's cores as
     ``host_memory_bytes_per_s[gpu_key]`` (that rate times ``host_adam_bytes_per_param``: the
-    cost model's offloaded optimizer step is that traffic over that bandwidth). Links not
-    measured keep ``base``'s values."""
+    cost model's offloaded optimizer step is that traffic over that bandwidth), and the thin
+    GEMMs' ``gemm_half_rows`` and the ``fresh_page_bytes_per_s`` where measured (the CPU).
+    Links and values not measured keep ``base``'s."""
     device = profiled_device(base.device(gpu_key),
                              matmul_efficiency=fit.matmul_flop_per_s / catalog.peak_flop_per_s,
                              matmul_overhead_s=fit.matmul_overhead_s,
                              memory_efficiency=fit.memory_bytes_per_s / catalog.hbm_bytes_per_s)
+    measured = {name: getattr(fit, name) for name in ("gemm_half_rows", "fresh_page_bytes_per_s")
+                if getattr(fit, name) is not None}
+    device = dataclasses.replace(device, **measured)
     efficiency = {"intra": ("nvlink_efficiency", catalog.link_bytes_per_s),
                   "inter": ("network_efficiency", catalog.nic_bytes_per_s)}
     links = {efficiency[k][0]: clamp_efficiency(v.bytes_per_s / efficiency[k][1])
@@ -373,6 +402,10 @@ def profile_summary(fit: ProfileFit, *, catalog: CatalogRates, note: str) -> str
     parts += [f"host AdamW {rate / 1e6:.0f} M params/s on {threads} thread"
               f"{'s' if threads > 1 else ''}"
               for threads, rate in sorted(fit.host_adam_params_per_s.items())]
+    if fit.gemm_half_rows is not None:
+        parts.append(f"thin GEMMs at half that rate at {fit.gemm_half_rows:.1f} rows")
+    if fit.fresh_page_bytes_per_s is not None:
+        parts.append(f"fresh pages {fit.fresh_page_bytes_per_s / 1e9:.2f} GB/s")
     reference = {"intra": ("catalog link", catalog.link_bytes_per_s),
                  "inter": ("catalog NIC", catalog.nic_bytes_per_s)}
     parts += [f"{kind} collectives (groups of {', '.join(map(str, link.group_sizes))}) alpha "

@@ -181,6 +181,21 @@ def _gemm_s(flop: float, calls: int, *, peak: float, efficiency: float, overhead
     return flop / (peak * efficiency) + calls * overhead_s if flop > 0 else 0.0
 
 
+def fresh_pages_s(cluster: ClusterSpec, calibration: Calibration, nbytes: float) -> float:
+    """Seconds of writing ``nbytes`` into freshly mapped memory beyond the write itself
+    (``DeviceCalibration.fresh_page_bytes_per_s``; 0 on devices without it)."""
+    rate = calibration.device(cluster.gpu.key).fresh_page_bytes_per_s
+    return nbytes / rate if rate else 0.0
+
+
+def layer_rank_params(model: ModelSpec, config: ParallelConfig, *, moe: bool) -> float:
+    """Parameters of one layer on one rank: split over tp, expert weights over tp * ep."""
+    if not moe:
+        return model.dense_layer_params / config.tp
+    experts = model.num_experts * model.mlp_params(model.expert_ffn_size)
+    return (model.moe_layer_params - experts) / config.tp + experts / (config.tp * config.ep)
+
+
 def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                   calibration: Calibration, *, moe: bool,
                   framework: str = "megatron") -> LayerForward:
@@ -189,7 +204,8 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     GEMMs run at ``DeviceCalibration.gemm_efficiency``: for frameworks that launch them from
     eager PyTorch (``frameworks.eager_kernels``) the device's ``eager_matmul_efficiency``
     where it has one (H100-class GPUs, whose peak Megatron-LM's and Llama 3's kernels reach
-    far better than eager FSDP trainers do), plus a fixed cost per GEMM call."""
+    far better than eager FSDP trainers do), times the device's ``row_efficiency`` at the
+    micro-batch's tokens, plus a fixed cost per GEMM call."""
     device = calibration.device(cluster.gpu.key)
     peak = cluster.gpu.peak(config.dtype)
     tokens = act.tokens_per_microbatch(config)
@@ -203,7 +219,8 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     else:
         mlp_flop = 2 * tokens * mats * h * model.ffn_hidden_size / t
     gemm = _gemm_s(proj_flop + mlp_flop, 2 + mats, peak=peak,
-                   efficiency=device.gemm_efficiency(eager_kernels(framework)),
+                   efficiency=(device.gemm_efficiency(eager_kernels(framework))
+                               * device.row_efficiency(tokens)),
                    overhead_s=device.matmul_overhead_s)
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
@@ -375,7 +392,7 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         cp += count * layer.cp_s
         if key[0]:
             ep += count * costs.ep_layer_s
-    compute += costs.head_s
+    compute += costs.head_s + costs.embedding_s
     compute *= calibration.compute_factor(framework)
     tp *= 1 - calibration.tp_overlap
     return _stage_time(model, cluster, config, calibration, stage, params=params,
@@ -412,6 +429,11 @@ class _StageCosts:
         self.head_s = (_lm_head_s(model, cluster, config, calibration, framework=framework)
                        if stage == config.pp - 1 else 0.0)
         self.pp_s = _pp_comm_s(model, config, pp_link, calibration)
+        # the word embedding's backward writes a dense gradient of the whole table
+        self.embedding_s = (fresh_pages_s(cluster, calibration,
+                                          model.vocab_rows * model.hidden_size / config.tp
+                                          * config.bytes_per_activation)
+                            if stage == 0 else 0.0)
         self._forward: dict[bool, LayerForward] = {}
         self._layers: dict[tuple[bool, str], _LayerCost] = {}
 
@@ -431,6 +453,9 @@ class _StageCosts:
                                       early_stop=recompute.stops_early(framework, config))
         if config.flash_attention:
             extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * parts.core_s
+        # the backward writes the layer's weight gradients into fresh tensors
+        extra += fresh_pages_s(cluster, calibration, layer_rank_params(model, config, moe=moe)
+                               * config.bytes_per_activation)
         cost = _LayerCost(compute_s=(1 + BACKWARD_FACTOR) * parts.total_s + extra,
                           cp_s=_cp_comm_per_layer_s(model, config, self.links.cp, calibration,
                                                     attention_fwd_s=parts.core_s))
@@ -497,6 +522,8 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                                                            cluster.gpu.key)
     tp, pp = tp + tp_calls_s, pp + pp_calls_s
     network_latency = zero_call_latency_s(calls, links.dp) if zero else 0.0
+    zero_calls_s += _zero_fresh_pages_s(config, cluster, calibration, params=params,
+                                        framework=framework, recompute=mode)
     device = calibration.device(cluster.gpu.key)
     if device.prefetch_overlap is not None and prefetches_blocks(framework, config):
         # the next block's gather is in flight while this one computes: its latency hides
@@ -566,21 +593,25 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                calibration: Calibration, *, framework: str = "megatron") -> float:
     """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits
     (Megatron's fused loss: the fitted element-wise factor; eager frameworks: the unfused
-    loss's own traffic, ``eager.loss_bytes``)."""
+    loss's own traffic, ``eager.loss_bytes``), and its weight gradient's fresh pages
+    (``fresh_pages_s``)."""
     device = calibration.device(cluster.gpu.key)
     tokens = act.tokens_per_microbatch(config)
     flop = tokens * lm_head_flop_per_token(model) / config.tp
     gemm = _gemm_s((1 + BACKWARD_FACTOR) * flop, 3, peak=cluster.gpu.peak(config.dtype),
-                   efficiency=device.gemm_efficiency(eager_kernels(framework)),
+                   efficiency=(device.gemm_efficiency(eager_kernels(framework))
+                               * device.row_efficiency(tokens)),
                    overhead_s=device.matmul_overhead_s)
     logits = tokens * model.vocab_rows / config.tp
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
     host_ops = (1 + BACKWARD_FACTOR) * EAGER_OPS_HEAD * device.op_overhead_s
+    weight_grad = fresh_pages_s(cluster, calibration, model.vocab_rows * model.hidden_size
+                                / config.tp * config.bytes_per_activation)
     if eager_kernels(framework):
         loss = eager.loss_bytes(config, logits)
     else:
         loss = calibration.elementwise_traffic_factor * act.LOGIT_BYTES * logits
-    return gemm + loss / bandwidth + host_ops
+    return gemm + loss / bandwidth + host_ops + weight_grad
 
 
 def grad_comm_bytes(framework: str, dtype: str) -> int:
@@ -610,6 +641,23 @@ def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
         comm += passes * _bandwidth_s("all_gather", link, total * config.bytes_per_activation,
                                       **effs)
     return comm
+
+
+def _zero_fresh_pages_s(config: ParallelConfig, cluster: ClusterSpec,
+                        calibration: Calibration, *, params: StageParams, framework: str,
+                        recompute: str) -> float:
+    """Fresh pages of one micro-batch's ZeRO-2/3 buffers (``fresh_pages_s``): FSDP2 writes
+    every gather twice (the all-gather output, then the copy out into the unsharded
+    parameters) and builds every reduce-scatter input anew (``fully_shard``'s
+    ``foreach_all_gather`` / ``foreach_reduce``). 0 without ZeRO-2/3 or data parallelism."""
+    if config.zero_stage < 2 or config.dp * config.cp == 1:
+        return 0.0
+    total = params.dense + params.expert
+    gathers = zero3_gather_passes(framework, config, recompute) if config.zero_stage == 3 \
+        else 1
+    nbytes = total * (2 * gathers * config.bytes_per_activation
+                      + grad_comm_bytes(framework, config.dtype))
+    return fresh_pages_s(cluster, calibration, nbytes)
 
 
 def _bandwidth_s(op: str, link: coll.GroupLink, size_bytes: float, *, intra_eff: float,

@@ -157,6 +157,11 @@ class Measurements:
     host_adam: tuple[tuple[int, int, float], ...] = ()
     """(threads, parameters, seconds) of one host AdamW step as the offloading runtime runs
     it (``time_host_adam``): on one thread and on every core of the node."""
+    thin_gemm: tuple[tuple[float, float, float], ...] = ()
+    """(rows, flop, seconds) of GEMMs with few rows (``time_compute``); empty on a GPU."""
+    fresh_pages: tuple[float, ...] = ()
+    """(bytes, seconds) of zeroing a freshly mapped tensor (``time_compute``); empty on a
+    GPU."""
     backend: str = ""
     """Process-group backend of the collectives (``gloo``, ``nccl``); empty if none ran."""
     nodes: int = 1
@@ -246,20 +251,45 @@ def time_interleaved(cases: Mapping[Hashable, Callable[[], object]], *, rounds: 
     return {key: median_of_minima(values) for key, values in samples.items()}
 
 
+THIN_GEMM_ROWS = (8, 32, 128)
+"""Rows of the thin GEMMs ``time_compute`` times on the CPU (tokens of a small micro-batch)."""
+THIN_GEMM_SHAPE = (1024, 4096)
+"""(K, N) of the weight operand of those GEMMs: 16 MiB in fp32, a small model's MLP matrix."""
+FRESH_PAGES_BYTES = 64 * MIB
+"""Bytes of the fresh tensor ``time_compute`` zeroes on the CPU: above glibc's largest
+dynamic mmap threshold (32 MiB), so every call maps, faults and zeroes new pages."""
+
+
 def time_compute(*, dtype: torch.dtype, sizes: ProfileSizes, device: torch.device,
-                 on_round: Callable[[int], None] = lambda k: None
-                 ) -> tuple[tuple[tuple[float, float], ...], tuple[float, float]]:
-    """((2 n^3 flop, s) per GEMM side n, (2 * copy_bytes, s) of the copy), interleaved."""
+                 on_round: Callable[[int], None] = lambda k: None) -> dict:
+    """Interleaved timings of this device: ``gemm``, (2 n^3 flop, s) per GEMM side n;
+    ``copy``, (2 * copy_bytes, s) of the copy; on the CPU also ``thin_gemm``, (rows, flop, s)
+    of a [rows, K] by [K, N] product per ``THIN_GEMM_ROWS``, and ``fresh_pages``, (bytes, s)
+    of zeroing a freshly allocated ``FRESH_PAGES_BYTES`` tensor."""
     cases: dict[Hashable, Callable[[], object]] = {}
     for n in sizes.gemm_sides:
         a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
         cases[n] = functools.partial(torch.matmul, a, b, out=torch.empty_like(a))
     src = torch.ones(sizes.copy_bytes // 4, device=device)
     cases["copy"] = functools.partial(torch.empty_like(src).copy_, src)
+    cpu = device.type == "cpu"
+    if cpu:
+        k, n = THIN_GEMM_SHAPE
+        weight = torch.randn(k, n).to(dtype)
+        for rows in THIN_GEMM_ROWS:
+            cases["thin", rows] = functools.partial(torch.matmul, torch.randn(rows, k).to(dtype),
+                                                    weight)
+        cases["fresh"] = functools.partial(torch.zeros, FRESH_PAGES_BYTES, dtype=torch.uint8)
     seconds = time_interleaved(cases, rounds=sizes.rounds, calls=sizes.calls, device=device,
                                on_round=on_round)
-    gemm = tuple((2.0 * n ** 3, seconds[n]) for n in sizes.gemm_sides)
-    return gemm, (2.0 * sizes.copy_bytes, seconds["copy"])
+    out = {"gemm": tuple((2.0 * n ** 3, seconds[n]) for n in sizes.gemm_sides),
+           "copy": (2.0 * sizes.copy_bytes, seconds["copy"])}
+    if cpu:
+        k, n = THIN_GEMM_SHAPE
+        out["thin_gemm"] = tuple((rows, 2.0 * rows * k * n, seconds["thin", rows])
+                                 for rows in THIN_GEMM_ROWS)
+        out["fresh_pages"] = (float(FRESH_PAGES_BYTES), seconds["fresh"])
+    return out
 
 
 def time_host_copies(nbytes: int, *, rounds: int, calls: int
@@ -536,12 +566,12 @@ def _time_this_device(dtype: str, sizes: ProfileSizes, device: torch.device,
     if device.type == "cpu":
         torch.set_num_threads(1)
     try:
-        gemm, copy = time_compute(dtype=DTYPES[dtype], sizes=sizes, device=device,
-                                  on_round=lambda k: step(f"compute round {k}/{sizes.rounds}"))
+        compute = time_compute(dtype=DTYPES[dtype], sizes=sizes, device=device,
+                               on_round=lambda k: step(f"compute round {k}/{sizes.rounds}"))
         host = time_host_copies(sizes.host_copy_bytes, rounds=sizes.rounds, calls=sizes.calls)
     finally:
         torch.set_num_threads(threads_before)
-    return dict(gemm=gemm, copy=copy, host_copy=host)
+    return dict(**compute, host_copy=host)
 
 
 def measure(*, dtype: str, sizes: ProfileSizes, nproc: int, timeout_s: float = 120.0,

@@ -8,6 +8,9 @@ from the first two plans; the others were not used.
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+
 import pytest
 
 from meshplan.costmodel import ParallelConfig, default_calibration, estimate, load_cluster, load_model
@@ -45,3 +48,92 @@ def test_gpu_devices_have_no_host_overheads():
     for key in ("a100-80gb", "h100-sxm", "default"):
         assert cal.device(key).op_overhead_s == 0 and cal.call_s(key) == 0
     assert cal.device("cpu").op_overhead_s > 0 and cal.call_s("cpu") > 0
+    for key in ("a100-80gb", "h100-sxm", "default"):  # GEMM shapes and caching allocators
+        device = cal.device(key)
+        assert device.gemm_half_rows is None and device.fresh_page_bytes_per_s is None
+
+
+# ----- a 0.12 B model: thin GEMMs and fresh pages ------------------------------------------------
+SMALL = dataclasses.replace(
+    load_model("llama2-7b"), name="llama-0.12b", num_layers=4, hidden_size=1024, num_heads=8,
+    num_kv_heads=None, ffn_hidden_size=2816, vocab_size=32000, padded_vocab_size=None,
+    seq_len=32, reported_params=None, source="benchmarks/offload_cpu.py's shape")
+SMALL_COMMON = dict(micro_batch_size=1, global_batch_size=2, seq_len=32, dtype="fp32")
+SMALL_MEASURED_S = {  # plan: (ParallelConfig fields, measured median steps of meshplan run)
+    # benchmarks/results/offload-cpu-2026-12-02.md, dp1 rounds (quiet machine) and the dp2
+    # round that ran alone; 20 steps each, first step left out
+    "dp1": (dict(dp=1), (2.730, 2.706, 2.731, 2.718, 2.348)),
+    "dp1 offload": (dict(dp=1, offload="optimizer"), (1.951, 1.922, 2.042, 1.935, 1.769)),
+    "dp2 zero3": (dict(dp=2, zero_stage=3), (4.238,)),
+    "dp2 zero3 offload": (dict(dp=2, zero_stage=3, offload="optimizer"), (3.902,)),
+}
+
+
+def _small_estimate(fields: dict, calibration=None):
+    config = ParallelConfig(**{**SMALL_COMMON, **fields})
+    cluster = load_cluster("cpu", nodes=1, gpus_per_node=config.world_size)
+    return estimate(SMALL, cluster, config, framework="meshplan",
+                    calibration=calibration or default_calibration())
+
+
+@pytest.mark.parametrize("plan", SMALL_MEASURED_S)
+def test_small_model_cpu_steps_within_2x(plan):
+    """32 tokens per micro-batch: the step is thin GEMMs and fresh weight-gradient pages,
+    which FLOPs at the large-matrix rate put at 2-5x too fast."""
+    fields, measured = SMALL_MEASURED_S[plan]
+    ratio = statistics.median(measured) / _small_estimate(fields).time.step_s
+    assert 0.5 <= ratio <= 2.0, ratio
+
+
+def _cpu_device_with(**values):
+    cal = default_calibration()
+    device = dataclasses.replace(cal.device("cpu"), **values)
+    return dataclasses.replace(cal, devices={**cal.devices, "cpu": device})
+
+
+def test_fresh_pages_charge_every_weight_gradient_and_the_embedding_gradient():
+    """One process, two micro-batches: each writes every layer's weight gradient, the LM
+    head's and the embedding table's dense gradient into fresh pages, at the device's rate."""
+    rate = 1e9
+    with_pages = _small_estimate({}, _cpu_device_with(fresh_page_bytes_per_s=rate))
+    without = _small_estimate({}, _cpu_device_with(fresh_page_bytes_per_s=None))
+    table = SMALL.vocab_rows * SMALL.hidden_size
+    per_micro = (SMALL.num_layers * SMALL.dense_layer_params + 2 * table) * 4 / rate
+    factor = default_calibration().compute_factor("meshplan")
+    assert with_pages.time.step_s - without.time.step_s == pytest.approx(
+        2 * per_micro * factor, rel=1e-9)
+
+
+def test_zero3_gather_and_reduce_scatter_buffers_are_fresh_pages():
+    """ZeRO-3 on two ranks, one micro-batch: two gathers of every parameter (forward and
+    backward), each written twice (all-gather output, unsharded copy), and the fp32
+    reduce-scatter input, on top of the dp1 terms (whose extra compute hides ``dp_overlap``
+    of itself more of the gathers' traffic, which exceeds it here)."""
+    rate = 1e9
+    fields = dict(dp=2, zero_stage=3, global_batch_size=2)
+    with_pages = _small_estimate(fields, _cpu_device_with(fresh_page_bytes_per_s=rate))
+    without = _small_estimate(fields, _cpu_device_with(fresh_page_bytes_per_s=None))
+    table = SMALL.vocab_rows * SMALL.hidden_size
+    gradients = (SMALL.num_layers * SMALL.dense_layer_params + 2 * table) * 4 / rate
+    buffers = SMALL.num_params * (2 * 2 * 4 + 4) / rate
+    cal = default_calibration()
+    factor = cal.compute_factor("meshplan")
+    assert with_pages.time.step_s - without.time.step_s == pytest.approx(
+        gradients * factor * (1 - cal.dp_overlap) + buffers, rel=1e-9)
+
+
+def test_thin_gemms_run_at_their_row_share():
+    """A GEMM of M rows runs at M / (M + h) of its rate: at M = h, the layer's matmul time
+    (less the per-call cost) doubles."""
+    from meshplan.costmodel.timing import layer_forward
+
+    cluster = load_cluster("cpu", nodes=1, gpus_per_node=1)
+    config = ParallelConfig(**SMALL_COMMON)
+    tokens = config.micro_batch_size * config.seq_len
+    thin = _cpu_device_with(gemm_half_rows=float(tokens))
+    plain = _cpu_device_with(gemm_half_rows=None)
+    device = plain.device("cpu")
+    calls = 2 + 3  # projections and the SwiGLU MLP (``layer_forward``)
+    slow, fast = (layer_forward(SMALL, cluster, config, cal, moe=False).gemm_s
+                  - calls * device.matmul_overhead_s for cal in (thin, plain))
+    assert slow == pytest.approx(2 * fast, rel=1e-9)

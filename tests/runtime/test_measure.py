@@ -239,6 +239,32 @@ def test_host_adam_rate_on_all_cores_becomes_the_host_memory_bandwidth():
         "dgx-h100")  # other devices keep theirs
 
 
+def test_thin_gemms_and_fresh_pages_become_the_cpu_device_values():
+    """Thin GEMMs at rows / (rows + h) of the asymptotic rate give back h; the fresh-page
+    rate is the zeroed bytes over their seconds; both land in the profiled device entry and
+    the model's GEMM at those rows then runs at that share of its rate."""
+    base = default_calibration()
+    catalog = fitting.CatalogRates(peak_flop_per_s=1e12, hbm_bytes_per_s=1e11,
+                                   link_bytes_per_s=6e9, nic_bytes_per_s=4e9)
+    rate, h = 5e11, 20.0
+    gemm = [(1e6, 1e6 / rate), (1e9, 1e9 / rate)]
+    thin = [(rows, 1e8, 1e8 / (rate * rows / (rows + h))) for rows in (8, 32, 128)]
+    fit = fitting.fit_profile(gemm=gemm, copy=(2e9, 0.05), thin_gemm=thin,
+                              fresh_pages=(64e6, 0.05))
+    assert fit.gemm_half_rows == pytest.approx(h)
+    assert fit.fresh_page_bytes_per_s == pytest.approx(1.28e9)
+    cal = fitting.profiled_calibration(base, fit, gpu_key="cpu", catalog=catalog, note="test")
+    device = cal.device("cpu")
+    assert device.gemm_half_rows == pytest.approx(h)
+    assert device.fresh_page_bytes_per_s == pytest.approx(1.28e9)
+    assert device.row_efficiency(h) == pytest.approx(0.5)
+    assert "fresh pages 1.28 GB/s" in cal.source["profile"]
+    gpu = fitting.profiled_calibration(base, fitting.fit_profile(gemm=gemm, copy=(2e9, 0.05)),
+                                       gpu_key="h100-sxm", catalog=catalog, note="test")
+    assert gpu.device("h100-sxm").gemm_half_rows is None  # not timed: not modelled
+    assert gpu.device("h100-sxm").fresh_page_bytes_per_s is None
+
+
 def test_timed_host_adam_steps_its_parameters():
     rows = measure.time_host_adam(1 << 16, rounds=2, threads=(1,))
     assert len(rows) == 1 and rows[0][0] == 1 and rows[0][1] == 1 << 16 and rows[0][2] > 0
@@ -274,6 +300,8 @@ def test_two_quick_profiles_agree(tmp_path):
     assert first["matmul_overhead_s"] >= 0 and second["matmul_overhead_s"] >= 0
     for key in ("bytes_per_s", "latency_s"):  # wall-clock: their spread is the benchmark's
         assert first["links"]["intra"][key] > 0 and second["links"]["intra"][key] > 0
+    for fit in (first, second):  # the CPU's thin GEMMs and fresh pages: present, positive
+        assert fit["gemm_half_rows"] > 0 and fit["fresh_page_bytes_per_s"] > 0
     for fit in (first, second):  # one thread and all cores; wall-clock, only present
         assert set(fit["host_adam_params_per_s"]) == {"1", str(os.cpu_count())} or \
             set(fit["host_adam_params_per_s"]) == {"1"}
