@@ -187,8 +187,11 @@ def test_host_offload_adamw_matches_adamw():
             opt.zero_grad()
             model(x).square().sum().backward()
             opt.step()
+    # torch's fused CPU kernel rounds differently from the single-tensor loop on some CPUs
+    # (AMD EPYC family 26: 1 of 32 elements 2 ulp apart after three steps); a wrong update
+    # (bias correction, decay, eps) is off by orders of magnitude more
     for pa, pb in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-8)
 
 
 def test_partition_balances_and_is_deterministic():
