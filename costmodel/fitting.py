@@ -229,18 +229,33 @@ def scaled_calibration(calibration: Calibration, *, gpu_key: str, factor: float,
                        intra_latency_s: float, inter_latency_s: float) -> Calibration:
     """Every compute and communication cost of ``calibration`` made ``factor`` times slower.
 
-    Efficiencies (matmul, attention, memory, link) are divided by ``factor`` and clamped to
-    (0, 1]; GEMM overhead, link latencies (``*_latency_s``: the ones in force before the
-    refit) and the per-call collective cost are multiplied by it. Overlaps and traffic factors
-    are left alone.
+    Efficiencies (matmul, attention, memory, the eager ones where set, link) are divided by
+    ``factor`` and clamped to (0, 1], and so are the device's measured rates (its AdamW
+    step, its fresh pages); GEMM overhead, the per-op and per-call host costs, link latencies
+    (``*_latency_s``: the ones in force before the refit) and the per-call collective cost
+    are multiplied by it. Overlaps, traffic factors and the thin-GEMM row count (a shape, not
+    a cost) are left alone.
     """
     dev = calibration.device(gpu_key)
-    device = DeviceCalibration(
-        matmul_efficiency=clamp_efficiency(dev.matmul_efficiency / factor),
+
+    def slower(rate: float | None) -> float | None:
+        return None if rate is None else rate / factor
+
+    def lower(efficiency: float | None) -> float | None:
+        return None if efficiency is None else clamp_efficiency(efficiency / factor)
+
+    device = dataclasses.replace(
+        dev, matmul_efficiency=lower(dev.matmul_efficiency),
         matmul_overhead_s=dev.matmul_overhead_s * factor,
-        attention_efficiency=clamp_efficiency(dev.attention_efficiency / factor),
-        flash_attention_efficiency=clamp_efficiency(dev.flash_attention_efficiency / factor),
-        memory_efficiency=clamp_efficiency(dev.memory_efficiency / factor))
+        attention_efficiency=lower(dev.attention_efficiency),
+        flash_attention_efficiency=lower(dev.flash_attention_efficiency),
+        memory_efficiency=lower(dev.memory_efficiency),
+        eager_matmul_efficiency=lower(dev.eager_matmul_efficiency),
+        eager_flash_attention_efficiency=lower(dev.eager_flash_attention_efficiency),
+        op_overhead_s=dev.op_overhead_s * factor,
+        collective_call_s=dev.collective_call_s * factor,
+        optimizer_params_per_s=slower(dev.optimizer_params_per_s),
+        fresh_page_bytes_per_s=slower(dev.fresh_page_bytes_per_s))
     return dataclasses.replace(
         calibration, devices={**calibration.devices, gpu_key: device},
         nvlink_efficiency=clamp_efficiency(calibration.nvlink_efficiency / factor),

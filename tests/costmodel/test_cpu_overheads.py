@@ -137,3 +137,28 @@ def test_thin_gemms_run_at_their_row_share():
     slow, fast = (layer_forward(SMALL, cluster, config, cal, moe=False).gemm_s
                   - calls * device.matmul_overhead_s for cal in (thin, plain))
     assert slow == pytest.approx(2 * fast, rel=1e-9)
+
+
+@pytest.mark.parametrize("fields", [dict(dp=2, zero_stage=3), dict(tp=2, sp=True), dict(pp=2),
+                                    dict(dp=2, zero_stage=1, offload="optimizer")],
+                         ids=["dp2z3", "tp2sp", "pp2", "dp2z1-offload"])
+def test_one_plan_refit_scales_every_cpu_cost(fields):
+    """``validate --refit`` on one plan slows every compute and communication cost by one
+    factor: on the CPU device its per-op and per-call host costs, AdamW rate and fresh pages
+    too, so a factor of 2 doubles the step of plans without offload exactly (the host
+    optimizer step and host copies of offloaded plans are not the device's, and stay)."""
+    from meshplan.costmodel import fitting
+
+    cal = default_calibration()
+    cluster = load_cluster("cpu", nodes=1, gpus_per_node=2)
+    config = ParallelConfig(**{**COMMON, **fields})
+    slow = fitting.scaled_calibration(cal, gpu_key="cpu", factor=2.0,
+                                      intra_latency_s=cluster.nvlink_latency_s,
+                                      inter_latency_s=cluster.nic_latency_s)
+    base, scaled = (estimate(load_model("tiny"), cluster, config, framework="meshplan",
+                             calibration=c).time for c in (cal, slow))
+    if config.offload == "none":
+        assert scaled.step_s == pytest.approx(2 * base.step_s, rel=1e-9)
+    else:
+        assert scaled.step_s - scaled.offload_s == pytest.approx(
+            2 * (base.step_s - base.offload_s), rel=1e-9)
