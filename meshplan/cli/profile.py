@@ -66,6 +66,10 @@ def profile_lines(result: ProfileResult) -> str:
              f"{catalog.peak_flop_per_s / 1e12:.4g})",
              f"memory     {fit.memory_bytes_per_s / 1e9:.1f} GB/s  (catalog "
              f"{catalog.hbm_bytes_per_s / 1e9:.1f})"]
+    if fit.gemm_half_rows is not None and fit.fresh_page_bytes_per_s is not None:
+        lines.append(f"small ops  GEMMs at half rate at {fit.gemm_half_rows:.1f} rows; fresh "
+                     f"pages {fit.fresh_page_bytes_per_s / 1e9:.2f} GB/s  (weight gradients, "
+                     f"gather buffers)")
     lines.append("host-dev   " + (", ".join(f"{way} {rate / 1e9:.1f} GB/s" for way, rate in
                                             fit.host_copy_bytes_per_s.items())
                                   or "skipped: no CUDA device (pinned H2D/D2H need one)"))
