@@ -66,6 +66,10 @@ SMALL_MEASURED_S = {  # plan: (ParallelConfig fields, measured median steps of m
     "dp1 offload": (dict(dp=1, offload="optimizer"), (1.951, 1.922, 2.042, 1.935, 1.769)),
     "dp2 zero3": (dict(dp=2, zero_stage=3), (4.238,)),
     "dp2 zero3 offload": (dict(dp=2, zero_stage=3, offload="optimizer"), (3.902,)),
+    # 2026-12-03, 10 steps of meshplan run each, one other single-threaded process on the
+    # machine's second core: 32 and 128 tokens per micro-batch
+    "dp1 again": (dict(dp=1), (2.791,)),
+    "dp1 128 tokens": (dict(dp=1, seq_len=128), (4.828,)),
 }
 
 
