@@ -46,20 +46,29 @@ def split_bound(rows: list[Row], total_layers: int) -> tuple[float, float] | Non
     exposed traffic ``max(0, raw - hidden)`` written out), so it is convex in the layer count
     and at least its two-point line from ``lo``: the sum over stages is at least the sum of
     each stage's least time at ``lo`` plus the least such slope for the layers above."""
-    rows = [(lo, [(_rising(pieces, lo, most), most) for pieces, most in forms])
-            for lo, forms in rows]
-    if any(not forms for _, forms in rows):
-        return None
-    if sum(max(f[1] for f in forms) for _, forms in rows) < total_layers:
-        return None
-    alike: dict[tuple, int] = {}  # identical stages, counted once each
+    risen: dict[tuple, tuple] = {}  # each distinct stage's forms, made rising once
+    order = []  # per stage, its entry of ``risen``
     for lo, forms in rows:
         key = (lo, tuple(forms))
+        if key not in risen:
+            risen[key] = (lo, tuple((_rising(pieces, lo, most), most) for pieces, most in forms))
+        order.append(risen[key])
+    if any(not forms for _, forms in order):
+        return None
+    if sum(max(f[1] for f in forms) for _, forms in order) < total_layers:
+        return None
+    alike: dict[tuple, int] = {}  # identical stages, counted once each
+    for key in order:
         alike[key] = alike.get(key, 0) + 1
 
-    def held(limit: float) -> int:
+    kinds = [(lo, forms, times) for (lo, forms), times in alike.items()]
+
+    def holds(limit: float) -> bool:
+        """Whether the stages hold every layer within ``limit`` each: the most layers each
+        form fits under its pieces and capacity, the best form per stage, summed (stopping
+        once the sum reaches the total, as it only grows)."""
         count = 0
-        for (lo, forms), times in alike.items():
+        for lo, forms, times in kinds:
             most = 0
             for pieces, fit in forms:
                 n = fit
@@ -68,27 +77,33 @@ def split_bound(rows: list[Row], total_layers: int) -> tuple[float, float] | Non
                         n = 0
                         break
                     if slope > 0:
-                        n = min(n, lo + int((limit - base) // slope))
-                most = max(most, n)
+                        within = lo + int((limit - base) // slope)
+                        if within < n:
+                            n = within
+                if n > most:
+                    most = n
             count += times * most
-        return count
+            if count >= total_layers:
+                return True
+        return False
 
     def at(pieces, n: int, lo: int) -> float:
         return max(base + slope * (n - lo) for base, slope in pieces)
 
-    low = max(min(at(p, lo, lo) for p, _ in forms) for lo, forms in rows)
-    high = max(at(p, fit, lo) for lo, forms in rows for p, fit in forms)
-    if held(low) < total_layers:
+    least = {key: min(at(p, key[0], key[0]) for p, _ in key[1]) for key in alike}
+    low = max(least.values())
+    high = max(at(p, fit, lo) for lo, forms in alike for p, fit in forms)
+    if not holds(low):
         for _ in range(48):
             mid = (low + high) / 2
-            if held(mid) >= total_layers:
+            if holds(mid):
                 high = mid
             else:
                 low = mid
-    sums = sum(min(at(p, lo, lo) for p, _ in forms) for lo, forms in rows)
-    slope = min(at(p, lo + 1, lo) - at(p, lo, lo) for lo, forms in rows for p, _ in forms)
-    sums += max(slope, 0) * (total_layers - sum(lo for lo, _ in rows))
-    return max(low, sums / len(rows)), sums
+    sums = sum(least[key] for key in order)  # stage by stage, in order
+    slope = min(at(p, lo + 1, lo) - at(p, lo, lo) for lo, forms in alike for p, _ in forms)
+    sums += max(slope, 0) * (total_layers - sum(lo for lo, _ in order))
+    return max(low, sums / len(order)), sums
 
 
 def _rising(pieces, lo: int, most: int) -> tuple[tuple[float, float], ...]:
