@@ -61,7 +61,12 @@ def split_bound(rows: list[Row], total_layers: int) -> tuple[float, float] | Non
     for key in order:
         alike[key] = alike.get(key, 0) + 1
 
-    kinds = [(lo, forms, times) for (lo, forms), times in alike.items()]
+    # per distinct stage: each form's largest base (above the limit, it holds nothing), its
+    # rising pieces and the most layers that fit
+    kinds = [(lo, [(max(base for base, _ in pieces),
+                    [(base, slope) for base, slope in pieces if slope > 0], fit)
+                   for pieces, fit in forms], times)
+             for (lo, forms), times in alike.items()]
 
     def holds(limit: float) -> bool:
         """Whether the stages hold every layer within ``limit`` each: the most layers each
@@ -70,16 +75,14 @@ def split_bound(rows: list[Row], total_layers: int) -> tuple[float, float] | Non
         count = 0
         for lo, forms, times in kinds:
             most = 0
-            for pieces, fit in forms:
+            for top, rising, fit in forms:
+                if top > limit:
+                    continue
                 n = fit
-                for base, slope in pieces:
-                    if base > limit:
-                        n = 0
-                        break
-                    if slope > 0:
-                        within = lo + int((limit - base) // slope)
-                        if within < n:
-                            n = within
+                for base, slope in rising:
+                    within = lo + int((limit - base) // slope)
+                    if within < n:
+                        n = within
                 if n > most:
                     most = n
             count += times * most

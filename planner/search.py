@@ -755,6 +755,7 @@ class _Refiner:
         self.framework, self.calibration = framework, calibration
         self.capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
         self.cache: dict = {}
+        self.configs: dict[tuple, ParallelConfig | None] = {}
         self.seq = 0
         self.evaluated = 0
         self.counted = 0
@@ -824,6 +825,15 @@ class _Refiner:
         return out
 
     def config(self, degrees, mb, sp, order, vpp, zero, offload, device) -> ParallelConfig | None:
+        """The configuration of these choices, None if ``ParallelConfig`` refuses them
+        (cached: the levels of the tree ask for the same ones repeatedly)."""
+        key = (degrees, mb, sp, order, vpp, zero, offload, device)
+        if key not in self.configs:
+            self.configs[key] = self._make_config(*key)
+        return self.configs[key]
+
+    def _make_config(self, degrees, mb, sp, order, vpp, zero, offload,
+                     device) -> ParallelConfig | None:
         tp, cp, pp, dp, ep = degrees
         space = self.space
         try:
