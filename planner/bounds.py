@@ -217,12 +217,14 @@ def _micro_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     if cache is not None:
         if key in cache:
             return cache[key]
-        terms = cache.get((config, stage, layers)) if mode == "none" else None  # ``search.bound``'s
+        terms = cache.get((config, stage, layers)) if mode == "none" else None  # ``search.bound``
     else:
         terms = None
     if terms is None:
         terms = stage_terms(model, cluster, stage_config(config, model, stage, layers, mode),
                             stage, framework=framework, calibration=calibration)
+        if cache is not None and mode == "none":
+            cache[config, stage, layers] = terms
     t = terms.micro
     value = micro_pieces(t.linear_s, t.zero_comm_s, t.zero_hidden_s, t.offload_raw_s,
                          t.offload_hidden_s)
