@@ -157,6 +157,15 @@ class StageTerms:
         return composition.exposed(self.dp_comm_s, self.dp_hidden_s)
 
 
+def stage_micro(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
+                framework: str, calibration: Calibration) -> StageTime:
+    """``stage_terms(...).micro`` (the same numbers) without the once-per-step terms: what
+    the planner's per-micro-batch bounds read."""
+    return stage_microbatch_time(model, cluster, config, calibration, stage,
+                                 params=stage_params(model, config, stage),
+                                 links=stage_links(cluster, config, stage), framework=framework)
+
+
 def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
                 framework: str, calibration: Calibration) -> StageTerms:
     """Time terms of ``stage`` under ``config`` (its layers and recompute mode)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
-from meshplan.costmodel.estimate import stage_terms
+from meshplan.costmodel.estimate import stage_micro
 from meshplan.costmodel.timing import stage_link_signature
 from meshplan.planner.tables import stage_config
 
@@ -214,20 +214,33 @@ def _micro_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                  cache: dict | None) -> tuple[float, ...]:
     """``micro_pieces`` of the stage at ``layers`` layers under ``mode`` (seconds)."""
     key = ("micro", config, stage, layers, mode)
-    if cache is not None:
-        if key in cache:
-            return cache[key]
-        terms = cache.get((config, stage, layers)) if mode == "none" else None  # ``search.bound``
-    else:
-        terms = None
-    if terms is None:
-        terms = stage_terms(model, cluster, stage_config(config, model, stage, layers, mode),
-                            stage, framework=framework, calibration=calibration)
-        if cache is not None and mode == "none":
-            cache[config, stage, layers] = terms
-    t = terms.micro
+    if cache is not None and key in cache:
+        return cache[key]
+    t = stage_micro_terms(model, cluster, config, stage, layers, mode, framework=framework,
+                          calibration=calibration, cache=cache)
     value = micro_pieces(t.linear_s, t.zero_comm_s, t.zero_hidden_s, t.offload_raw_s,
                          t.offload_hidden_s)
     if cache is not None:
         cache[key] = value
     return value
+
+
+def stage_micro_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                      stage: int, layers: int, mode: str, *, framework: str,
+                      calibration: Calibration, cache: dict | None):
+    """The stage's time per micro-batch by term (``estimate.stage_micro``) at ``layers``
+    layers under ``mode``; cached by (config, stage, layers, mode), and read off the full
+    terms ``search.bound`` keeps under (config, stage, layers) where those exist."""
+    key = ("stage micro", config, stage, layers, mode)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+        full = cache.get((config, stage, layers)) if mode == "none" else None
+        if full is not None:
+            return full.micro
+    micro = stage_micro(model, cluster, stage_config(config, model, stage, layers, mode), stage,
+                        framework=framework, calibration=calibration)
+    if cache is not None:
+        cache[key] = micro
+    return micro

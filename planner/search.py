@@ -30,7 +30,7 @@ from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
 from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, stage_classes,
-                                     uniform_layers)
+                                     stage_micro_terms, uniform_layers)
 from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, degree_tuples,
                                     micro_batch_choices, offload_choices, pick, vpp_choices,
                                     zero_choices)
@@ -221,7 +221,7 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
         first, second = getter(terms(stage, lo)), getter(terms(stage, lo + 1))
         return first + (second - first) * (n - lo)
 
-    total = _micro_sum(model, config, counts, lo, terms)
+    total = _micro_sum(model, config, counts, lo, lambda stage, n: terms(stage, n).micro)
     once = composition.once_per_step(
         dp_exposed=min(composition.exposed(at(s, n, lambda t: t.dp_comm_s),
                                            at(s, n, lambda t: t.dp_hidden_s))
@@ -241,22 +241,23 @@ def per_micro_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, 
     if config.pp == 1:
         lo = model.num_layers
     counts = _stage_kinds(cluster, config, cache)
-    return _micro_sum(model, config, counts, lo, lambda stage, n: _none_terms(
-        model, cluster, config, stage, n, framework=framework, calibration=calibration,
+    return _micro_sum(model, config, counts, lo, lambda stage, n: stage_micro_terms(
+        model, cluster, config, stage, n, "none", framework=framework, calibration=calibration,
         cache=cache))
 
 
 def _micro_sum(model: ModelSpec, config: ParallelConfig, counts: dict[int, int], lo: int,
-               terms) -> float:
+               micro) -> float:
     """The per-micro-batch work summed over stages for any split of the layers (``bound``):
     the terms linear in the layer count summed over the kinds of stage at ``lo`` layers,
-    plus one slope (``terms(first kind, lo + 1)``) for the layers above ``p lo``; the exposed
+    plus one slope (``micro(first kind, lo + 1)``) for the layers above ``p lo``; the exposed
     ZeRO and offload traffic composed from the sums (sum_i max(0, x_i) >= max(0, sum_i x_i)).
-    ``terms(stage, n)``: a stage's ``estimate.StageTerms`` at ``n`` layers."""
+    ``micro(stage, n)``: a stage's time per micro-batch by term (``timing.StageTime``) at
+    ``n`` layers."""
     classes = list(counts)
-    at_lo = {s: terms(s, lo).micro for s in classes}
+    at_lo = {s: micro(s, lo) for s in classes}
     spread = model.num_layers - config.pp * lo
-    above = terms(classes[0], lo + 1).micro if spread else None
+    above = micro(classes[0], lo + 1) if spread else None
 
     def summed(getter) -> float:
         """sum over stages of a term linear in the layer count, for any split of L layers."""
@@ -274,7 +275,7 @@ def _micro_sum(model: ModelSpec, config: ParallelConfig, counts: dict[int, int],
 def _none_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
                 n: int, *, framework: str, calibration: Calibration, cache: dict | None):
     """``estimate.stage_terms`` of ``stage`` holding ``n`` layers without recomputation,
-    cached by (config, stage, n) (``bounds._micro_terms`` reads the same entries)."""
+    cached by (config, stage, n) (``bounds.stage_micro_terms`` reads the same entries)."""
     key = (config, stage, n)
     if cache is not None:
         hit = cache.get(key)
