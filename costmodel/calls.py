@@ -14,6 +14,7 @@ buckets, DeepSpeed's ``reduce_bucket_size``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ LOSS_REDUCTION_CALLS = 1
 """All-reduces of the logged loss over all ranks, once per step (runtime/train.py)."""
 
 
+@functools.lru_cache(maxsize=4096)
 def latency_steps(op: str, n: int) -> float:
     """One-hop latency steps one call of ``op`` over ``n`` ranks pays in ``collective_call_s``.
 

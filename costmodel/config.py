@@ -168,13 +168,27 @@ class ParallelConfig:
         """``replace(layers_per_stage=..., recompute=...)`` that re-checks only those two
         fields (the planner builds many such copies of one valid configuration)."""
         modes = (recompute,) if isinstance(recompute, str) else recompute
-        if (not modes or any(m not in RECOMPUTE_MODES for m in modes)
+        if (not modes or not _known_modes(modes)
                 or (not isinstance(recompute, str) and len(recompute) != self.pp)):
             return self.replace(layers_per_stage=layers_per_stage, recompute=recompute)
         copy = object.__new__(ParallelConfig)
         copy.__dict__.update(self.__dict__)  # the fields (the class caches nothing else)
         copy.__dict__.update(layers_per_stage=layers_per_stage, recompute=recompute)
         return copy
+
+
+def _known_modes(modes) -> bool:
+    """Every entry of ``modes`` is a recompute mode; tuples of strings are checked once each
+    (``with_split`` checks the same few tuples many times)."""
+    try:
+        return _known_mode_tuple(modes)
+    except TypeError:  # a list, or entries that are not hashable
+        return all(m in RECOMPUTE_MODES for m in modes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _known_mode_tuple(modes: tuple) -> bool:
+    return all(m in RECOMPUTE_MODES for m in modes)
 
 
 REMAINDER_ORDERS = ("middle", "first")

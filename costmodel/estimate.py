@@ -14,7 +14,7 @@ from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import (StageMemory, host_bytes_per_node, stage_layer_range, stage_memory,
                               stage_params)
 from meshplan.costmodel.model import ModelSpec
-from meshplan.costmodel.timing import (BACKWARD_FACTOR, StageTime, calibrated_link, dp_step_s,
+from meshplan.costmodel.timing import (BACKWARD_FACTOR, StageTime, calibrated_links, dp_step_s,
                                        optimizer_step_s, stage_link_signature, stage_links,
                                        stage_microbatch_time)
 
@@ -157,6 +157,15 @@ class StageTerms:
         return composition.exposed(self.dp_comm_s, self.dp_hidden_s)
 
 
+def stage_micro(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
+                framework: str, calibration: Calibration) -> StageTime:
+    """``stage_terms(...).micro`` (the same numbers) without the once-per-step terms: what
+    the planner's per-micro-batch bounds read."""
+    return stage_microbatch_time(model, cluster, config, calibration, stage,
+                                 params=stage_params(model, config, stage),
+                                 links=stage_links(cluster, config, stage), framework=framework)
+
+
 def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
                 framework: str, calibration: Calibration) -> StageTerms:
     """Time terms of ``stage`` under ``config`` (its layers and recompute mode)."""
@@ -166,7 +175,7 @@ def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, 
                                   links=links, framework=framework)
     last_bwd = micro.compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
     comm, hidden = dp_step_s(config, calibration, params=params,
-                             link=calibrated_link(links.dp, calibration, cluster.gpu.key),
+                             link=calibrated_links(links, calibration, cluster.gpu.key).dp,
                              last_backward_s=last_bwd, framework=framework,
                              gpu_key=cluster.gpu.key)
     opt, off = optimizer_step_s(config, cluster, calibration, params=params,

@@ -189,9 +189,12 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
                                             device_key=device_key)
         return kinds[mode, moe]
 
-    per_mb = sum(layer(layer_mode, model.is_moe_layer(i))
-                 for i, layer_mode in zip(layer_range, layer_modes(config, framework, stage,
-                                                                   len(layer_range))))
+    modes = layer_modes(config, framework, stage, len(layer_range))
+    if not model.is_moe and len(set(modes)) == 1:  # layers alike: the same additions, in order
+        per_mb = sum([layer(modes[0], False)] * len(modes))
+    else:
+        per_mb = sum(layer(layer_mode, model.is_moe_layer(i))
+                     for i, layer_mode in zip(layer_range, modes))
     in_flight = act.in_flight_microbatches(config, stage)
     total = in_flight * per_mb
     if stage == 0:
@@ -255,7 +258,7 @@ def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: i
                                                 stage_layer_range(model, config, stage))
     layer_range = stage_layer_range(model, config, stage)
     modes = set(layer_modes(config, framework, stage, len(layer_range)))
-    moe = any(model.is_moe_layer(i) for i in layer_range)
+    moe = model.is_moe and any(model.is_moe_layer(i) for i in layer_range)
     whole = _layer_bytes(model, config, framework, "none", moe=moe)
     if "full" in modes:
         return whole - act.layer_activation_bytes(model, config, recompute="full")

@@ -381,9 +381,12 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     layer_range = stage_layer_range(model, config, stage)
     modes = layer_modes(config, framework, stage, len(layer_range))
     groups: dict[tuple[bool, str], int] = {}
-    for index, layer_mode in zip(layer_range, modes):
-        key = (model.is_moe_layer(index), layer_mode)
-        groups[key] = groups.get(key, 0) + 1
+    if not model.is_moe and len(set(modes)) == 1:  # layers alike: one group
+        groups[False, modes[0]] = len(modes)
+    else:
+        for index, layer_mode in zip(layer_range, modes):
+            key = (model.is_moe_layer(index), layer_mode)
+            groups[key] = groups.get(key, 0) + 1
     compute = tp = cp = ep = 0.0
     for key, count in groups.items():
         layer = costs.layer(key)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
-from meshplan.costmodel.estimate import stage_terms
+from meshplan.costmodel.estimate import stage_micro
 from meshplan.costmodel.timing import stage_link_signature
 from meshplan.planner.tables import stage_config
 
@@ -46,49 +46,67 @@ def split_bound(rows: list[Row], total_layers: int) -> tuple[float, float] | Non
     exposed traffic ``max(0, raw - hidden)`` written out), so it is convex in the layer count
     and at least its two-point line from ``lo``: the sum over stages is at least the sum of
     each stage's least time at ``lo`` plus the least such slope for the layers above."""
-    rows = [(lo, [(_rising(pieces, lo, most), most) for pieces, most in forms])
-            for lo, forms in rows]
-    if any(not forms for _, forms in rows):
-        return None
-    if sum(max(f[1] for f in forms) for _, forms in rows) < total_layers:
-        return None
-    alike: dict[tuple, int] = {}  # identical stages, counted once each
+    risen: dict[tuple, tuple] = {}  # each distinct stage's forms, made rising once
+    order = []  # per stage, its entry of ``risen``
     for lo, forms in rows:
         key = (lo, tuple(forms))
+        if key not in risen:
+            risen[key] = (lo, tuple((_rising(pieces, lo, most), most) for pieces, most in forms))
+        order.append(risen[key])
+    if any(not forms for _, forms in order):
+        return None
+    if sum(max(f[1] for f in forms) for _, forms in order) < total_layers:
+        return None
+    alike: dict[tuple, int] = {}  # identical stages, counted once each
+    for key in order:
         alike[key] = alike.get(key, 0) + 1
 
-    def held(limit: float) -> int:
+    # per distinct stage: each form's largest base (above the limit, it holds nothing), its
+    # rising pieces and the most layers that fit
+    kinds = [(lo, [(max(base for base, _ in pieces),
+                    [(base, slope) for base, slope in pieces if slope > 0], fit)
+                   for pieces, fit in forms], times)
+             for (lo, forms), times in alike.items()]
+
+    def holds(limit: float) -> bool:
+        """Whether the stages hold every layer within ``limit`` each: the most layers each
+        form fits under its pieces and capacity, the best form per stage, summed (stopping
+        once the sum reaches the total, as it only grows)."""
         count = 0
-        for (lo, forms), times in alike.items():
+        for lo, forms, times in kinds:
             most = 0
-            for pieces, fit in forms:
+            for top, rising, fit in forms:
+                if top > limit:
+                    continue
                 n = fit
-                for base, slope in pieces:
-                    if base > limit:
-                        n = 0
-                        break
-                    if slope > 0:
-                        n = min(n, lo + int((limit - base) // slope))
-                most = max(most, n)
+                for base, slope in rising:
+                    within = lo + int((limit - base) // slope)
+                    if within < n:
+                        n = within
+                if n > most:
+                    most = n
             count += times * most
-        return count
+            if count >= total_layers:
+                return True
+        return False
 
     def at(pieces, n: int, lo: int) -> float:
         return max(base + slope * (n - lo) for base, slope in pieces)
 
-    low = max(min(at(p, lo, lo) for p, _ in forms) for lo, forms in rows)
-    high = max(at(p, fit, lo) for lo, forms in rows for p, fit in forms)
-    if held(low) < total_layers:
+    least = {key: min(at(p, key[0], key[0]) for p, _ in key[1]) for key in alike}
+    low = max(least.values())
+    high = max(at(p, fit, lo) for lo, forms in alike for p, fit in forms)
+    if not holds(low):
         for _ in range(48):
             mid = (low + high) / 2
-            if held(mid) >= total_layers:
+            if holds(mid):
                 high = mid
             else:
                 low = mid
-    sums = sum(min(at(p, lo, lo) for p, _ in forms) for lo, forms in rows)
-    slope = min(at(p, lo + 1, lo) - at(p, lo, lo) for lo, forms in rows for p, _ in forms)
-    sums += max(slope, 0) * (total_layers - sum(lo for lo, _ in rows))
-    return max(low, sums / len(rows)), sums
+    sums = sum(least[key] for key in order)  # stage by stage, in order
+    slope = min(at(p, lo + 1, lo) - at(p, lo, lo) for lo, forms in alike for p, _ in forms)
+    sums += max(slope, 0) * (total_layers - sum(lo for lo, _ in order))
+    return max(low, sums / len(order)), sums
 
 
 def _rising(pieces, lo: int, most: int) -> tuple[tuple[float, float], ...]:
@@ -196,18 +214,33 @@ def _micro_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                  cache: dict | None) -> tuple[float, ...]:
     """``micro_pieces`` of the stage at ``layers`` layers under ``mode`` (seconds)."""
     key = ("micro", config, stage, layers, mode)
-    if cache is not None:
-        if key in cache:
-            return cache[key]
-        terms = cache.get((config, stage, layers)) if mode == "none" else None  # ``search.bound``'s
-    else:
-        terms = None
-    if terms is None:
-        terms = stage_terms(model, cluster, stage_config(config, model, stage, layers, mode),
-                            stage, framework=framework, calibration=calibration)
-    t = terms.micro
+    if cache is not None and key in cache:
+        return cache[key]
+    t = stage_micro_terms(model, cluster, config, stage, layers, mode, framework=framework,
+                          calibration=calibration, cache=cache)
     value = micro_pieces(t.linear_s, t.zero_comm_s, t.zero_hidden_s, t.offload_raw_s,
                          t.offload_hidden_s)
     if cache is not None:
         cache[key] = value
     return value
+
+
+def stage_micro_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                      stage: int, layers: int, mode: str, *, framework: str,
+                      calibration: Calibration, cache: dict | None):
+    """The stage's time per micro-batch by term (``estimate.stage_micro``) at ``layers``
+    layers under ``mode``; cached by (config, stage, layers, mode), and read off the full
+    terms ``search.bound`` keeps under (config, stage, layers) where those exist."""
+    key = ("stage micro", config, stage, layers, mode)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+        full = cache.get((config, stage, layers)) if mode == "none" else None
+        if full is not None:
+            return full.micro
+    micro = stage_micro(model, cluster, stage_config(config, model, stage, layers, mode), stage,
+                        framework=framework, calibration=calibration)
+    if cache is not None:
+        cache[key] = micro
+    return micro

@@ -30,7 +30,7 @@ from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
 from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, stage_classes,
-                                     uniform_layers)
+                                     stage_micro_terms, uniform_layers)
 from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, degree_tuples,
                                     micro_batch_choices, offload_choices, pick, vpp_choices,
                                     zero_choices)
@@ -203,46 +203,25 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     if p == 1:  # one stage holds every layer: read the terms at that count, exactly
         lo = hi = total_layers
     heavy = max(lo, min(hi, -(-total_layers // p)))
-    points = {lo} if p == 1 else {lo, lo + 1, heavy}
     ends = (heavy,) if p == 1 else (heavy, hi)
     # one representative per kind of stage: role and links (see costmodel.estimate._stage_key)
     counts = _stage_kinds(cluster, config, cache)
     classes = list(counts)
-    forms: dict[int, dict[int, object]] = {}
-    for stage in classes:
-        forms[stage] = {}
-        for n in sorted(points):
-            key = (config, stage, n)
-            if cache is not None and key in cache:
-                forms[stage][n] = cache[key]
-                continue
-            terms = stage_terms(model, cluster, stage_config(config, model, stage, n, "none"),
-                                stage, framework=framework, calibration=calibration)
-            forms[stage][n] = terms
-            if cache is not None:
-                cache[key] = terms
+
+    def terms(stage: int, n: int):
+        return _none_terms(model, cluster, config, stage, n, framework=framework,
+                           calibration=calibration, cache=cache)
 
     def at(stage: int, n: int, getter) -> float:
-        """A term at ``n`` layers: exact where it was evaluated, else extrapolated from lo and
-        lo + 1 (linear in the count, or a ceiling of it: bucketed collectives)."""
-        if n in forms[stage]:
-            return getter(forms[stage][n])
-        first, second = getter(forms[stage][lo]), getter(forms[stage][lo + 1])
+        """A term at ``n`` layers: exact where it is evaluated (``lo``, ``lo + 1`` and the
+        heaviest stage's count), else extrapolated from lo and lo + 1 (linear in the count,
+        or a ceiling of it: bucketed collectives)."""
+        if n in (lo, heavy) or (p > 1 and n == lo + 1):
+            return getter(terms(stage, n))
+        first, second = getter(terms(stage, lo)), getter(terms(stage, lo + 1))
         return first + (second - first) * (n - lo)
 
-    def summed(getter) -> float:
-        """sum over stages of a term linear in the layer count, for any split of L layers."""
-        at_lo = {s: getter(forms[s][lo].micro) for s in classes}
-        spread = total_layers - p * lo
-        slope = getter(forms[classes[0]][lo + 1].micro) - at_lo[classes[0]] if spread else 0.0
-        return sum(at_lo[s] * counts[s] for s in classes) + slope * spread
-
-    # sum_i max(0, x_i) >= max(0, sum_i x_i) for the exposed ZeRO and parameter-offload traffic
-    total = composition.micro_total(
-        linear=summed(lambda t: t.linear_s),
-        zero_comm=summed(lambda t: t.zero_comm_s), zero_hidden=summed(lambda t: t.zero_hidden_s),
-        offload_raw=summed(lambda t: t.offload_raw_s),
-        offload_hidden=summed(lambda t: t.offload_hidden_s))
+    total = _micro_sum(model, config, counts, lo, lambda stage, n: terms(stage, n).micro)
     once = composition.once_per_step(
         dp_exposed=min(composition.exposed(at(s, n, lambda t: t.dp_comm_s),
                                            at(s, n, lambda t: t.dp_hidden_s))
@@ -251,6 +230,62 @@ def bound(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
         offload_step=min(at(s, n, lambda t: t.offload_s) for s in classes for n in ends))
     return Bound(per_micro_s=total, once_s=once, stages=p, micro_batches=config.grad_accum_steps,
                  vpp=config.vpp)
+
+
+def per_micro_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
+                framework: str, calibration: Calibration, lo: int,
+                cache: dict | None = None) -> float:
+    """``bound(...).per_micro_s`` (the same number), from the only evaluations it needs:
+    each kind of stage at ``lo`` layers and one kind at ``lo + 1`` (the shared slope); the
+    once-per-step terms, which need the heaviest stage's count too, are left out."""
+    if config.pp == 1:
+        lo = model.num_layers
+    counts = _stage_kinds(cluster, config, cache)
+    return _micro_sum(model, config, counts, lo, lambda stage, n: stage_micro_terms(
+        model, cluster, config, stage, n, "none", framework=framework, calibration=calibration,
+        cache=cache))
+
+
+def _micro_sum(model: ModelSpec, config: ParallelConfig, counts: dict[int, int], lo: int,
+               micro) -> float:
+    """The per-micro-batch work summed over stages for any split of the layers (``bound``):
+    the terms linear in the layer count summed over the kinds of stage at ``lo`` layers,
+    plus one slope (``micro(first kind, lo + 1)``) for the layers above ``p lo``; the exposed
+    ZeRO and offload traffic composed from the sums (sum_i max(0, x_i) >= max(0, sum_i x_i)).
+    ``micro(stage, n)``: a stage's time per micro-batch by term (``timing.StageTime``) at
+    ``n`` layers."""
+    classes = list(counts)
+    at_lo = {s: micro(s, lo) for s in classes}
+    spread = model.num_layers - config.pp * lo
+    above = micro(classes[0], lo + 1) if spread else None
+
+    def summed(getter) -> float:
+        """sum over stages of a term linear in the layer count, for any split of L layers."""
+        values = {s: getter(at_lo[s]) for s in classes}
+        slope = getter(above) - values[classes[0]] if spread else 0.0
+        return sum(values[s] * counts[s] for s in classes) + slope * spread
+
+    return composition.micro_total(
+        linear=summed(lambda t: t.linear_s),
+        zero_comm=summed(lambda t: t.zero_comm_s), zero_hidden=summed(lambda t: t.zero_hidden_s),
+        offload_raw=summed(lambda t: t.offload_raw_s),
+        offload_hidden=summed(lambda t: t.offload_hidden_s))
+
+
+def _none_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
+                n: int, *, framework: str, calibration: Calibration, cache: dict | None):
+    """``estimate.stage_terms`` of ``stage`` holding ``n`` layers without recomputation,
+    cached by (config, stage, n) (``bounds.stage_micro_terms`` reads the same entries)."""
+    key = (config, stage, n)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    terms = stage_terms(model, cluster, stage_config(config, model, stage, n, "none"), stage,
+                        framework=framework, calibration=calibration)
+    if cache is not None:
+        cache[key] = terms
+    return terms
 
 
 def _stage_kinds(cluster: ClusterSpec, config: ParallelConfig,
@@ -721,6 +756,7 @@ class _Refiner:
         self.framework, self.calibration = framework, calibration
         self.capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
         self.cache: dict = {}
+        self.configs: dict[tuple, ParallelConfig | None] = {}
         self.seq = 0
         self.evaluated = 0
         self.counted = 0
@@ -790,6 +826,15 @@ class _Refiner:
         return out
 
     def config(self, degrees, mb, sp, order, vpp, zero, offload, device) -> ParallelConfig | None:
+        """The configuration of these choices, None if ``ParallelConfig`` refuses them
+        (cached: the levels of the tree ask for the same ones repeatedly)."""
+        key = (degrees, mb, sp, order, vpp, zero, offload, device)
+        if key not in self.configs:
+            self.configs[key] = self._make_config(*key)
+        return self.configs[key]
+
+    def _make_config(self, degrees, mb, sp, order, vpp, zero, offload,
+                     device) -> ParallelConfig | None:
         tp, cp, pp, dp, ep = degrees
         space = self.space
         try:
@@ -804,12 +849,20 @@ class _Refiner:
             return None
 
     def linear_bound(self, config: ParallelConfig) -> Bound:
-        """``bound`` of ``config`` (ZeRO-0, no offload: linear work only per micro-batch)."""
+        """``bound`` of ``config`` (ZeRO-0, no offload: linear work only per micro-batch)
+        without its once-per-step terms, which every caller leaves out (``work_bound``)."""
+        return self.work_bound(config)
+
+    def work_bound(self, config: ParallelConfig) -> Bound:
+        """``bound`` of ``config`` with its once-per-step terms taken as 0 (they are at least
+        0): the same per-micro-batch sum (``per_micro_s``) without the evaluations at the
+        heaviest stage's count that only the once-per-step terms need."""
         self.evaluated += 1
-        lo, hi = layer_bounds(self.model, config, None)
-        return bound(self.model, self.cluster, config, framework=self.framework,
-                     calibration=self.calibration, lo=lo[0], hi=max(hi[0], lo[0] + 1),
-                     cache=self.cache)
+        lo, _ = layer_bounds(self.model, config, None)
+        total = per_micro_s(self.model, self.cluster, config, framework=self.framework,
+                            calibration=self.calibration, lo=lo[0], cache=self.cache)
+        return Bound(per_micro_s=total, once_s=0.0, stages=config.pp,
+                     micro_batches=config.grad_accum_steps, vpp=config.vpp)
 
     def degrees_bound(self, degrees, layouts) -> float:
         largest = layouts[0][0]
@@ -935,11 +988,7 @@ class _Refiner:
         return [self.node(max(value, node.bound), "kind_caps", (*node.data[:6], terms))], 0
 
     def member_terms(self, member: ParallelConfig, top: float, total: float) -> "_Family":
-        lows, highs = layer_bounds(self.model, member, None)
-        self.evaluated += 1
-        piece = bound(self.model, self.cluster, member, framework=self.framework,
-                      calibration=self.calibration, lo=lows[0],
-                      hi=max(highs[0], lows[0] + 1), cache=self.cache)
+        piece = self.work_bound(member)
         total = max(total, piece.per_micro_s)
         return _Family(top=max(top, total / piece.stages), total=total,
                        micro_batches=piece.micro_batches)

@@ -20,6 +20,7 @@ on float seconds, here on integer nanoseconds and in ``solver.py`` on CP-SAT exp
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -174,16 +175,23 @@ def stage_config(config: ParallelConfig, model: ModelSpec, stage: int, layers: i
     """``config`` with ``layers`` layers and recompute ``mode`` on ``stage``; the other stages
     share the remaining layers (``even_split``, first stages first; they do not affect this
     stage's terms)."""
-    p = config.pp
-    others = [i for i in range(p) if i != stage]
+    return config.with_split(*_probe_split(config.pp, model.num_layers, stage, layers, mode))
+
+
+@functools.lru_cache(maxsize=65536)
+def _probe_split(p: int, total: int, stage: int, layers: int,
+                 mode: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Layer counts and recompute modes of ``stage_config``'s split (cached: the planner
+    probes the same few splits for many configurations)."""
     counts = [layers] * p
-    if others:
-        rest = max(p - 1, model.num_layers - layers)
-        for i, n in zip(others, even_split(rest, len(others), remainder="first")):
-            counts[i] = n
+    if p > 1:
+        rest = max(p - 1, total - layers)
+        shares = even_split(rest, p - 1, remainder="first")
+        counts[:stage] = shares[:stage]
+        counts[stage + 1:] = shares[stage:]
     modes = ["none"] * p
     modes[stage] = mode
-    return config.with_split(tuple(counts), tuple(modes))
+    return tuple(counts), tuple(modes)
 
 
 def _time_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,

@@ -196,3 +196,41 @@ def test_the_invariants_the_search_bounds_rest_on(case):
             (a, ma), (b, mb) = terms(n, mode, micro_batch_size=1), terms(n, mode,
                                                                          micro_batch_size=4)
             assert b.linear_s / 4 <= a.linear_s * (1 + 1e-12) and mb >= ma
+
+
+PER_MICRO_CASES = [  # model, cluster, nodes, framework (a MoE model with dense layers too)
+    ("mt-nlg-530b", "dgx-a100-80gb", 280, "megatron"),
+    ("llama3-70b", "dgx-h100", 5, "meshplan"),
+    ("mixtral-8x7b", "dgx-h100", 4, "deepspeed"),
+    ("llama3-8b", "dgx-h100", 3, "torchtitan"),
+]
+
+
+@pytest.mark.parametrize("case", PER_MICRO_CASES, ids=[c[0] + "-" + c[3] for c in PER_MICRO_CASES])
+def test_per_micro_sum_equals_the_full_bounds(case):
+    """``search.per_micro_s`` (what the per-micro-batch levels of the tree read) is the very
+    number ``search.bound`` composes, on every kind of candidate of a space (degrees, ZeRO,
+    offload, micro-batch, vpp, layout), whichever of the two fills the shared cache first."""
+    from meshplan.planner.space import candidates
+    from meshplan.planner.tables import layer_bounds
+
+    name, cluster_name, nodes, framework = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    space = SearchSpace(global_batch_size=2 * cluster.num_gpus, seq_len=4096)
+    configs = candidates(model, cluster, space)
+    rng = random.Random(11)
+    checked = 0
+    for config in rng.sample(configs, min(120, len(configs))):
+        lows, highs = layer_bounds(model, config, None)
+        lo, hi = lows[0], max(highs[0], lows[0] + 1)
+        args = dict(framework=framework, calibration=CAL, lo=lo)
+        first: dict = {}
+        alone = search_module.per_micro_s(model, cluster, config, cache=first, **args)
+        after = search_module.bound(model, cluster, config, hi=hi, cache=first, **args)
+        fresh = search_module.bound(model, cluster, config, hi=hi, **args)
+        again = search_module.per_micro_s(model, cluster, config, **args)
+        assert alone == after.per_micro_s == fresh.per_micro_s == again
+        assert after == fresh
+        checked += 1
+    assert checked >= 30
+
