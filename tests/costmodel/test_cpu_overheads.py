@@ -66,10 +66,13 @@ SMALL_MEASURED_S = {  # plan: (ParallelConfig fields, measured median steps of m
     "dp1 offload": (dict(dp=1, offload="optimizer"), (1.951, 1.922, 2.042, 1.935, 1.769)),
     "dp2 zero3": (dict(dp=2, zero_stage=3), (4.238,)),
     "dp2 zero3 offload": (dict(dp=2, zero_stage=3, offload="optimizer"), (3.902,)),
-    # 2026-12-03, 10 steps of meshplan run each, one other single-threaded process on the
-    # machine's second core: 32 and 128 tokens per micro-batch
-    "dp1 again": (dict(dp=1), (2.791,)),
-    "dp1 128 tokens": (dict(dp=1, seq_len=128), (4.828,)),
+    # 2026-12-03, quiet: benchmarks/offload_cpu.py --rounds 2 --steps 10 (both rounds), and
+    # 10-step runs of one process with another single-threaded process on the second core
+    "dp1 12-03": (dict(dp=1), (3.133, 2.851, 2.791)),
+    "dp1 offload 12-03": (dict(dp=1, offload="optimizer"), (2.037, 2.259)),
+    "dp1 128 tokens 12-03": (dict(dp=1, seq_len=128), (4.828,)),
+    "dp2 zero3 12-03": (dict(dp=2, zero_stage=3), (5.836, 5.853)),
+    "dp2 zero3 offload 12-03": (dict(dp=2, zero_stage=3, offload="optimizer"), (6.911, 5.952)),
 }
 
 
@@ -82,8 +85,9 @@ def _small_estimate(fields: dict, calibration=None):
 
 @pytest.mark.parametrize("plan", SMALL_MEASURED_S)
 def test_small_model_cpu_steps_within_2x(plan):
-    """32 tokens per micro-batch: the step is thin GEMMs and fresh weight-gradient pages,
-    which FLOPs at the large-matrix rate put at 2-5x too fast."""
+    """32 tokens per micro-batch: the step is thin GEMMs, fresh weight-gradient pages and
+    (dp2) gloo's all-gathers and reduce-scatters at a few hundred MB/s, which FLOPs at the
+    large-matrix rate and the nominal 2 GB/s link put at 2.3-5.5x too fast."""
     fields, measured = SMALL_MEASURED_S[plan]
     ratio = statistics.median(measured) / _small_estimate(fields).time.step_s
     assert 0.5 <= ratio <= 2.0, ratio
