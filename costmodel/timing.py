@@ -653,8 +653,9 @@ def _zero_fresh_pages_s(config: ParallelConfig, cluster: ClusterSpec,
     every gather twice (the all-gather output, then the copy out into the unsharded
     parameters) and builds every reduce-scatter input anew (``fully_shard``'s
     ``foreach_all_gather`` / ``foreach_reduce``). 0 without ZeRO-2/3 or data parallelism."""
-    if config.zero_stage < 2 or config.dp * config.cp == 1:
-        return 0.0
+    if (config.zero_stage < 2 or config.dp * config.cp == 1
+            or calibration.device(cluster.gpu.key).fresh_page_bytes_per_s is None):
+        return 0.0  # the planner's hot path: GPUs return here
     total = params.dense + params.expert
     gathers = zero3_gather_passes(framework, config, recompute) if config.zero_stage == 3 \
         else 1
