@@ -77,6 +77,14 @@ def stage_layer_range(model: ModelSpec, config: ParallelConfig, stage: int) -> r
     return range(start, start + layers[stage])
 
 
+def layer_rank_params(model: ModelSpec, config: ParallelConfig, *, moe: bool) -> float:
+    """Parameters of one layer on one rank: split over tp, expert weights over tp * ep."""
+    if not moe:
+        return model.dense_layer_params / config.tp
+    experts = model.num_experts * model.mlp_params(model.expert_ffn_size)
+    return (model.moe_layer_params - experts) / config.tp + experts / (config.tp * config.ep)
+
+
 def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageParams:
     """Parameters per rank of ``stage``: its layers, plus embedding (first) and head (last).
 
@@ -99,9 +107,9 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
     expert = float(moe * experts)
     largest = 0.0
     if moe:
-        largest = (model.moe_layer_params - experts) / t + experts / (t * config.ep)
+        largest = layer_rank_params(model, config, moe=True)
     if plain:
-        largest = max(largest, model.dense_layer_params / t)
+        largest = max(largest, layer_rank_params(model, config, moe=False))
     block = largest
     head = root = early = 0.0
     word = model.vocab_rows * model.hidden_size

@@ -40,7 +40,8 @@ from meshplan.costmodel.frameworks import eager_kernels
 from meshplan.costmodel.layout import axis_group, dp_cp_ranks, ep_group, rank_of, strides
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
-from meshplan.costmodel.memory import StageParams, layer_modes, stage_layer_range
+from meshplan.costmodel.memory import (StageParams, layer_modes, layer_rank_params,
+                                       stage_layer_range)
 from meshplan.costmodel.model import ModelSpec
 
 BACKWARD_FACTOR = 2.0
@@ -186,14 +187,6 @@ def fresh_pages_s(cluster: ClusterSpec, calibration: Calibration, nbytes: float)
     (``DeviceCalibration.fresh_page_bytes_per_s``; 0 on devices without it)."""
     rate = calibration.device(cluster.gpu.key).fresh_page_bytes_per_s
     return nbytes / rate if rate else 0.0
-
-
-def layer_rank_params(model: ModelSpec, config: ParallelConfig, *, moe: bool) -> float:
-    """Parameters of one layer on one rank: split over tp, expert weights over tp * ep."""
-    if not moe:
-        return model.dense_layer_params / config.tp
-    experts = model.num_experts * model.mlp_params(model.expert_ffn_size)
-    return (model.moe_layer_params - experts) / config.tp + experts / (config.tp * config.ep)
 
 
 def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
