@@ -11,12 +11,12 @@ from meshplan.costmodel.config import FRAMEWORKS, ParallelConfig
 from meshplan.costmodel.layout import check_fits_model
 from meshplan.costmodel.frameworks import min_micro_batches
 from meshplan.costmodel.hardware import ClusterSpec
-from meshplan.costmodel.memory import (StageMemory, host_bytes_per_node, stage_layer_range, stage_memory,
-                              stage_params)
+from meshplan.costmodel.memory import (StageMemory, StageParams, host_bytes_per_node,
+                                       stage_layer_range, stage_memory, stage_params)
 from meshplan.costmodel.model import ModelSpec
-from meshplan.costmodel.timing import (BACKWARD_FACTOR, StageTime, calibrated_links, dp_step_s,
-                                       optimizer_step_s, stage_link_signature, stage_links,
-                                       stage_microbatch_time)
+from meshplan.costmodel.timing import (BACKWARD_FACTOR, Links, StageTime, calibrated_links,
+                                       dp_step_s, optimizer_step_s, stage_link_signature,
+                                       stage_links, stage_microbatch_time)
 
 SCHEMA_VERSION = schema.ESTIMATE
 
@@ -173,15 +173,31 @@ def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, 
     links = stage_links(cluster, config, stage)
     micro = stage_microbatch_time(model, cluster, config, calibration, stage, params=params,
                                   links=links, framework=framework)
-    last_bwd = micro.compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
+    return StageTerms(micro, *stage_once(model, cluster, config, stage, framework=framework,
+                                         calibration=calibration, compute_s=micro.compute_s,
+                                         params=params, links=links))
+
+
+def stage_once(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,
+               framework: str, calibration: Calibration, compute_s: float,
+               params: StageParams | None = None, links: Links | None = None
+               ) -> tuple[float, float, float, float]:
+    """``stage_terms``' once-per-step terms (dp traffic, the part of it the last backward can
+    hide, optimizer, offload step) given the stage's compute per micro-batch, which does not
+    depend on the ZeRO stage or offload: the planner prices every (ZeRO, offload) choice of a
+    configuration from one evaluation of its compute."""
+    if params is None:
+        params = stage_params(model, config, stage)
+    if links is None:
+        links = stage_links(cluster, config, stage)
+    last_bwd = compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
     comm, hidden = dp_step_s(config, calibration, params=params,
                              link=calibrated_links(links, calibration, cluster.gpu.key).dp,
                              last_backward_s=last_bwd, framework=framework,
                              gpu_key=cluster.gpu.key)
     opt, off = optimizer_step_s(config, cluster, calibration, params=params,
                                 framework=framework)
-    return StageTerms(micro=micro, dp_comm_s=comm, dp_hidden_s=hidden, optimizer_s=opt,
-                      offload_s=off)
+    return comm, hidden, opt, off
 
 
 def compose_step(terms: list[StageTerms], *, micro_batches: int, vpp: int) -> TimeEstimate:

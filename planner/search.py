@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
 from meshplan.costmodel import composition
-from meshplan.costmodel.estimate import Estimate, stage_terms
+from meshplan.costmodel.estimate import Estimate, stage_once, stage_terms
 from meshplan.costmodel.frameworks import min_micro_batches
 from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
@@ -699,11 +699,13 @@ class _Family:
     top: float
     total: float
     micro_batches: int
+    once: float = 0.0
 
     def value(self, v: int) -> float:
         """The step of any member with ``v`` virtual chunks (``composition.scaled_step``)."""
         return composition.scaled_step(micro_batches=self.micro_batches, vpp=v,
-                                       top_micro=self.top, sum_micro=self.total, once=0) / v
+                                       top_micro=self.top, sum_micro=self.total,
+                                       once=self.once) / v
 
 
 class _Refiner:
@@ -721,21 +723,30 @@ class _Refiner:
        does not fall with it;
     4. memory does not grow with the ZeRO stage or offload (the leanest member of a family
        holds the most layers);
-    5. a middle stage needs no less memory than a later one (``bounds``).
+    5. a middle stage needs no less memory than a later one (``bounds``);
+    6. compute per micro-batch depends on neither v nor ZeRO and offload, and the
+       once-per-step terms (data-parallel traffic, optimizer, offload step) grow with a
+       stage's layer count and fall only with its compute (``once_bounds``).
 
-    Levels, each bounding every candidate below it. A node first carries a cheap bound (its
-    parent's, or one read off its parent's numbers) and is evaluated only when the search
-    reaches it; it then comes back with its own bound (``refine``):
+    Levels, each bounding every candidate below it. Down to ``layout_fit`` the bounds leave
+    the once-per-step terms out (they are at least 0); the ``kind`` level adds its own lower
+    bound of them (``once_bounds``), so every bound below it counts them. A node first
+    carries a cheap bound (its parent's, or one read off its parent's numbers) and is
+    evaluated only when the search reaches it; it then comes back with its own bound
+    (``refine``):
 
     ``degrees`` (tp, cp, pp, dp, ep)
-        at the root ``m * S / p`` with the per-sample linear work at the largest micro-batch
-        (3); reached, ``fitting``: per (sp, rank layout), ``B / dp`` times the per-sample
-        slowest stage of ``bounds.capacity_bound`` (largest micro-batch's work, smallest
-        micro-batch's leanest capacities: 3, 4); degree tuples no member of which fits drop.
+        at the root ``pipeline_floor`` of the per-sample linear work at the largest
+        micro-batch (3): ``B / dp`` slowest stages plus the bubble's share at the smallest
+        micro-batch and the most virtual chunks; reached, ``fitting``: per (sp, rank
+        layout), the same with the per-sample slowest stage and sum of
+        ``bounds.capacity_bound`` (largest micro-batch's work, smallest micro-batch's leanest
+        capacities: 3, 4); degree tuples no member of which fits drop.
     ``layout`` (+ micro-batch, sp, rank layout)
         the layout's linear work over every v (2), then its leanest member's capacities
         (``family``: 1, 4); ``layout_fit`` bounds each v from the v = 1 terms (2).
     ``kind`` (+ ZeRO stage, offload)
+        created with its parent's bound plus its once-per-step bound (``once_bounds``);
         dropped if its v = 1 member cannot hold its heaviest stage (``heavy_infeasible``;
         2, 5); else that member's every term (``bound``: exposed ZeRO and offload traffic
         too) over every v (2), then its own capacities (``kind_fit``).
@@ -865,14 +876,40 @@ class _Refiner:
                      micro_batches=config.grad_accum_steps, vpp=config.vpp)
 
     def degrees_bound(self, degrees, layouts) -> float:
+        """``pipeline_floor`` with the per-sample work of the largest micro-batch's ZeRO-0
+        members (slowest stage at least the mean: property 3)."""
         largest = layouts[0][0]
+        smallest = min(b for b, _, _ in layouts)
+        v_max = self.v_max(degrees, {b for b, _, _ in layouts})
         values = []
         for b, sp, order in layouts:
             if b != largest:
                 break
             piece = self.linear_bound(self.config(degrees, b, sp, order, 1, 0, "none", "cpu"))
-            values.append(piece.micro_batches * piece.per_micro_s / piece.stages)
+            per_sample = piece.per_micro_s / b
+            values.append(self.pipeline_floor(degrees, per_sample / piece.stages, per_sample,
+                                              smallest, v_max))
         return min(values)
+
+    def v_max(self, degrees, sizes) -> int:
+        """The most virtual chunks any member with a micro-batch in ``sizes`` has."""
+        return max((max(vs) for vs in (self.vpps(degrees, b) for b in sizes) if vs), default=1)
+
+    def pipeline_floor(self, degrees, top: float, total: float, smallest: int,
+                       v_max: int) -> float:
+        """A step no member of a degree tuple beats, from per-sample lower bounds of its
+        slowest stage's (``top``) and summed (``total``) work per micro-batch, for every
+        micro-batch b >= ``smallest`` and every v <= ``v_max``.
+
+        With T >= b top and S >= b total (S >= T >= S / p), ``step = (m - 1/v) T + S / v``
+        grows with T and S, so with total' = max(total, top), top' = max(top, total' / p):
+        ``step >= (m - 1/v) b top' + b total' / v = (B / dp) top' + b (total' - top') / v``,
+        least at the smallest b and the largest v (the bubble's share)."""
+        tp, cp, pp, dp, ep = degrees
+        total = max(total, top)
+        top = max(top, total / pp)
+        return (self.space.global_batch_size / dp * top
+                + smallest * (total - top) / v_max)
 
     # ----- refinement -----------------------------------------------------------------------
 
@@ -920,12 +957,15 @@ class _Refiner:
         if kind == "layout_fit":
             (degrees, b, sp, order, vpps), family = node.data
             tp, cp, pp, dp, ep = degrees
-            out = []
-            for zero in zero_choices(self.space, dp * cp, core=self.core):
-                for offload, device in offload_choices(self.space, zero, self.model,
-                                                       self.cluster):
-                    out.append(self.node(node.bound, "kind", (degrees, b, sp, order, vpps,
-                                                              (zero, offload, device), family)))
+            choices = [(zero, offload, device)
+                       for zero in zero_choices(self.space, dp * cp, core=self.core)
+                       for offload, device in offload_choices(self.space, zero, self.model,
+                                                              self.cluster)]
+            onces = self.once_bounds(degrees, b, sp, order, choices)
+            out = [self.node(node.bound + onces[choice], "kind",
+                             (degrees, b, sp, order, vpps, choice,
+                              dataclasses.replace(family, once=onces[choice])))
+                   for choice in choices]
             return out, 0
         if kind == "kind":
             return self.kind_node(node)
@@ -969,7 +1009,8 @@ class _Refiner:
             return [self.node(node.bound, "kind_caps", (*node.data[:6], family))], 0
         if self.heavy_infeasible(member):
             return [], 1
-        terms = self.member_terms(member, family.top, family.total)
+        terms = dataclasses.replace(self.member_terms(member, family.top, family.total),
+                                    once=family.once)
         value = min(terms.value(v) for v in vpps)
         return [self.node(max(value, node.bound), "kind_fit", (*node.data[:6], terms,
                                                                member))], 0
@@ -983,7 +1024,9 @@ class _Refiner:
         split = self.capacity_split(member, member)
         if split is None:
             return [], 1
-        terms = self.member_terms(member, max(split[0], terms.top), max(split[1], terms.total))
+        terms = dataclasses.replace(
+            self.member_terms(member, max(split[0], terms.top), max(split[1], terms.total)),
+            once=terms.once)
         value = min(terms.value(v) for v in vpps)
         return [self.node(max(value, node.bound), "kind_caps", (*node.data[:6], terms))], 0
 
@@ -992,6 +1035,49 @@ class _Refiner:
         total = max(total, piece.per_micro_s)
         return _Family(top=max(top, total / piece.stages), total=total,
                        micro_batches=piece.micro_batches)
+
+    def once_bounds(self, degrees, b, sp, order, choices) -> dict[tuple, float]:
+        """Per (ZeRO, offload, device) choice of a layout, a lower bound of the once-per-step
+        terms (``composition.once_per_step``) of its every member (any v, split and
+        recompute): the bounds above this level leave them out, so adding this keeps them
+        lower bounds.
+
+        Some stage holds at least ceil(L/p) layers, and each term grows with the count, so
+        the smallest value over the kinds of stage at that count bounds the largest below.
+        The terms depend on the compute only through the part of the data-parallel traffic
+        the last backward hides, which grows with the compute; the most compute any allowed
+        recompute mode gives (at v = 1 and ZeRO-0, as compute depends on neither:
+        ``estimate.stage_once``) makes the bound hold for every mode."""
+        base = self.config(degrees, b, sp, order, 1, 0, "none", "cpu")
+        if base is None:
+            return {choice: 0.0 for choice in choices}
+        model, cluster = self.model, self.cluster
+        heavy = -(-model.num_layers // base.pp)
+        classes = list(_stage_kinds(cluster, base, self.cache))
+        compute = {}
+        for stage in classes:
+            key = ("once compute", base, stage, heavy)
+            if key not in self.cache:
+                self.cache[key] = max(
+                    stage_micro_terms(model, cluster, base, stage, heavy, mode,
+                                      framework=self.framework, calibration=self.calibration,
+                                      cache=self.cache).compute_s
+                    for mode in self.space.recompute_modes)
+            compute[stage] = self.cache[key]
+        out = {}
+        for choice in choices:
+            member = self.config(degrees, b, sp, order, 1, *choice)
+            if member is None:
+                out[choice] = 0.0
+                continue
+            terms = [stage_once(model, cluster, stage_config(member, model, stage, heavy,
+                                                              "none"), stage,
+                                framework=self.framework, calibration=self.calibration,
+                                compute_s=compute[stage]) for stage in classes]
+            out[choice] = composition.once_per_step(
+                dp_exposed=min(composition.exposed(t[0], t[1]) for t in terms),
+                optimizer=min(t[2] for t in terms), offload_step=min(t[3] for t in terms))
+        return out
 
     def heavy_infeasible(self, config: ParallelConfig) -> bool:
         """True when no stage can hold ceil(L/p) layers (some stage must) under the most
@@ -1098,7 +1184,6 @@ class _Refiner:
         offload, so the per-sample work at the layout's largest b with the capacities of its
         leanest member at its smallest b bounds ``T_b / b`` below: the step is at least
         ``B / dp`` times that."""
-        tp, cp, pp, dp, ep = degrees
         sizes: dict[tuple, list[int]] = {}
         for b, sp, order in layouts:
             sizes.setdefault((sp, order), []).append(b)
@@ -1110,7 +1195,9 @@ class _Refiner:
                 continue
             split = self.capacity_split(lean, timing, time_scale=1.0 / max(bs))
             if split is not None:
-                out[sp, order] = self.space.global_batch_size / dp * split[0]
+                v_max = self.v_max(degrees, bs)
+                out[sp, order] = self.pipeline_floor(degrees, split[0], split[1], min(bs),
+                                                     v_max)
         return out
 
     def vpps(self, degrees, b) -> list[int]:

@@ -170,7 +170,8 @@ def test_the_invariants_the_search_bounds_rest_on(case):
     work does not depend on ZeRO or offload; (2) a stage's linear work and time per
     micro-batch do not fall with v, nor does its memory; (3) per sample, linear work does not
     grow with the micro-batch and memory does not fall with it; (4) memory does not grow with
-    the ZeRO stage or offload."""
+    the ZeRO stage or offload; (5) compute per micro-batch depends on neither v nor the ZeRO
+    stage and offload."""
     from meshplan.costmodel.estimate import stage_terms
 
     name, cluster_name, nodes, kwargs, framework = case
@@ -191,6 +192,8 @@ def test_the_invariants_the_search_bounds_rest_on(case):
             assert t2.linear_s >= t1.linear_s and t2.total_s >= t1.total_s and m2 >= m1
             plain, _ = terms(n, mode, zero_stage=0, offload="none")
             assert plain.linear_s <= t1.linear_s * (1 + 1e-12)
+            # (5) compute depends on neither v nor ZeRO / offload (``_Refiner.once_bounds``)
+            assert t2.compute_s == t1.compute_s == plain.compute_s
             lean = terms(n, mode)[1]
             assert terms(n, mode, zero_stage=1, offload="none")[1] >= lean
             (a, ma), (b, mb) = terms(n, mode, micro_batch_size=1), terms(n, mode,
@@ -234,3 +237,60 @@ def test_per_micro_sum_equals_the_full_bounds(case):
         checked += 1
     assert checked >= 30
 
+
+
+ONCE_CASES = [  # model, cluster, nodes, framework, global batch, sequence length
+    ("llama3-70b", "dgx-h100", 5, "megatron", 480, 8192),
+    ("llama3-8b", "dgx-h100", 2, "deepspeed", 64, 4096),
+    ("mixtral-8x7b", "dgx-h100", 4, "torchtitan", 128, 4096),
+    ("gpt3-13b", "dgx-a100-80gb", 2, "meshplan", 64, 2048),
+]
+
+
+@pytest.mark.parametrize("case", ONCE_CASES, ids=[c[0] + "-" + c[3] for c in ONCE_CASES])
+def test_once_per_step_bound_is_below_every_member(case):
+    """``_Refiner.once_bounds`` (what the search adds to its ZeRO / offload nodes) is at most
+    the once-per-step terms of every member of the space it bounds: any vpp, any split, any
+    recompute mode per stage. The members' terms are the cost model's own
+    (``estimate.stage_terms`` of every stage, composed as ``compose_step`` does)."""
+    from meshplan.costmodel import composition
+    from meshplan.costmodel.config import even_split
+    from meshplan.costmodel.estimate import stage_terms
+    from meshplan.planner.space import candidates
+
+    name, cluster_name, nodes, framework, batch, seq = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    space = search_module.framework_space(SearchSpace(global_batch_size=batch, seq_len=seq),
+                                          framework)
+    refiner = search_module._Refiner(model, cluster, space, framework=framework,
+                                     calibration=CAL)
+    rng = random.Random(5)
+    configs = [c for c in candidates(model, cluster, space) if c.dp * c.cp > 1]
+    checked = tight = 0
+    for config in rng.sample(configs, min(40, len(configs))):
+        degrees = (config.tp, config.cp, config.pp, config.dp, config.ep)
+        choice = (config.zero_stage, config.offload, config.offload_device)
+        want = refiner.once_bounds(degrees, config.micro_batch_size, config.sp,
+                                   config.mesh_order, [choice])[choice]
+        p, total = config.pp, model.num_layers
+        lo = max(1, config.vpp)
+        for _ in range(3):
+            counts = list(even_split(total, p))
+            for _ in range(rng.randint(0, 4) if p > 1 else 0):  # move layers between stages
+                a, b = rng.randrange(p), rng.randrange(p)
+                if counts[a] > lo:
+                    counts[a] -= 1
+                    counts[b] += 1
+            modes = tuple(rng.choice(space.recompute_modes) for _ in range(p))
+            staged = config.with_split(tuple(counts), modes)
+            terms = [stage_terms(model, cluster, staged, s, framework=framework,
+                                 calibration=CAL) for s in range(p)]
+            once = composition.once_per_step(
+                dp_exposed=max(t.dp_exposed_s for t in terms),
+                optimizer=max(t.optimizer_s for t in terms),
+                offload_step=max(t.offload_s for t in terms))
+            assert want <= once * (1 + 1e-9) + 1e-12, (config, counts, modes, want, once)
+            checked += 1
+            tight += want > 0.5 * once
+    assert checked >= 60
+    assert tight >= checked // 4  # the bound is not vacuous
