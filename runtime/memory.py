@@ -95,6 +95,9 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):  # most ops: skip flattening a one-tensor result
+            self.track(out)
+            return out
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor):
                 self.track(item)
