@@ -108,7 +108,7 @@ def _committed(folder: Path) -> list[str]:
 # ----- multi-process ---------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)  # the module's first test: it also makes the reference and saved runs
 def test_resume_under_the_same_plan_is_bit_for_bit(runs, tmp_path):
     folder = runs.saved(tmp_path / "ckpt")
     report = runs.run(runs.plan("save", SAVE_PLAN), "--steps", str(STEPS),
