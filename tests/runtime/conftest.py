@@ -84,6 +84,13 @@ def run_meshplan(*argv: str, timeout_s: float = LAUNCH_TIMEOUT_S,
                           text=True, timeout=timeout_s, env={**worker_env(), **(env or {})})
 
 
+def run_benchmark(name: str, *argv: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """``python benchmarks/NAME ARGV`` from the repository root, as a user runs the script."""
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, str(root / "benchmarks" / name), *argv], cwd=root,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
 @pytest.fixture(scope="session")
 def meshplan_env() -> dict[str, str]:
     """The environment ``meshplan`` runs in (``worker_env``), for tests that start it."""

@@ -1,76 +1,94 @@
-"""The GPU scripts where no GPU is lent: each refuses in one line without CUDA, and each
-``--dry-run`` runs its whole path on the CPU.
-
-``benchmarks/gpu_profile_validate.py``: the same four steps (profile, plan, validate --refit,
-validate --calibration). ``benchmarks/gpu_runtime.py``: every plan through ``meshplan run`` and
-the results files."""
+"""The GPU scripts where no GPU is lent: each refuses in one line without CUDA, and
+``benchmarks/gpu_runtime.py --dry-run`` runs its whole path on the CPU: plans through
+``meshplan run`` and the results files (``SCRIPT_PLANS``), and every plan of the script on one
+CPU process. ``gpu_profile_validate.py``'s dry run is in
+``test_gpu_profile_validate.py`` (a file of its own, so the two long dry runs can go to two
+pytest-xdist workers)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from meshplan.planner.plan import write_plan
+from tests.runtime.conftest import run_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script(name: str, *argv: str, timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["gpu_profile_validate.py", "gpu_runtime.py"])
 def test_without_cuda_it_stops_with_one_line(tmp_path, name):
-    done = _script(name, "--out", str(tmp_path), timeout_s=50)
+    done = run_benchmark(name, "--out", str(tmp_path), timeout_s=50)
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "no CUDA device" in done.stderr
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(170)
-def test_profile_validate_dry_run_runs_every_step_on_the_cpu(tmp_path):
-    done = _script("gpu_profile_validate.py", "--dry-run", "--steps", "2", "--out",
-                   str(tmp_path), timeout_s=160)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (result_file,) = tmp_path.glob("gpu-profile-validate-dryrun-cpu-*.json")
-    result = json.loads(result_file.read_text())
-    assert result_file.with_suffix(".md").exists()
-    assert result["device"] == "cpu" and result["model"] == "tiny"
-    assert result["profile_fit"]["matmul_flop_per_s"] > 0
-    assert result["plans"]["A"] != result["plans"]["B"]
-    refit, check = result["validate"]
-    assert refit["refit_factor"] > 0 and check["refit_factor"] is None
-    assert check["calibration"] == "refit.json"
-    assert all(c["measured_step_s"] > 0 and c["predicted_step_s"] > 0 for c in (refit, check))
-    assert result["total_s"] > 0  # wall-clock: its budget is the GPU run's, not asserted here
-
-
 @pytest.mark.timeout(60)
 def test_runtime_unknown_plan_is_one_line(tmp_path):
-    done = _script("gpu_runtime.py", "--dry-run", "--plans", "none,zero9", "--out",
-                   str(tmp_path), timeout_s=50)
+    done = run_benchmark("gpu_runtime.py", "--dry-run", "--plans", "none,zero9", "--out",
+                         str(tmp_path), timeout_s=50)
     assert done.returncode == 2 and "unknown plan 'zero9'" in done.stderr
     assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
 
 
+LONG_TESTS = "MESHPLAN_LONG_TESTS"
+ALL_PLANS = ["none", "zero1", "selective", "full", "offload-optimizer", "zero3-offload-params"]
+SCRIPT_PLANS = ALL_PLANS if os.environ.get(LONG_TESTS) else ["none", "zero3-offload-params"]
+"""The plans the script's dry run takes through ``meshplan run``, one launch each (about 30 s
+on a busy 2-core machine): two by default, the first and the last (ZeRO-3 with parameters
+offloaded), which take the script's whole path; all six with ``MESHPLAN_LONG_TESTS=1``. Every
+plan still runs by default, in ``test_every_runtime_plan_runs_on_one_cpu_process``."""
+
+
+def _runtime_script():
+    """``benchmarks/gpu_runtime.py`` as a module (its ``PLANS`` and ``make_plan``)."""
+    spec = importlib.util.spec_from_file_location("gpu_runtime", ROOT / "benchmarks" /
+                                                  "gpu_runtime.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_runtime_dry_run_runs_every_plan_on_the_cpu(tmp_path):
-    done = _script("gpu_runtime.py", "--dry-run", "--steps", "2", "--out", str(tmp_path),
-                   timeout_s=380)
+def test_runtime_dry_run_runs_the_plans_on_the_cpu(tmp_path):
+    done = run_benchmark("gpu_runtime.py", "--dry-run", "--steps", "2", "--plans",
+                         ",".join(SCRIPT_PLANS), "--out", str(tmp_path), timeout_s=380)
     assert done.returncode == 0, done.stderr[-3000:]
     (result_file,) = tmp_path.glob("gpu-dryrun-cpu-*.json")
     assert result_file.with_suffix(".md").exists()
     rows = json.loads(result_file.read_text())
-    assert [r["plan"] for r in rows] == ["none", "zero1", "selective", "full",
-                                        "offload-optimizer", "zero3-offload-params"]
+    assert [r["plan"] for r in rows] == SCRIPT_PLANS
     for row in rows:
         assert row["measured_peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0, row
         assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0, row
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_every_runtime_plan_runs_on_one_cpu_process(tmp_path, torchrun):
+    """Each of the script's dry-run plans (its ``make_plan``), all in one one-process launch
+    (``runtime.worker`` runs them one after another): the report values the script reads."""
+    script = _runtime_script()
+    assert list(script.PLANS) == ALL_PLANS
+    plans = []
+    for name, fields in script.PLANS.items():
+        plans.append(tmp_path / f"{name}.json")
+        write_plan(script.make_plan("cpu", fields, dry_run=True), plans[-1])
+    reports = [path.with_suffix(".report.json") for path in plans]
+    done = torchrun(plans, reports, nproc=1, steps=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, path in zip(script.PLANS, reports):
+        report = json.loads(path.read_text())
+        rank = report["per_rank"][0]
+        assert report["world_size"] == 1, name
+        assert rank["peak_bytes"] > 0 and rank["predicted_peak_bytes"] > 0, name
+        assert report["step_s_median"] > 0 and report["predicted"]["step_s"] > 0, name
