@@ -180,6 +180,9 @@ def capacity_bound(model: ModelSpec, cluster: ClusterSpec, *, memory_config: Par
     tables' exact rule). ``time_scale`` multiplies the times (``1 / b``: per sample).
     """
     p = memory_config.pp
+    if len(modes) > 1 and "none" in modes and fastest_mode_fits(
+            model, memory_config, most_layers, lo, hi):
+        modes = ("none",)
     classes = stage_classes(cluster, time_config, cache)
     forms: dict[tuple[int, str], tuple[tuple[float, float], ...]] = {}
     for stage in set(classes):
@@ -199,6 +202,16 @@ def capacity_bound(model: ModelSpec, cluster: ClusterSpec, *, memory_config: Par
         rows.append((lo, [(forms[classes[stage], mode], caps[mode][stage]) for mode in modes
                           if caps[mode][stage] >= lo]))
     return split_bound(rows, model.num_layers)
+
+
+def fastest_mode_fits(model: ModelSpec, memory_config: ParallelConfig, most_layers: Callable,
+                      lo: int, hi: int) -> bool:
+    """True when every sampled stage holds ``hi`` layers without recomputation: then no
+    stage needs another mode, and ``capacity_bound`` over mode ``none`` alone is its value
+    over every mode (recomputation only adds time: each mode's two-point form lies on or
+    above ``none``'s from ``lo`` on), at a third of the evaluations."""
+    return all(most_layers(memory_config, stage, "none", lo, hi) >= hi
+               for stage in sampled_stages(model, memory_config.pp))
 
 
 def micro_pieces(linear, zero_comm, zero_hidden, offload_raw, offload_hidden) -> tuple:

@@ -294,3 +294,46 @@ def test_once_per_step_bound_is_below_every_member(case):
             tight += want > 0.5 * once
     assert checked >= 60
     assert tight >= checked // 4  # the bound is not vacuous
+
+
+SHORTCUT_CASES = [  # model, cluster, nodes, framework, global batch, sequence length
+    ("mixtral-8x7b", "dgx-h100", 16, "megatron", 1024, 4096),
+    ("llama3-8b", "dgx-h100", 8, "torchtitan", 256, 4096),
+]
+
+
+@pytest.mark.parametrize("case", SHORTCUT_CASES, ids=[c[0] + "-" + c[3] for c in SHORTCUT_CASES])
+def test_capacity_bound_over_none_alone_when_it_fits_everywhere(case, monkeypatch):
+    """Where every sampled stage holds the most layers without recomputation,
+    ``capacity_bound`` reads mode ``none`` alone (``bounds.fastest_mode_fits``): its value is
+    the one over every mode, on every kind of candidate of a space, and the shortcut is
+    taken on some of them."""
+    from meshplan.planner import bounds
+    from meshplan.planner.space import candidates
+
+    name, cluster_name, nodes, framework, batch, seq = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    space = SearchSpace(global_batch_size=batch, seq_len=seq)
+    configs = [c for c in candidates(model, cluster, space, core=True) if c.pp > 1]
+    rng = random.Random(3)
+    sample = rng.sample(configs, min(60, len(configs)))
+
+    def splits():
+        refiner = search_module._Refiner(model, cluster, space, framework=framework,
+                                         calibration=CAL)
+        return [refiner.capacity_split(c, c) for c in sample]
+
+    taken = []
+    real = bounds.fastest_mode_fits
+
+    def spy(*args):
+        taken.append(real(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(bounds, "fastest_mode_fits", spy)
+    fast = splits()
+    monkeypatch.setattr(bounds, "fastest_mode_fits", lambda *args: False)
+    for got, want in zip(fast, splits()):  # the same forms, summed in another order
+        assert (got is None) == (want is None)
+        assert got is None or got == pytest.approx(want, rel=1e-12)
+    assert any(taken)
