@@ -166,8 +166,8 @@ def stage_caps(model: ModelSpec, p: int, exact: dict[int, int]) -> list[int]:
 def capacity_bound(model: ModelSpec, cluster: ClusterSpec, *, memory_config: ParallelConfig,
                    time_config: ParallelConfig, framework: str, calibration: Calibration,
                    capacity: float, modes: tuple[str, ...], lo: int, hi: int,
-                   most_layers: Callable, cache: dict | None = None, time_scale: float = 1.0
-                   ) -> tuple[float, float] | None:
+                   most_layers: Callable, cache: dict | None = None, time_scale: float = 1.0,
+                   relaxed: bool = False) -> tuple[float, float] | None:
     """``split_bound`` of a candidate with the capacities of ``memory_config`` and the time
     per micro-batch of ``time_config`` (``micro_pieces``, seconds), or None when no split
     fits.
@@ -178,29 +178,41 @@ def capacity_bound(model: ModelSpec, cluster: ClusterSpec, *, memory_config: Par
     offload, which only add exposed traffic).
     ``most_layers(config, stage, mode, lo, hi)`` is the most layers the stage fits (the
     tables' exact rule). ``time_scale`` multiplies the times (``1 / b``: per sample).
+
+    ``relaxed``: each stage may take the fastest mode's time (``none``: recomputation only
+    adds time) with the most memory-saving mode's capacity (``full``: it holds the most
+    layers), a third of the evaluations for a bound no higher than the exact one (the search's
+    degree level, where it rarely binds).
     """
     p = memory_config.pp
-    if len(modes) > 1 and "none" in modes and fastest_mode_fits(
+    time_modes = memory_modes = modes
+    if relaxed and len(modes) > 1 and "none" in modes and "full" in modes:
+        time_modes, memory_modes = ("none",), ("full",)
+    elif len(modes) > 1 and "none" in modes and fastest_mode_fits(
             model, memory_config, most_layers, lo, hi):
-        modes = ("none",)
+        time_modes = memory_modes = ("none",)
     classes = stage_classes(cluster, time_config, cache)
     forms: dict[tuple[int, str], tuple[tuple[float, float], ...]] = {}
     for stage in set(classes):
-        for mode in modes:
+        for mode in time_modes:
             at = [_micro_terms(model, cluster, time_config, stage, n, mode, framework,
                                calibration, cache) for n in ((lo, lo + 1) if hi > lo else (lo,))]
             forms[stage, mode] = tuple((first * time_scale, (last - first) * time_scale)
                                        for first, last in zip(at[0], at[-1]))
     exact = {}
     caps = {}
-    for mode in modes:
+    for mode in memory_modes:
         for stage in sampled_stages(model, p):
             exact[stage] = most_layers(memory_config, stage, mode, lo, hi)
         caps[mode] = stage_caps(model, p, exact)
     rows = []
     for stage in range(p):
-        rows.append((lo, [(forms[classes[stage], mode], caps[mode][stage]) for mode in modes
-                          if caps[mode][stage] >= lo]))
+        if time_modes != memory_modes:  # relaxed: the fastest time, the most layers
+            pieces = [(forms[classes[stage], time_modes[0]], caps[memory_modes[0]][stage])]
+        else:
+            pieces = [(forms[classes[stage], mode], caps[mode][stage]) for mode in modes
+                      if mode in caps]
+        rows.append((lo, [(form, cap) for form, cap in pieces if cap >= lo]))
     return split_bound(rows, model.num_layers)
 
 

@@ -1141,7 +1141,8 @@ class _Refiner:
                        micro_batches=piece.micro_batches)
 
     def capacity_split(self, memory_config: ParallelConfig, time_config: ParallelConfig,
-                       time_scale: float = 1.0) -> tuple[float, float] | None:
+                       time_scale: float = 1.0, relaxed: bool = False
+                       ) -> tuple[float, float] | None:
         """``bounds.capacity_bound`` of a candidate or family (one stage: at its layer
         count, exactly)."""
         lows, highs = layer_bounds(self.model, time_config, None)
@@ -1165,7 +1166,8 @@ class _Refiner:
                               time_config=time_config, framework=self.framework,
                               calibration=self.calibration, capacity=self.capacity,
                               modes=self.space.recompute_modes, lo=lo, hi=hi,
-                              most_layers=most, cache=cache, time_scale=time_scale)
+                              most_layers=most, cache=cache, time_scale=time_scale,
+                              relaxed=relaxed)
 
     def _first_order(self, config: ParallelConfig) -> ParallelConfig:
         key = ("first order", config)
@@ -1193,7 +1195,8 @@ class _Refiner:
             lean = self.leanest(degrees, min(bs), sp, order, 1)
             if timing is None or lean is None:
                 continue
-            split = self.capacity_split(lean, timing, time_scale=1.0 / max(bs))
+            split = self.capacity_split(lean, timing, time_scale=1.0 / max(bs),
+                                        relaxed=True)
             if split is not None:
                 v_max = self.v_max(degrees, bs)
                 out[sp, order] = self.pipeline_floor(degrees, split[0], split[1], min(bs),

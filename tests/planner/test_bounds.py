@@ -150,6 +150,9 @@ def test_capacity_bound_is_below_the_tables_bound(case):
                                 micro_batches=piece.micro_batches,
                                 vpp=piece.vpp).with_split(*split)
     assert exact is not None and light <= exact * (1 + 1e-6)
+    relaxed = refiner.capacity_split(config, config, relaxed=True)  # the degree level's
+    assert relaxed is not None
+    assert relaxed[0] <= split[0] * (1 + 1e-9) and relaxed[1] <= split[1] * (1 + 1e-9)
 
 
 INVARIANT_CASES = [  # model, cluster, nodes, degrees and knobs, framework
@@ -171,7 +174,7 @@ def test_the_invariants_the_search_bounds_rest_on(case):
     micro-batch do not fall with v, nor does its memory; (3) per sample, linear work does not
     grow with the micro-batch and memory does not fall with it; (4) memory does not grow with
     the ZeRO stage or offload; (5) compute per micro-batch depends on neither v nor the ZeRO
-    stage and offload."""
+    stage and offload; (6) full recomputation needs the least memory."""
     from meshplan.costmodel.estimate import stage_terms
 
     name, cluster_name, nodes, kwargs, framework = case
@@ -196,6 +199,8 @@ def test_the_invariants_the_search_bounds_rest_on(case):
             assert t2.compute_s == t1.compute_s == plain.compute_s
             lean = terms(n, mode)[1]
             assert terms(n, mode, zero_stage=1, offload="none")[1] >= lean
+            # (6) full recomputation needs the least memory (``capacity_bound(relaxed=True)``)
+            assert terms(n, "full")[1] <= terms(n, mode)[1]
             (a, ma), (b, mb) = terms(n, mode, micro_batch_size=1), terms(n, mode,
                                                                          micro_batch_size=4)
             assert b.linear_s / 4 <= a.linear_s * (1 + 1e-12) and mb >= ma
