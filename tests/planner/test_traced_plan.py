@@ -155,18 +155,31 @@ SCENARIOS = {
 }
 
 
+_OPTIMA: dict = {}
+
+
+def scenario_optima(model, name: str) -> list:
+    """(capacity in MiB, kind, cluster, brute-force optimum) of each capacity of scenario
+    ``name``; cached: two tests of this module read the four-stage scenario's."""
+    if name not in _OPTIMA:
+        scenario = SCENARIOS[name]
+        capacities = [(None, "roomy")] + [(mib, "tight") for mib in scenario.tight_mib]
+        if scenario.none_fit_mib is not None:
+            capacities.append((scenario.none_fit_mib, "none fits"))
+        clusters = [cpu_cluster(scenario.gpus, extra_mib) for extra_mib, _ in capacities]
+        optima = brute_force_by_capacity(model, clusters, scenario.space(), scenario.framework)
+        _OPTIMA[name] = [(mib, kind, cluster, best) for (mib, kind), cluster, best
+                         in zip(capacities, clusters, optima)]
+    return _OPTIMA[name]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_search_finds_the_brute_force_optimum(hybrid, name):
     scenario = SCENARIOS[name]
     space = scenario.space()
     roomy = None
-    capacities = [(None, "roomy")] + [(mib, "tight") for mib in scenario.tight_mib]
-    if scenario.none_fit_mib is not None:
-        capacities.append((scenario.none_fit_mib, "none fits"))
-    clusters = [cpu_cluster(scenario.gpus, extra_mib) for extra_mib, _ in capacities]
-    optima = brute_force_by_capacity(hybrid, clusters, space, scenario.framework)
-    for (extra_mib, kind), cluster, expected in zip(capacities, clusters, optima):
+    for extra_mib, kind, cluster, expected in scenario_optima(hybrid, name):
         found = planned(hybrid, cluster, space, scenario.framework)
         where = f"{name} at {extra_mib} MiB ({kind})"
         if kind == "none fits":
@@ -204,9 +217,9 @@ def test_memory_moves_the_four_stage_split_off_the_even_one(hybrid):
     """Four stages with memory binding: the optimum is neither the even split (2, 3, 3, 2)
     nor reachable with it."""
     space = SCENARIOS["4gpu-pp4-meshplan"].space()
-    cluster = cpu_cluster(4, 2.4)
+    (cluster, best), = [(cluster, best) for mib, _, cluster, best
+                        in scenario_optima(hybrid, "4gpu-pp4-meshplan") if mib == 2.4]
     split = even_split(NUM_LAYERS, 4)
-    best = brute_force(hybrid, cluster, space, "meshplan")
     even = brute_force(hybrid, cluster, space, "meshplan", splits=[split])
     found = planned(hybrid, cluster, space, "meshplan")
     assert found.config.layers_per_stage != split
