@@ -1009,8 +1009,7 @@ class _Refiner:
             return [self.node(node.bound, "kind_caps", (*node.data[:6], family))], 0
         if self.heavy_infeasible(member):
             return [], 1
-        terms = dataclasses.replace(self.member_terms(member, family.top, family.total),
-                                    once=family.once)
+        terms = self.member_terms(member, family.top, family.total, family.once)
         value = min(terms.value(v) for v in vpps)
         return [self.node(max(value, node.bound), "kind_fit", (*node.data[:6], terms,
                                                                member))], 0
@@ -1024,17 +1023,17 @@ class _Refiner:
         split = self.capacity_split(member, member)
         if split is None:
             return [], 1
-        terms = dataclasses.replace(
-            self.member_terms(member, max(split[0], terms.top), max(split[1], terms.total)),
-            once=terms.once)
+        terms = self.member_terms(member, max(split[0], terms.top), max(split[1], terms.total),
+                                  terms.once)
         value = min(terms.value(v) for v in vpps)
         return [self.node(max(value, node.bound), "kind_caps", (*node.data[:6], terms))], 0
 
-    def member_terms(self, member: ParallelConfig, top: float, total: float) -> "_Family":
+    def member_terms(self, member: ParallelConfig, top: float, total: float,
+                     once: float) -> "_Family":
         piece = self.work_bound(member)
         total = max(total, piece.per_micro_s)
         return _Family(top=max(top, total / piece.stages), total=total,
-                       micro_batches=piece.micro_batches)
+                       micro_batches=piece.micro_batches, once=once)
 
     def once_bounds(self, degrees, b, sp, order, choices) -> dict[tuple, float]:
         """Per (ZeRO, offload, device) choice of a layout, a lower bound of the once-per-step
