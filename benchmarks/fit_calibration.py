@@ -58,6 +58,15 @@ EAGER_PARAMETERS = (  # fitted on the eager (FSDP trainer) fit runs only, the re
     ("gpu_prefetch_overlap", 0.5, 0.0, 1.0),
     ("gpu_prefetch_contention", 0.3, 0.0, 1.0),
 )
+ZERO3_PARAMETERS = (  # fitted on the DeepSpeed ZeRO-3 fit runs only, the rest held fixed
+    ("deepspeed_zero3_path_rank_s", 5e-6, 0.0, 5e-5),
+)
+DEEPSPEED_ZERO3_PATH_BYTES_PER_S = 25e9
+"""DeepSpeed ZeRO-3's gather path per GPU, not fitted: DeepSpeed issue #1174 (0.3.16, one
+p4d.24xlarge, 8 A100s on NVLink): a 5.1B-parameter BERT's forward took ~480 ms under ZeRO-3
+against ~60 ms under ZeRO-2, ~0.42 s for its ~10.2 GB of fp16 parameters, ~25 GB/s, a
+fraction of what NVLink carries; PR #1188 names the causes (a synchronize before every
+gather, an explicit copy after it)."""
 GPU_KEYS = ("a100-80gb", "a100-40gb", "h100-sxm", "h200", "b200", "default")
 """The GPUs of the two generations the fit covers (H200 and B200 take H100's values)."""
 
@@ -101,6 +110,21 @@ def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibrati
     return dataclasses.replace(base, devices=devices)
 
 
+def zero3_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
+    """``base`` with DeepSpeed's ZeRO-3 path: its per-rank call cost ``x[0]`` (fitted) and its
+    gather rate ``DEEPSPEED_ZERO3_PATH_BYTES_PER_S`` (cited)."""
+    return dataclasses.replace(
+        base, zero3_path_bytes_per_s=dict(base.zero3_path_bytes_per_s,
+                                          deepspeed=DEEPSPEED_ZERO3_PATH_BYTES_PER_S),
+        zero3_path_rank_s=dict(base.zero3_path_rank_s, deepspeed=float(x[0])))
+
+
+def is_deepspeed_zero3(run) -> bool:
+    """A DeepSpeed ZeRO-3 run: its own fit stage (``ZERO3_PARAMETERS``), left out of the
+    others."""
+    return run.framework == "deepspeed" and run.config.zero_stage == 3
+
+
 def table4_predictions_ms(cal: Calibration) -> dict[tuple[str, bool], tuple[float, float]]:
     model = load_model("megatron-22b")
     cluster = load_cluster("dgx-a100-80gb", nodes=1)
@@ -116,19 +140,21 @@ def table4_predictions_ms(cal: Calibration) -> dict[tuple[str, bool], tuple[floa
     return out
 
 
-def residuals(cal: Calibration, *, eager: bool = False
+def residuals(cal: Calibration, *, eager: bool = False, zero3: bool = False
               ) -> tuple[list[float], list[tuple[str, float, float]]]:
     """Log errors of every fit target, and (name, predicted, published) rows: the fit runs of
-    non-eager frameworks plus Korthikanti's Table 4 layer times, or (``eager``) the fit runs of
-    eager frameworks (``frameworks.eager_kernels``)."""
+    non-eager frameworks (DeepSpeed ZeRO-3 runs aside) plus Korthikanti's Table 4 layer times,
+    or (``eager``) the fit runs of eager frameworks (``frameworks.eager_kernels``), or
+    (``zero3``) the DeepSpeed ZeRO-3 fit runs."""
     errors, rows = [], []
     for run in reference_runs():
-        if run.set != "fit" or eager_kernels(run.framework) != eager:
+        if run.set != "fit" or is_deepspeed_zero3(run) != zero3 or (
+                not zero3 and eager_kernels(run.framework) != eager):
             continue
         predicted = predict(run, cal).time.step_s
         errors.append(math.log(predicted / run.measured_step_s))
         rows.append((run.id, predicted, run.measured_step_s))
-    if eager:
+    if eager or zero3:
         return errors, rows
     for key, (fwd, bwd) in table4_predictions_ms(cal).items():
         pub_fwd, pub_bwd = TABLE4_LAYER_MS[key]
@@ -148,21 +174,25 @@ def _current(base: Calibration, name: str) -> float:
         return value if value is not None else float("nan")
     if name == "deepspeed_compute_factor":
         return base.compute_factor("deepspeed")
+    if name == "deepspeed_zero3_path_rank_s":
+        return base.zero3_path_rank_s.get("deepspeed", float("nan"))
     return getattr(base, name)
 
 
-def fit(base: Calibration, *, eager: bool = False) -> Calibration:
+def fit(base: Calibration, *, eager: bool = False, zero3: bool = False) -> Calibration:
     """Minimise mean squared log error plus half the squared largest one over the fit targets,
     by Nelder-Mead inside each parameter's bounds: ``PARAMETERS`` on the non-eager targets, or
-    (``eager``) ``EAGER_PARAMETERS`` on the eager fit runs with everything else fixed."""
-    parameters = EAGER_PARAMETERS if eager else PARAMETERS
-    build = eager_calibration_from_vector if eager else calibration_from_vector
+    (``eager``) ``EAGER_PARAMETERS`` on the eager fit runs, or (``zero3``)
+    ``ZERO3_PARAMETERS`` on the DeepSpeed ZeRO-3 fit runs, with everything else fixed."""
+    parameters, build = ((ZERO3_PARAMETERS, zero3_calibration_from_vector) if zero3 else
+                         (EAGER_PARAMETERS, eager_calibration_from_vector) if eager else
+                         (PARAMETERS, calibration_from_vector))
     lower = np.array([p[2] for p in parameters])
     upper = np.array([p[3] for p in parameters])
 
     def objective(z: np.ndarray) -> float:
         x = lower + (upper - lower) / (1 + np.exp(-z))  # keep inside bounds
-        errors, _ = residuals(build(base, x), eager=eager)
+        errors, _ = residuals(build(base, x), eager=eager, zero3=zero3)
         return float(np.mean(np.square(errors)) + 0.5 * np.max(np.abs(errors)) ** 2)
 
     x0 = np.array([_current(base, p[0]) for p in parameters])
@@ -179,13 +209,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="update calibration.json")
-    parser.add_argument("--stage", choices=("all", "main", "eager"), default="all",
-                        help="fit the non-eager parameters, the eager ones, or both in turn")
+    parser.add_argument("--stage", choices=("all", "main", "eager", "zero3"), default="all",
+                        help="fit the non-eager parameters, the eager ones, DeepSpeed's ZeRO-3 "
+                             "path, or all three in turn")
     args = parser.parse_args()
     fitted = default_calibration()
-    for eager in {"all": (False, True), "main": (False,), "eager": (True,)}[args.stage]:
-        fitted = fit(fitted, eager=eager)
-    rows = residuals(fitted)[1] + residuals(fitted, eager=True)[1]
+    stages = {"all": ("main", "eager", "zero3"), "main": ("main",), "eager": ("eager",),
+              "zero3": ("zero3",)}[args.stage]
+    for stage in stages:
+        fitted = fit(fitted, eager=stage == "eager", zero3=stage == "zero3")
+    rows = (residuals(fitted)[1] + residuals(fitted, eager=True)[1]
+            + residuals(fitted, zero3=True)[1])
     for name, predicted, published in rows:
         print(f"{name:40s} predicted {predicted:9.3f} published {published:9.3f} "
               f"error {predicted / published - 1:+.1%}")
@@ -209,7 +243,9 @@ FIT_SOURCE = (
     "8 H100s, 30B on 16, 70B on 64, MPT-7B on 8 A100-80GB, 13B on 64 A100-40GB, MPT-1B at 16k "
     "and 32k tokens on 8 GPUs of each kind, MPT-1B and 3B on 512 H100s): each generation's "
     "eager GEMM and fused-attention efficiency, and the prefetched FSDP collectives' overlap "
-    "and contention.")
+    "and contention. Then DeepSpeed ZeRO-3's per-rank call cost on its two fit rows "
+    "(Narayanan et al. 2021 Table 2: 174.6B on 768 A100s, 529.6B on 2,240), its gather "
+    "path rate cited (DeepSpeed #1174: 25 GB/s per GPU).")
 
 
 if __name__ == "__main__":

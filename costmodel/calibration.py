@@ -209,6 +209,16 @@ class Calibration:
     ``pin_memory=False``). Absent: the cluster's ``pcie_bytes_per_s`` for pinned and
     ``PAGEABLE_FRACTION`` of it for pageable. ``meshplan profile`` on a GPU writes
     ``pinned`` (the slower of its measured host-to-device and device-to-host rates)."""
+    zero3_path_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
+    """Per framework: bytes per second one GPU's ZeRO-3 parameter gather (and gradient
+    reduce-scatter) path moves, whatever its links carry. A framework's own gather code can be
+    slower than the collective library under it: zeroing the gathered buffer, synchronising
+    before each call, copying the result out (``timing.deepspeed_zero3_traffic``). Each fetch
+    batch takes the slower of this path and the library's ring. Absent: the library alone."""
+    zero3_path_rank_s: dict[str, float] = field(default_factory=dict, hash=False)
+    """Per framework: seconds the ZeRO-3 path adds per call and per rank of the group (a
+    list-output all-gather, or list-input reduce-scatter, copies each rank's chunk out of (or
+    into) one flat buffer: one device copy per rank and call). Absent: 0."""
     source: dict[str, str] = field(default_factory=dict, hash=False)
     """What each value was fitted on."""
 
@@ -286,7 +296,8 @@ CALIBRATION_SCHEMA = schema_of(
             "communicator_bytes": NON_NEGATIVE, "link_latency_s": NON_NEGATIVE,
             "collective_call_s": NON_NEGATIVE, "host_adam_bytes_per_param": POSITIVE,
             "library_hop_latency_s": NON_NEGATIVE,
-            "host_memory_bytes_per_s": POSITIVE, "host_copy_bytes_per_s": POSITIVE},
+            "host_memory_bytes_per_s": POSITIVE, "host_copy_bytes_per_s": POSITIVE,
+            "zero3_path_bytes_per_s": POSITIVE, "zero3_path_rank_s": NON_NEGATIVE},
     rules={"devices": Rule(kind="object", items=Rule(kind="object", schema=DEVICE_SCHEMA)),
            "framework_compute_factor": Rule(kind="object", keys=FRAMEWORKS,
                                             items=Rule(kind="float")),
@@ -297,6 +308,9 @@ CALIBRATION_SCHEMA = schema_of(
                kind="object", keys=LIBRARY_HOP_KINDS, items=Rule(kind="float"))),
            "host_copy_bytes_per_s": Rule(kind="object", keys=HOST_BUFFER_KINDS,
                                          items=Rule(kind="float")),
+           "zero3_path_bytes_per_s": Rule(kind="object", keys=FRAMEWORKS,
+                                          items=Rule(kind="float")),
+           "zero3_path_rank_s": Rule(kind="object", keys=FRAMEWORKS, items=Rule(kind="float")),
            "about": Rule(kind="str")})
 """A complete calibration (the built-in one, or a user file merged over it): the Calibration
 fields and an optional ``about`` note."""

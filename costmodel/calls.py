@@ -7,7 +7,8 @@ calls cannot hide behind compute, so ``timing.py`` adds it to the stage's time o
 call; on NCCL the value is 0, on gloo over loopback it is what a refit finds (``meshplan
 validate --refit``). The counts follow what each framework really issues: TP/SP collectives per
 layer, pipeline sends, ZeRO-2/3 gathers and reduce-scatters (DeepSpeed: one all-gather per
-parameter tensor in every forward, recompute and backward pass; FSDP2: one per wrapped block),
+partitioned parameter tensor in every forward, recompute and backward pass and one
+reduce-scatter per gradient; FSDP2: one per wrapped block),
 and the gradient buckets of ZeRO 0/1 (DDP ``bucket_cap_mb``, Megatron's distributed optimizer
 buckets, DeepSpeed's ``reduce_bucket_size``).
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from meshplan.costmodel import collectives as coll
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.frameworks import DS_PERSISTENCE_THRESHOLD
 from meshplan.costmodel.memory import stage_layer_range
 from meshplan.costmodel.model import ModelSpec
 
@@ -33,9 +35,6 @@ MEGATRON_MIN_BUCKET_PARAMS = 40_000_000
 MEGATRON_BUCKET_PARAMS_PER_RANK = 1_000_000
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 """DeepSpeed's ``reduce_bucket_size`` and ``allgather_bucket_size`` defaults (elements)."""
-DEEPSPEED_PREFETCH_BUCKET_ELEMENTS = 50_000_000
-"""DeepSpeed's ``stage3_prefetch_bucket_size`` default: parameter elements ZeRO-3 fetches
-ahead of their use."""
 LOSS_REDUCTION_CALLS = 1
 """All-reduces of the logged loss over all ranks, once per step (runtime/train.py)."""
 
@@ -100,14 +99,28 @@ def tp_calls_per_layer(model: ModelSpec, config: ParallelConfig, framework: str,
     return 2 * repeat + (3 + mats - 1 if meshplan else 2), 0, 0
 
 
-def layer_param_tensors(model: ModelSpec) -> int:
-    """Parameter tensors of one transformer layer: two norms (weight, and bias for LayerNorm),
-    the fused QKV and output projections and the MLP matrices (weights, and biases when the
-    model has them), as Megatron-style GPT layers (DeepSpeed's ZeRO-3 runs) hold them."""
-    norm = 2 if model.norm == "layernorm" else 1
-    mats = 3 if model.activation == "swiglu" else 2
-    linears = 2 + mats
-    return 2 * norm + linears * (2 if model.linear_bias else 1)
+def zero3_fetch_batches(model: ModelSpec, config: ParallelConfig
+                        ) -> tuple[tuple[float, int], ...]:
+    """DeepSpeed ZeRO-3's fetch batches of one transformer layer, in forward order, as
+    (parameters per TP shard, gathered tensors): one per linear module (fused QKV, attention
+    output, the MLP matrices: Megatron-style GPT layers and HF Llama layers alike hold each in
+    its own module), with its bias where that has at least ``DS_PERSISTENCE_THRESHOLD``
+    elements. Tensors below the threshold (norms, and the biases of every catalog model) are
+    never partitioned (``stage3_param_persistence_threshold``, DeepSpeed 0.3.13 and later), so
+    they are never gathered. A module's parameters are fetched together when it runs
+    (``PartitionedParameterCoordinator.fetch_sub_module``)."""
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    f = model.ffn_hidden_size
+    up = [f] * (2 if model.activation == "swiglu" else 1)
+    biases = [q + 2 * kv, h, *up, h] if model.linear_bias else [
+        q + 2 * kv if model.qkv_bias else 0, 0, *[0] * len(up), 0]
+    weights = [h * (q + 2 * kv), q * h, *[h * width for width in up], f * h]
+    batches = []
+    for weight, bias in zip(weights, biases):
+        gathered_bias = bias >= DS_PERSISTENCE_THRESHOLD
+        batches.append(((weight + (bias if gathered_bias else 0)) / config.tp,
+                        1 + int(gathered_bias)))
+    return tuple(batches)
 
 
 def zero3_gather_passes(framework: str, config: ParallelConfig, recompute: str) -> int:
@@ -139,10 +152,11 @@ def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, st
     torchtitan, and Megatron-FSDP): one group per block plus a root group holding the
     embedding / head; every group all-gathers its parameters ``zero3_gather_passes`` times
     (ZeRO-2: once) and reduce-scatters its gradients once. DeepSpeed ZeRO-3 all-gathers each
-    parameter tensor on its own (``partition_parameters.Init._all_gather`` launches one
-    ``_allgather_param`` per parameter when it prefetches), ``layer_param_tensors`` per layer
-    and two per end stage (embedding, final norm) in each pass; it reduce-scatters gradients
-    in ``DEEPSPEED_BUCKET_ELEMENTS`` buckets. Not counted: ZeRO-1's per-parameter broadcasts
+    partitioned parameter tensor on its own (``partition_parameters.Init._all_gather`` launches
+    one ``_allgather_param`` per parameter), the tensors of ``zero3_fetch_batches`` per layer
+    (one per traced layer) and the embedding or head on an end stage, in each pass, and
+    reduce-scatters each one's gradient on its own (``_reduce_scatter_gradients``: one
+    ``reduce_scatter`` per parameter, DeepSpeed 0.3.13). Not counted: ZeRO-1's per-parameter broadcasts
     (``ZeroRedundancyOptimizer``, once per step) and ``replicate``'s gradient all-reduces
     under TP; they need the parameter tensor count.
     """
@@ -162,27 +176,14 @@ def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, st
         passes = zero3_gather_passes(framework, config, recompute) \
             if config.zero_stage == 3 else 1
         if framework == "deepspeed" and config.zero_stage == 3:
-            tensors = layers * layer_param_tensors(model) + 2 * edges
-            stage_elements = sum(model.layer_params(i) for i in layer_range) / config.tp
-            calls.update(zero_all_gather=tensors * passes,
-                         zero_reduce_scatter=max(1, math.ceil(stage_elements
-                                                              / DEEPSPEED_BUCKET_ELEMENTS)))
+            per_layer = 1 if model.is_traced else sum(
+                tensors for _, tensors in zero3_fetch_batches(model, config))
+            tensors = layers * per_layer + edges
+            calls.update(zero_all_gather=tensors * passes, zero_reduce_scatter=tensors)
         else:
             groups = layers + (1 if edges else 0)
             calls.update(zero_all_gather=groups * passes, zero_reduce_scatter=groups)
     return CollectiveCalls(**calls)
-
-
-def zero3_prefetch_fraction(model: ModelSpec, config: ParallelConfig, framework: str) -> float:
-    """Share of the ZeRO-3 gather traffic that can be fetched ahead of use and so hide
-    behind compute: DeepSpeed prefetches at most ``DEEPSPEED_PREFETCH_BUCKET_ELEMENTS``
-    ahead, so a parameter tensor larger than that (a GPT-3 175B MLP matrix holds 604M) is
-    gathered on the critical path; FSDP2 prefetches the next whole block (1)."""
-    if framework != "deepspeed":
-        return 1.0
-    largest = max(model.hidden_size * (model.q_size + 2 * model.kv_size),
-                  model.hidden_size * model.ffn_hidden_size) / config.tp
-    return min(1.0, DEEPSPEED_PREFETCH_BUCKET_ELEMENTS / largest)
 
 
 def zero_call_latency_s(calls: CollectiveCalls, link: coll.GroupLink) -> float:

@@ -33,8 +33,8 @@ from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.calls import (LOSS_REDUCTION_CALLS, call_overhead_s,
                                       collective_calls_per_microbatch, ddp_buckets,
-                                      gradient_buckets, latency_steps, zero3_gather_passes,
-                                      zero3_prefetch_fraction, zero_call_latency_s)
+                                      gradient_buckets, latency_steps, zero3_fetch_batches,
+                                      zero3_gather_passes, zero_call_latency_s)
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import eager_kernels
 from meshplan.costmodel.layout import axis_group, dp_cp_ranks, ep_group, rank_of, strides
@@ -388,12 +388,13 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         cp += count * layer.cp_s
         if key[0]:
             ep += count * costs.ep_layer_s
-    compute += costs.head_s + costs.embedding_s
-    compute *= calibration.compute_factor(framework)
+    factor = calibration.compute_factor(framework)
+    layers_compute = compute * factor
+    compute = (compute + costs.head_s + costs.embedding_s) * factor
     tp *= 1 - calibration.tp_overlap
     return _stage_time(model, cluster, config, calibration, stage, params=params,
                        links=costs.links, framework=framework, compute=compute, tp=tp, cp=cp,
-                       ep=ep, pp=costs.pp_s)
+                       ep=ep, pp=costs.pp_s, layers_compute=layers_compute)
 
 
 @dataclass(frozen=True)
@@ -495,18 +496,18 @@ def prefetches_blocks(framework: str, config: ParallelConfig) -> bool:
     their own stream: FSDP2 (torchtitan; meshplan's runtime) all-gathers block k+1 while block
     k computes and reduce-scatters block k's gradients while block k-1's backward runs
     (``fully_shard``'s implicit prefetching), so their bytes and their ring latency overlap
-    compute up to ``DeviceCalibration.prefetch_overlap`` of it. DeepSpeed's ZeRO-3 gathers
-    per parameter tensor, prefetching at most its prefetch bucket (``calls.
-    zero3_prefetch_fraction``), so its calls' latency stays on the critical path."""
+    compute up to ``DeviceCalibration.prefetch_overlap`` of it. DeepSpeed's ZeRO-3 fetches
+    module by module, one ahead of compute (``deepspeed_zero3_traffic``)."""
     return framework in ("torchtitan", "meshplan") and config.zero_stage >= 2
 
 
 def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                 calibration: Calibration, stage: int, *, params: StageParams, links: Links,
                 framework: str, compute: float, tp: float, cp: float, ep: float,
-                pp: float) -> StageTime:
+                pp: float, layers_compute: float | None = None) -> StageTime:
     """A stage's ``StageTime`` from its compute and TP/CP/EP/PP traffic: adds the ZeRO and
-    parameter-offload traffic (with the part compute hides) and every collective call's cost."""
+    parameter-offload traffic (with the part compute hides) and every collective call's cost.
+    ``layers_compute``: the part of ``compute`` its transformer layers take (default all)."""
     mode = config.stage_recompute(stage)
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework, recompute=mode)
@@ -521,7 +522,14 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     zero_calls_s += _zero_fresh_pages_s(config, cluster, calibration, params=params,
                                         framework=framework, recompute=mode)
     device = calibration.device(cluster.gpu.key)
-    if device.prefetch_overlap is not None and prefetches_blocks(framework, config):
+    if zero and framework == "deepspeed" and config.zero_stage == 3:
+        # DeepSpeed's own gather path, one module ahead of compute: bytes and latency alike
+        zero, exposed = deepspeed_zero3_traffic(
+            model, config, calibration, params=params, link=links.dp, recompute=mode,
+            layers=len(stage_layer_range(model, config, stage)),
+            layers_compute=compute if layers_compute is None else layers_compute)
+        hidden, zero_latency = zero - exposed, zero_calls_s
+    elif device.prefetch_overlap is not None and prefetches_blocks(framework, config):
         # the next block's gather is in flight while this one computes: its latency hides
         # too; the part it overlaps still costs ``prefetch_contention`` of its time, written
         # as that share of all the traffic paid outright and the rest hidden in proportion
@@ -532,10 +540,8 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         zero, hidden = keep * traffic, keep * device.prefetch_overlap * compute
         zero_latency = zero_calls_s + device.prefetch_contention * traffic
     else:
-        prefetch = zero3_prefetch_fraction(model, config, framework) \
-            if config.zero_stage == 3 else 1.0
         zero_latency = zero_calls_s + network_latency
-        hidden = calibration.dp_overlap * prefetch * compute
+        hidden = calibration.dp_overlap * compute
     return StageTime(compute_s=compute, tp_comm_s=tp, cp_comm_s=cp, ep_comm_s=ep,
                      pp_comm_s=pp, zero_comm_s=zero,
                      zero_hidden_s=hidden if zero else 0.0,
@@ -637,6 +643,71 @@ def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
         comm += passes * _bandwidth_s("all_gather", link, total * config.bytes_per_activation,
                                       **effs)
     return comm
+
+
+def deepspeed_zero3_traffic(model: ModelSpec, config: ParallelConfig, calibration: Calibration,
+                            *, params: StageParams, link: coll.GroupLink, layers: int,
+                            layers_compute: float, recompute: str) -> tuple[float, float]:
+    """(all, exposed) seconds of one micro-batch's DeepSpeed ZeRO-3 traffic on a stage.
+
+    DeepSpeed fetches a module's partitioned parameters when the module runs and, from its
+    recorded trace, issues the next module's gathers as it starts, so each module's compute
+    hides (at most) the gathers of the module after it, and the next module waits for them
+    (``PartitionedParameterCoordinator.prefetch_next_sub_modules``: the prefetch stops once
+    ``stage3_prefetch_bucket_size`` elements are in flight, which one linear module of a large
+    model exceeds alone). A pass over a layer's fetch batches (``calls.zero3_fetch_batches``,
+    forward order; backward the reverse, each module's gradient reduce-scattered while the
+    next one computes) takes ``sum_k max(c_k, g_(k+1))``: compute ``c_k`` is the layer's
+    split by the batches' parameter shares (GEMM FLOPs), and the last module's compute hides
+    the next layer's first gather. Passes: forward, the recomputed forward of full
+    recomputation, backward (``calls.zero3_gather_passes``). An end stage's embedding or head
+    is gathered and reduced unhidden.
+
+    One batch of ``e`` elements in ``k`` tensors over ``n`` ranks takes the slower of the
+    library's ring (bytes at its bandwidth plus each call's ring latency) and the framework's
+    own path, ``e * bytes / zero3_path_bytes_per_s + k n zero3_path_rank_s``
+    (``Calibration``). Every term is linear in the stage's layers (layers alike), as the
+    planner's tables need."""
+    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    rate = calibration.zero3_path_bytes_per_s.get("deepspeed")
+    rank_s = calibration.zero3_path_rank_s.get("deepspeed", 0.0)
+
+    def batch(op: str, elements: float, tensors: int, width: int) -> float:
+        if elements <= 0:
+            return 0.0
+        nbytes = elements * width
+        ring = (_bandwidth_s(op, link, nbytes, **effs)
+                + tensors * coll.call_latency_s(op, link))
+        path = (nbytes / rate if rate else 0.0) + tensors * link.size * rank_s
+        return max(ring, path)
+
+    act, grad = config.bytes_per_activation, grad_comm_bytes("deepspeed", config.dtype)
+    edges = params.root
+    passes = zero3_gather_passes("deepspeed", config, recompute)
+    edge_s = (passes * batch("all_gather", edges, 1, act)
+              + batch("reduce_scatter", edges, 1, grad))
+    if layers <= 0:
+        return edge_s, edge_s
+    per_layer = (params.dense + params.expert - edges) / layers
+    shape = ((1.0, 1),) if model.is_traced else zero3_fetch_batches(model, config)
+    total = sum(e for e, _ in shape)
+    shares = [e / total for e, _ in shape]
+    gathers = [batch("all_gather", share * per_layer, k, act)
+               for share, (_, k) in zip(shares, shape)]
+    reduces = [batch("reduce_scatter", share * per_layer, k, grad)
+               for share, (_, k) in zip(shares, shape)]
+    compute = layers_compute / layers
+    recomputed = 1 if recompute == "full" else 0
+    forward = compute / (1 + recomputed + BACKWARD_FACTOR)
+    backward = compute - (1 + recomputed) * forward
+    size = len(shape)
+    forward_pass = sum(max(forward * shares[k], gathers[(k + 1) % size])
+                       for k in range(size))
+    backward_pass = sum(max(backward * shares[k], gathers[k - 1] + reduces[k])
+                        for k in range(size))
+    exposed = (1 + recomputed) * (forward_pass - forward) + backward_pass - backward
+    traffic = passes * sum(gathers) + sum(reduces)
+    return layers * traffic + edge_s, layers * exposed + edge_s
 
 
 def _zero_fresh_pages_s(config: ParallelConfig, cluster: ClusterSpec,

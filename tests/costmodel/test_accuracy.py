@@ -19,9 +19,6 @@ KNOWN_SHORTFALLS = {
     # the rows in KNOWN_OUTLIERS run 16-28 % slower than predicted.
     "mosaicml-a100": (0.06, 0.29, 0.05),
     "mosaicml-h100": (0.06, 0.19, 0.05),
-    # Narayanan Table 2's DeepSpeed ZeRO-3 collapse: 384 GPUs predicted 15 % slow, 2,240 GPUs
-    # of the 530B model 16 % fast.
-    "narayanan-t2-zero3": (0.07, 0.16, 0.05),
 }
 KNOWN_OUTLIERS = {
     # runs at the edge of device memory (predicted reserved peak 89-97 % of the GPU): the
@@ -34,7 +31,6 @@ KNOWN_OUTLIERS = {
     # capacity (117-119 %), so it over-predicts their activations too
     "mosaicml-a100-40-1b-s2048-g32", "mosaicml-a100-80-760m-s512-g8",
     "mosaicml-a100-80-760m-s1024-g8",
-    "narayanan-t2-zero3-530b-2240",
 }
 """Runs allowed beyond the 15 % bound (every other run must stay within it)."""
 

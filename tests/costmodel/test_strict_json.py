@@ -307,7 +307,8 @@ CALIBRATION_KEYS = ("devices, elementwise_traffic_factor, attention_core_traffic
                     "host_adam_flop_per_param, allocator_fragmentation, communicator_bytes, "
                     "link_latency_s, collective_call_s, library_hop_latency_s, "
                     "host_adam_bytes_per_param, "
-                    "host_memory_bytes_per_s, host_copy_bytes_per_s, source, about")
+                    "host_memory_bytes_per_s, host_copy_bytes_per_s, zero3_path_bytes_per_s, "
+                    "zero3_path_rank_s, source, about")
 CALIBRATION_CASES = {
     "unknown-key": ({"tp_overlap": 0.5, "tp_overlaps": 0.5},
                     f"unknown Calibration key(s) ['tp_overlaps']; accepted keys: "
