@@ -35,7 +35,8 @@ from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, degree
                                     micro_batch_choices, offload_choices, pick, vpp_choices,
                                     zero_choices)
 from meshplan.planner.tables import (CandidateTables, TracedTables, build_tables,
-                                     build_traced_tables, layer_bounds, stage_config,
+                                     build_traced_tables, layer_bounds, mixed_layers,
+                                     stage_config,
                                      stage_most_layers)
 
 SOLVE_TIME_CAP_S = 10.0
@@ -775,9 +776,13 @@ class _Refiner:
         self.skip: set[ParallelConfig] = set()
         self.core = False
         """While True, the tree spans the core space only (``space.candidates(core=True)``)."""
-        self.flat = (model.is_traced or space.layers_per_stage is not None
+        # traced models and models mixing dense and MoE layers: split by stage boundaries
+        # (``tables.build_traced_tables``), each candidate bounded by its own tables
+        self.kinded = model.is_traced or mixed_layers(model)
+        self.flat = (self.kinded or space.layers_per_stage is not None
                      or space.recompute_pinned is not None)
-        self.traced_modes = tuple(m for m in space.recompute_modes if m in TRACED_RECOMPUTE)
+        self.traced_modes = (tuple(m for m in space.recompute_modes if m in TRACED_RECOMPUTE)
+                             if model.is_traced else space.recompute_modes)
         if model.is_traced and not self.traced_modes:
             raise ValueError(f"{model.name} is a traced module: recompute must include none "
                              f"or full")
@@ -1210,7 +1215,7 @@ class _Refiner:
     def candidate_node(self, config: ParallelConfig, floor: float = 0.0) -> _Node | None:
         index = self.indices.setdefault(config, len(self.indices))
         self.counted += 1
-        if self.model.is_traced:
+        if self.kinded:
             tables = _traced_tables(self.model, self.cluster, config, self.space,
                                     self.traced_modes, framework=self.framework,
                                     calibration=self.calibration)
@@ -1365,17 +1370,19 @@ def _traced_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
 
 
 def traced_bound(tables: TracedTables) -> Bound:
-    """A traced candidate's lower bound: each stage's per-micro-batch linear term is at least
-    its smallest base over modes plus, per layer, the smallest slope of its kind over stages
-    and modes; summed over stages this holds for every split (exposed traffic and the
-    once-per-step terms are at least 0)."""
+    """A traced (or mixed dense/MoE) candidate's lower bound: each stage's per-micro-batch
+    linear term is at least its smallest base over modes (and classes) plus, per layer, the
+    smallest slope of its kind over stages and modes; summed over stages this holds for every
+    split (exposed traffic and the once-per-step terms are at least 0)."""
     p = len(tables.allowed)
-    forms = [[tables.time_ns[i][r].linear for r in tables.allowed[i]] for i in range(p)]
+    forms = [[terms[r].linear for terms in (tables.time_ns[i], *(
+                 (tables.light_time_ns[i],) if tables.light_time_ns else ()))
+              for r in tables.allowed[i] if r in terms] for i in range(p)]
     total = sum(min(f.base for f in stage) for stage in forms)
     for kind, row in enumerate(tables.prefix):
         total += row[-1] * min(f.slopes[kind] for stage in forms for f in stage)
     return Bound(per_micro_s=total / 1e9, once_s=0.0, stages=p,
-                 micro_batches=tables.micro_batches, vpp=1)
+                 micro_batches=tables.micro_batches, vpp=tables.vpp)
 
 
 def _compact(modes: tuple[str, ...]) -> str | tuple[str, ...]:

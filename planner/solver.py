@@ -377,22 +377,28 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
 def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, workers: int = 1,
                  cutoff_s: float | None = None,
                  deterministic_s: float | None = None) -> Solution:
-    """Optimal split and modes of a traced model (layers of several kinds, in a fixed order).
+    """Optimal split and modes of a traced model, or of one that mixes dense and MoE layers
+    (layers of several kinds, in a fixed order).
 
-    Variables: boundaries 0 = b_0 < b_1 < ... < b_p = L; per kind k the prefix count
-    P_k[b_i] through an element constraint, so stage i holds c[i][k] = P_k[b_{i+1}] - P_k[b_i]
-    layers of kind k; y[i][r] its mode and x[i][r][k] = c[i][k] if y[i][r] else 0. Every term of
-    stage i is ``sum_r (base_r y[i][r] + sum_k slope_rk x[i][r][k])``; memory, exposure, maxima
-    and the objective are as in ``_build_per_stage`` (v = 1).
+    Variables: boundaries 0 = b_0 < b_1 < ... < b_p = L (at least v layers a stage); per kind k
+    the prefix count P_k[b_i] through an element constraint, so stage i holds
+    c[i][k] = P_k[b_{i+1}] - P_k[b_i] layers of kind k; y[i][o] its option and
+    x[i][o][k] = c[i][k] if y[i][o] else 0. An option is a mode, or for a mixed model a mode
+    and whether the stage holds an MoE layer (h[i], tied to c[i][heavy] >= 1), each with its
+    own forms (``TracedTables.forms``). Every term of stage i is
+    ``sum_o (base_o y[i][o] + sum_k slope_ok x[i][o][k])``; memory, exposure, maxima and the
+    objective are as in ``_build_per_stage``.
     """
     start = time.perf_counter()
     p, total = len(tables.allowed), tables.num_layers
     kinds = len(tables.prefix)
+    lo = max(1, tables.vpp)
     model = cp_model.CpModel()
-    b = [model.NewConstant(0)] + [model.NewIntVar(i + 1, total - (p - i - 1), f"b{i + 1}")
+    b = [model.NewConstant(0)] + [model.NewIntVar(lo * (i + 1), total - lo * (p - i - 1),
+                                                  f"b{i + 1}")
                                   for i in range(p - 1)] + [model.NewConstant(total)]
     for i in range(p):
-        model.Add(b[i + 1] >= b[i] + 1)
+        model.Add(b[i + 1] >= b[i] + lo)
     if tables.pinned_layers is not None:
         edge = 0
         for i, n in enumerate(tables.pinned_layers[:-1]):
@@ -407,50 +413,65 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
     for i in range(p):
         counts = [at[i + 1][k] - at[i][k] for k in range(kinds)]
         modes = tables.allowed[i]
-        y = {r: model.NewBoolVar(f"y{i}_{r}") for r in modes}
+        # options: (mode, holds an MoE layer) for a mixed model, (mode, None) otherwise
+        options = [(r, cls) for r in modes for cls in tables.classes(i)]
+        y = {o: model.NewBoolVar(f"y{i}_{o[0]}_{o[1]}") for o in options}
         model.AddExactlyOne(y.values())
+        if tables.heavy_kind is not None:
+            heavy = model.NewBoolVar(f"heavy{i}")
+            model.Add(counts[tables.heavy_kind] >= 1).OnlyEnforceIf(heavy)
+            model.Add(counts[tables.heavy_kind] == 0).OnlyEnforceIf(heavy.Not())
+            for (r, cls), var in y.items():
+                model.AddImplication(var, heavy if cls else heavy.Not())
         x = {}
-        for r in modes:
-            x[r] = [model.NewIntVar(0, total, f"x{i}_{r}_{k}") for k in range(kinds)]
+        for o in options:
+            x[o] = [model.NewIntVar(0, total, f"x{i}_{o[0]}_{o[1]}_{k}") for k in range(kinds)]
             for k in range(kinds):
-                model.Add(x[r][k] == counts[k]).OnlyEnforceIf(y[r])
-                model.Add(x[r][k] == 0).OnlyEnforceIf(y[r].Not())
+                model.Add(x[o][k] == counts[k]).OnlyEnforceIf(y[o])
+                model.Add(x[o][k] == 0).OnlyEnforceIf(y[o].Not())
 
-        def form(f, r):
-            return f.base * y[r] + sum(s * x[r][k] for k, s in enumerate(f.slopes) if s)
+        def form(f, o):
+            return f.base * y[o] + sum(s * x[o][k] for k, s in enumerate(f.slopes) if s)
+
+        def forms_of(o):
+            light = o[1] is False
+            times = tables.light_time_ns[i] if light else tables.time_ns[i]
+            memory = tables.light_memory_bytes[i] if light else tables.memory_bytes[i]
+            return times[o[0]], memory[o[0]]
 
         workspace = 0
         if "full" in modes and any(tables.workspace_bytes):
             # the largest rebuild over the kinds the stage holds, if it recomputes fully
+            full = sum(var for (r, _), var in y.items() if r == "full")
             workspace = model.NewIntVar(0, max(tables.workspace_bytes), f"w{i}")
             for k, bytes_k in enumerate(tables.workspace_bytes):
                 if bytes_k:
                     held = model.NewBoolVar(f"h{i}_{k}")
                     model.Add(counts[k] <= total * held)
-                    model.Add(workspace >= bytes_k * (held + y["full"] - 1))
-        model.Add(sum(form(tables.memory_bytes[i][r], r) for r in modes) + workspace
+                    model.Add(workspace >= bytes_k * (held + full - 1))
+        model.Add(sum(form(forms_of(o)[1], o) for o in options) + workspace
                   <= tables.capacity_bytes)
 
-        terms = map_terms(lambda *forms: sum(form(f, r) for f, r in zip(forms, modes)),
-                          *(tables.time_ns[i][r] for r in modes))
+        terms = map_terms(lambda *forms: sum(form(f, o) for f, o in zip(forms, options)),
+                          *(forms_of(o)[0] for o in options))
         bound = max(abs(f.base) + sum(abs(s) for s in f.slopes) * total
-                    for forms in tables.time_ns[i].values() for f in forms.values())
+                    for o in options for f in forms_of(o)[0].values())
         big = max(big, bound)
         stages.append(_stage_time(model, terms, bound, i))
         y_all.append(y)
         x_all.append(x)
     objective = _step_objective(model, stages, big=big,
-                                micro_batches=tables.micro_batches, vpp=1)
+                                micro_batches=tables.micro_batches, vpp=tables.vpp)
     if cutoff_s is not None:
-        model.Add(objective < int(cutoff_s * 1e9))
+        model.Add(objective < int(cutoff_s * 1e9 * tables.vpp))
     model.Minimize(objective)
     solver, status = _run(model, time_limit_s=time_limit_s, seed=seed, workers=workers,
                           deterministic_s=deterministic_s)
     wall = time.perf_counter() - start
     edges = [int(solver.Value(v)) for v in b]
     layers = [edges[i + 1] - edges[i] for i in range(p)]
-    modes = [next(r for r in tables.allowed[i] if solver.BooleanValue(y_all[i][r]))
+    modes = [next(r for (r, _), var in y_all[i].items() if solver.BooleanValue(var))
              for i in range(p)]
     return Solution(layers=tuple(layers), modes=tuple(modes),
-                    objective=traced_objective_ns(tables, layers, modes), vpp=1,
+                    objective=traced_objective_ns(tables, layers, modes), vpp=tables.vpp,
                     status="OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE", wall_s=wall)

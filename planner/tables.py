@@ -389,9 +389,53 @@ class TracedTables:
     """Per kind: reserved bytes rebuilding one such layer needs under full recomputation; a
     full-recompute stage adds the largest over the kinds it holds (not a sum over layers)."""
     vpp: int = 1
+    heavy_kind: int | None = None
+    """A model whose layers mix dense and MoE (``mixed_layers``): the MoE kind. Terms that
+    depend on the largest layer a stage holds (ZeRO-3 and FSDP gather buffers, the
+    recomputation workspace) differ by whether the stage holds one, so ``time_ns`` and
+    ``memory_bytes`` hold the forms of stages that do, ``light_time_ns`` and
+    ``light_memory_bytes`` those of stages that hold none; each set is exact on its ranges."""
+    light_time_ns: tuple[dict[str, StageTerms[KindForm]], ...] | None = None
+    light_memory_bytes: tuple[dict[str, KindForm], ...] | None = None
 
     def counts(self, start: int, stop: int) -> tuple[int, ...]:
         return tuple(row[stop] - row[start] for row in self.prefix)
+
+    def light(self, counts: tuple[int, ...]) -> bool:
+        """Whether a stage holding ``counts`` takes the light forms (no layer of the heavy
+        kind)."""
+        return self.heavy_kind is not None and counts[self.heavy_kind] == 0
+
+    def classes(self, stage: int) -> tuple[bool | None, ...]:
+        """The classes ``stage`` can take: (None,) for a traced model; for a mixed one True
+        (holds an MoE layer) and False (holds none) where it has ranges of that class."""
+        if self.heavy_kind is None:
+            return (None,)
+        return tuple(cls for cls, forms in ((True, self.memory_bytes[stage]),
+                                            (False, self.light_memory_bytes[stage])) if forms)
+
+    def forms(self, stage: int, counts: tuple[int, ...]
+              ) -> tuple[dict[str, StageTerms[KindForm]], dict[str, KindForm]]:
+        """(time forms, memory forms) per mode of ``stage`` holding ``counts``."""
+        if self.light(counts):
+            return self.light_time_ns[stage], self.light_memory_bytes[stage]
+        return self.time_ns[stage], self.memory_bytes[stage]
+
+
+def layer_kinds(model: ModelSpec) -> tuple[int, ...]:
+    """Kind of every layer: a traced model's own kinds; 1 for an MoE layer, 0 for a dense one
+    (``ModelSpec.is_moe_layer``)."""
+    if model.is_traced:
+        return tuple(layer.kind for layer in model.traced)
+    return tuple(int(model.is_moe_layer(i)) for i in range(model.num_layers))
+
+
+def mixed_layers(model: ModelSpec) -> bool:
+    """An analytic model whose layers are not all of one kind (dense and MoE layers mixed,
+    e.g. every second layer MoE): a stage's terms depend on which layers it holds, so the
+    planner solves its split by stage boundaries (``build_traced_tables``), as for a traced
+    model."""
+    return not model.is_traced and len(set(layer_kinds(model))) > 1
 
 
 def range_config(config: ParallelConfig, model: ModelSpec, stage: int, start: int, stop: int,
@@ -411,21 +455,28 @@ def range_config(config: ParallelConfig, model: ModelSpec, stage: int, start: in
     return config.with_split(tuple(counts), tuple(modes))
 
 
-def _probe_ranges(prefix: tuple[tuple[int, ...], ...], stage: int,
-                  p: int) -> tuple[list[tuple[int, int]], np.ndarray]:
+def _probe_ranges(prefix: tuple[tuple[int, ...], ...], stage: int, p: int,
+                  keep: Callable[[tuple[int, ...]], bool] | None = None
+                  ) -> tuple[list[tuple[int, int]], np.ndarray]:
     """Layer ranges stage ``stage`` can hold whose kind counts (with a leading 1 for the base)
-    are linearly independent and span every range it can hold, and those count rows.
+    are linearly independent and span every range it can hold, and those count rows;
+    ``keep``: only ranges whose kind counts it accepts (and so only those are spanned).
 
-    The first stage always starts at layer 0, so its ranges are prefixes; a kind it always
-    holds (the embedding) cannot be told from the base there, and need not be.
+    The first stage always starts at layer 0, so its ranges are prefixes, and the last ends at
+    the last layer, so its ranges are suffixes; a kind an end stage always holds (the
+    embedding) cannot be told from the base there, and need not be.
     """
     total = len(prefix[0]) - 1
     first, last = stage, total - (p - 1 - stage)  # reachable layers [first, last)
     if stage == 0:
         options = [(0, stop) for stop in range(1, last + 1)]
+    elif stage == p - 1:
+        options = [(start, total) for start in range(total - 1, first - 1, -1)]
     else:
-        options = ([(j, j + 1) for j in range(first, last)]
-                   + [(j, j + 2) for j in range(first, last - 1)][:1])
+        options = [(j, j + width) for width in (1, 2, 3) for j in range(first, last - width + 1)]
+    if keep is not None:
+        options = [(a, b) for a, b in options
+                   if keep(tuple(kind[b] - kind[a] for kind in prefix))]
     chosen: list[tuple[int, int]] = []
     rows: list[list[int]] = []
     for start, stop in options:
@@ -454,17 +505,24 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
                         memory_margin: float = 0.0,
                         pinned_layers: tuple[int, ...] | None = None,
                         pinned_modes: tuple[str, ...] | None = None) -> TracedTables:
-    """Tables for a traced model's candidate (see ``TracedTables``)."""
+    """Tables for a candidate of a traced model or of one that mixes dense and MoE layers
+    (see ``TracedTables``)."""
     p = config.pp
-    kinds = tuple(layer.kind for layer in model.traced)
+    kinds = layer_kinds(model)
     num_kinds = max(kinds) + 1
     prefix = tuple(tuple(sum(1 for k in kinds[:j] if k == kind) for j in range(len(kinds) + 1))
                    for kind in range(num_kinds))
     allowed = tuple((pinned_modes[i],) for i in range(p)) if pinned_modes else (modes,) * p
-    times, memories = [], []
-    for stage in range(p):
-        ranges, rows = _probe_ranges(prefix, stage, p)
+    heavy = 1 if mixed_layers(model) else None
+    # a traced model's recomputation workspace is a max over the kinds a stage holds, added
+    # by the solver; a mixed model's forms hold theirs (one value per heavy/light class)
+    apart = model.is_traced and framework != "ideal"
+
+    def stage_forms(stage: int, keep: Callable[[tuple[int, ...]], bool] | None):
+        ranges, rows = _probe_ranges(prefix, stage, p, keep)
         stage_times, stage_memory_forms = {}, {}
+        if not ranges:  # the stage holds no range of this class
+            return stage_times, stage_memory_forms
         for mode in allowed[stage]:
             terms, reserved = [], []
             for start, stop in ranges:
@@ -472,8 +530,7 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
                 terms.append(_terms_of(stage_terms(model, cluster, staged, stage,
                                                    framework=framework,
                                                    calibration=calibration)))
-                workspace = (recompute_workspace_bytes(model, staged, stage)
-                             if framework != "ideal" else 0.0)
+                workspace = recompute_workspace_bytes(model, staged, stage) if apart else 0.0
                 reserved.append(stage_memory(model, cluster, staged, stage,
                                              framework=framework,
                                              calibration=calibration).reserved_bytes
@@ -481,18 +538,28 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
             stage_times[mode] = map_terms(
                 lambda *values: _solve_forms(rows, list(values), NS_PER_S), *terms)
             stage_memory_forms[mode] = _solve_forms(rows, reserved, 1.0, round_up=True)
-        times.append(stage_times)
-        memories.append(stage_memory_forms)
+        return stage_times, stage_memory_forms
+
+    heavy_forms = [stage_forms(stage, None if heavy is None else
+                               (lambda counts: counts[heavy] > 0)) for stage in range(p)]
+    light_forms = ([stage_forms(stage, lambda counts: counts[heavy] == 0) for stage in range(p)]
+                   if heavy is not None else None)
     workspace = [0] * num_kinds
-    if framework != "ideal":
+    if apart:
         for index, kind in enumerate(kinds):
             workspace[kind] = math.ceil(traced.layer_workspace_bytes(model, config, index)
                                         * (1 + calibration.allocator_fragmentation))
     return TracedTables(config=config, allowed=allowed, kinds=kinds, prefix=prefix,
-                        time_ns=tuple(times), memory_bytes=tuple(memories),
+                        time_ns=tuple(t for t, _ in heavy_forms),
+                        memory_bytes=tuple(m for _, m in heavy_forms),
                         capacity_bytes=math.floor(cluster.gpu.hbm_bytes * (1 - memory_margin)),
                         num_layers=model.num_layers, micro_batches=config.grad_accum_steps,
-                        pinned_layers=pinned_layers, workspace_bytes=tuple(workspace))
+                        pinned_layers=pinned_layers, workspace_bytes=tuple(workspace),
+                        vpp=config.vpp, heavy_kind=heavy,
+                        light_time_ns=(tuple(t for t, _ in light_forms) if light_forms
+                                       else None),
+                        light_memory_bytes=(tuple(m for _, m in light_forms) if light_forms
+                                            else None))
 
 
 def _terms_of(terms) -> StageTerms[float]:
@@ -508,15 +575,16 @@ def traced_stage_ns(tables: TracedTables, stage: int, start: int, stop: int,
                     mode: str) -> StageTime:
     """Every time term of ``stage`` holding ``[start, stop)`` under ``mode`` (ns)."""
     counts = tables.counts(start, stop)
-    return _with_totals(map_terms(lambda form: form.at(counts), tables.time_ns[stage][mode]))
+    times, _ = tables.forms(stage, counts)
+    return _with_totals(map_terms(lambda form: form.at(counts), times[mode]))
 
 
 def traced_objective_ns(tables: TracedTables, layers: list[int] | tuple[int, ...],
                         modes: list[str] | tuple[str, ...]) -> int:
-    """Step time (ns) of a split of a traced model (``scaled_step_ns`` with v = 1)."""
+    """v x step time (ns) of a split of a traced or mixed model (``scaled_step_ns``)."""
     bounds = [0]
     for n in layers:
         bounds.append(bounds[-1] + n)
     terms = [traced_stage_ns(tables, i, bounds[i], bounds[i + 1], r)
              for i, r in enumerate(modes)]
-    return scaled_step_ns(terms, micro_batches=tables.micro_batches, vpp=1)
+    return scaled_step_ns(terms, micro_batches=tables.micro_batches, vpp=tables.vpp)
