@@ -688,6 +688,8 @@ def deepspeed_zero3_traffic(model: ModelSpec, config: ParallelConfig, calibratio
               + batch("reduce_scatter", edges, 1, grad))
     if layers <= 0:
         return edge_s, edge_s
+    # the layers' parameters, split in the batches' proportions (the persistent norms and
+    # biases, under 1e-4 of a large layer, ride along; MoE layers' experts likewise)
     per_layer = (params.dense + params.expert - edges) / layers
     shape = ((1.0, 1),) if model.is_traced else zero3_fetch_batches(model, config)
     total = sum(e for e, _ in shape)
