@@ -193,18 +193,29 @@ def zero_call_latency_s(calls: CollectiveCalls, link: coll.GroupLink) -> float:
             + calls.zero_reduce_scatter * coll.call_latency_s("reduce_scatter", link))
 
 
+def gradient_bucketing(framework: str, config: ParallelConfig, *, params: float,
+                       grad_bytes: float) -> tuple[float, float]:
+    """(amount, bucket) of a ZeRO 0/1 gradient reduction of ``params`` parameters
+    (``grad_bytes`` in all): DDP's ``bucket_cap_mb`` in bytes (meshplan, torchtitan), Megatron's
+    ``max(40M, 1M x dp)``-parameter buckets, DeepSpeed's ``reduce_bucket_size`` elements; the
+    reduction issues ``buckets(amount, bucket)`` calls per step."""
+    if framework == "megatron":
+        return params, max(MEGATRON_MIN_BUCKET_PARAMS,
+                           MEGATRON_BUCKET_PARAMS_PER_RANK * config.dp * config.cp)
+    if framework == "deepspeed":
+        return params, DEEPSPEED_BUCKET_ELEMENTS
+    return grad_bytes, DDP_BUCKET_BYTES
+
+
+def buckets(amount: float, bucket: float) -> int:
+    """Calls that reduce ``amount`` in buckets of ``bucket``: at least one."""
+    return max(1, math.ceil(amount / bucket))
+
+
 def gradient_buckets(framework: str, config: ParallelConfig, *, params: float,
                      grad_bytes: float) -> int:
-    """Calls of a ZeRO 0/1 gradient reduction of ``params`` parameters (``grad_bytes`` in all)
-    per step: DDP ``bucket_cap_mb`` buckets (meshplan, torchtitan), Megatron's
-    ``max(40M, 1M x dp)``-parameter buckets, DeepSpeed's ``reduce_bucket_size``."""
-    if framework == "megatron":
-        bucket = max(MEGATRON_MIN_BUCKET_PARAMS,
-                     MEGATRON_BUCKET_PARAMS_PER_RANK * config.dp * config.cp)
-        return max(1, math.ceil(params / bucket))
-    if framework == "deepspeed":
-        return max(1, math.ceil(params / DEEPSPEED_BUCKET_ELEMENTS))
-    return ddp_buckets(grad_bytes)
+    """Calls of a ZeRO 0/1 gradient reduction per step (``gradient_bucketing``)."""
+    return buckets(*gradient_bucketing(framework, config, params=params, grad_bytes=grad_bytes))
 
 
 def call_overhead_s(calls: CollectiveCalls, config: ParallelConfig,
@@ -224,4 +235,4 @@ def call_overhead_s(calls: CollectiveCalls, config: ParallelConfig,
 
 def ddp_buckets(grad_bytes: float) -> int:
     """All-reduce calls of DDP's gradient reduction: one per ``DDP_BUCKET_BYTES`` bucket."""
-    return max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+    return buckets(grad_bytes, DDP_BUCKET_BYTES)

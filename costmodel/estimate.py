@@ -15,8 +15,9 @@ from meshplan.costmodel.memory import (StageMemory, StageParams, host_bytes_per_
                                        stage_layer_range, stage_memory, stage_params)
 from meshplan.costmodel.model import ModelSpec
 from meshplan.costmodel.timing import (BACKWARD_FACTOR, Links, StageTime, calibrated_links,
-                                       dp_step_s, optimizer_step_s, stage_link_signature,
-                                       stage_links, stage_microbatch_time)
+                                       dp_bucket_terms, dp_step_s, optimizer_step_s,
+                                       stage_link_signature, stage_links,
+                                       stage_microbatch_time)
 
 SCHEMA_VERSION = schema.ESTIMATE
 
@@ -198,6 +199,16 @@ def stage_once(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, s
     opt, off = optimizer_step_s(config, cluster, calibration, params=params,
                                 framework=framework)
     return comm, hidden, opt, off
+
+
+def stage_dp_buckets(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                     stage: int, *, framework: str, calibration: Calibration
+                     ) -> tuple[tuple[float, float, float], ...]:
+    """The per-bucket part of ``stage``'s once-per-step data-parallel traffic
+    (``timing.dp_bucket_terms``), for the planner's tables."""
+    links = calibrated_links(stage_links(cluster, config, stage), calibration, cluster.gpu.key)
+    return dp_bucket_terms(config, calibration, params=stage_params(model, config, stage),
+                           link=links.dp, framework=framework, gpu_key=cluster.gpu.key)
 
 
 def compose_step(terms: list[StageTerms], *, micro_batches: int, vpp: int) -> TimeEstimate:

@@ -31,9 +31,9 @@ from meshplan.costmodel import recompute
 from meshplan.costmodel.recompute import LayerForward
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
-from meshplan.costmodel.calls import (LOSS_REDUCTION_CALLS, call_overhead_s,
-                                      collective_calls_per_microbatch, ddp_buckets,
-                                      gradient_buckets, latency_steps, zero3_fetch_batches,
+from meshplan.costmodel.calls import (DDP_BUCKET_BYTES, LOSS_REDUCTION_CALLS, buckets,
+                                      call_overhead_s, collective_calls_per_microbatch,
+                                      gradient_bucketing, latency_steps, zero3_fetch_batches,
                                       zero3_gather_passes, zero_call_latency_s)
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import eager_kernels
@@ -777,17 +777,37 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
         comm = coll.all_gather_s(link, total_params * config.bytes_per_activation, **effs)
     else:
         return 0.0, 0.0
-    if config.zero_stage <= 1:
-        buckets = gradient_buckets(framework, config, params=total_params,
-                                   grad_bytes=total_params * grad_bytes)
-        ops = ("all_reduce",) if config.zero_stage == 0 else ("reduce_scatter", "all_gather")
+    terms = dp_bucket_terms(config, calibration, params=params, link=link,
+                            framework=framework, gpu_key=gpu_key)
+    if terms:
         # every bucket after the first pays its calls' latency (the one-call latency is in
-        # the traffic above)
-        comm += (buckets - 1) * sum(coll.call_latency_s(op, link) for op in ops)
-        comm += (calibration.call_s(gpu_key) * ddp_buckets(total_params * grad_bytes)
-                 * latency_steps("all_reduce", link.size))
+        # the traffic above), and every bucket the host cost of its calls
+        comm += sum(cost * buckets(amount, bucket) for amount, bucket, cost in terms)
+        comm -= terms[0][2]
     hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0
     return comm, hideable
+
+
+def dp_bucket_terms(config: ParallelConfig, calibration: Calibration, *, params: StageParams,
+                    link: coll.GroupLink, framework: str,
+                    gpu_key: str = "default") -> tuple[tuple[float, float, float], ...]:
+    """The once-per-step data-parallel costs that come per gradient bucket (ZeRO 0/1), as
+    (amount, bucket, seconds per bucket): ``dp_step_s`` adds ``seconds * buckets(amount,
+    bucket)`` of each, less the first one's seconds once. First the calls' network latency
+    over the framework's buckets (``calls.gradient_bucketing``), then the host cost of DDP's
+    bucketed all-reduces (``Calibration.call_s``; 0 on GPUs). Empty where there are none.
+    Bucket counts are ceilings, so these terms are piecewise constant in a stage's layers (the
+    planner's tables carry them apart)."""
+    if link.size == 1 or config.zero_stage > 1:
+        return ()
+    total_params = params.dense + params.expert
+    grad_bytes = total_params * grad_comm_bytes(framework, config.dtype)
+    amount, bucket = gradient_bucketing(framework, config, params=total_params,
+                                        grad_bytes=grad_bytes)
+    ops = ("all_reduce",) if config.zero_stage == 0 else ("reduce_scatter", "all_gather")
+    return ((amount, bucket, sum(coll.call_latency_s(op, link) for op in ops)),
+            (grad_bytes, DDP_BUCKET_BYTES,
+             calibration.call_s(gpu_key) * latency_steps("all_reduce", link.size)))
 
 
 def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: Calibration,

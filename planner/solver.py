@@ -32,6 +32,8 @@ Every term has a positive weight, so at the optimum each maximum and each max(0,
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -197,6 +199,20 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
                           *(tables.time_ns[i][r] for r in modes))
         bound = max(abs(f.base) + abs(f.slope) * (hi - lo)
                     for forms in tables.time_ns[i].values() for f in forms.values())
+        if tables.dp_buckets and tables.dp_buckets[i]:
+            # bucketed calls: k >= amount / bucket, at its least (the ceiling) wherever the
+            # stage's data-parallel traffic counts towards the objective
+            held = sum(n.values())
+            extra = 0
+            for j, term in enumerate(tables.dp_buckets[i]):
+                most = max(1, math.ceil(term.amount(hi - lo) / term.bucket))
+                k = model.NewIntVar(1, most, f"k{i}_{j}")
+                model.Add(int(round(term.bucket)) * k
+                          >= int(round(term.base - term.slope * lo))
+                          + int(round(term.slope)) * held)
+                extra += term.cost * k
+                bound += term.cost * most
+            terms = dataclasses.replace(terms, dp_comm=terms.dp_comm + extra)
         big = max(big, bound)
         stages.append(_stage_time(model, terms, bound, i))
         y_all.append(y)
@@ -417,6 +433,7 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
         options = [(r, cls) for r in modes for cls in tables.classes(i)]
         y = {o: model.NewBoolVar(f"y{i}_{o[0]}_{o[1]}") for o in options}
         model.AddExactlyOne(y.values())
+        heavy = None
         if tables.heavy_kind is not None:
             heavy = model.NewBoolVar(f"heavy{i}")
             model.Add(counts[tables.heavy_kind] >= 1).OnlyEnforceIf(heavy)
@@ -456,6 +473,22 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
                           *(forms_of(o)[0] for o in options))
         bound = max(abs(f.base) + sum(abs(s) for s in f.slopes) * total
                     for o in options for f in forms_of(o)[0].values())
+        extra = []
+        for cls in tables.classes(i):  # bucketed calls, counted for the class the stage takes
+            literal = None if cls is None else (heavy if cls else heavy.Not())
+            for j, term in enumerate(tables.buckets(i, cls is False)):
+                most = max(1, math.ceil((abs(term.amount.base) + sum(
+                    abs(s) for s in term.amount.slopes) * total) / term.bucket))
+                k = model.NewIntVar(0, most, f"k{i}_{cls}_{j}")
+                need = model.Add(int(round(term.bucket)) * k >= term.amount.base + sum(
+                    s * counts[kind] for kind, s in enumerate(term.amount.slopes) if s))
+                if literal is not None:
+                    need.OnlyEnforceIf(literal)
+                    model.Add(k == 0).OnlyEnforceIf(literal.Not())
+                extra.append(term.cost * k)
+                bound += term.cost * most
+        if extra:
+            terms = dataclasses.replace(terms, dp_comm=terms.dp_comm + sum(extra))
         big = max(big, bound)
         stages.append(_stage_time(model, terms, bound, i))
         y_all.append(y)

@@ -20,6 +20,7 @@ on float seconds, here on integer nanoseconds and in ``solver.py`` on CP-SAT exp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -29,7 +30,8 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
-from meshplan.costmodel.estimate import stage_terms
+from meshplan.costmodel.calls import buckets
+from meshplan.costmodel.estimate import stage_dp_buckets, stage_terms
 from meshplan.costmodel import composition, traced
 from meshplan.costmodel.config import even_split
 from meshplan.costmodel.memory import recompute_workspace_bytes, stage_memory
@@ -103,6 +105,24 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class BucketTerm:
+    """``cost * buckets(amount(n), bucket)`` ns of a stage holding n layers, with
+    ``amount(n) = base + slope * (n - lo)`` (``costmodel.timing.dp_bucket_terms``: bucketed
+    gradient reductions issue a call per bucket, a ceiling of the amount over the bucket)."""
+
+    base: float
+    slope: float
+    bucket: float
+    cost: int
+
+    def amount(self, offset: int) -> float:
+        return self.base + self.slope * offset
+
+    def at(self, offset: int) -> int:
+        return self.cost * buckets(self.amount(offset), self.bucket)
+
+
+@dataclass(frozen=True)
 class CandidateTables:
     """Linear forms per stage and mode for one candidate."""
 
@@ -122,6 +142,10 @@ class CandidateTables:
     most_layers: tuple[dict[str, int], ...] | None = None
     """Per stage, per mode: the most layers that fit ``capacity_bytes`` by the cost model's
     own stage memory (``lo - 1``: none); None reads it off the linear ``memory_bytes``."""
+    dp_buckets: tuple[tuple[BucketTerm, ...], ...] = ()
+    """Per stage (empty: none anywhere): the per-bucket costs of its once-per-step
+    data-parallel traffic, which ``time_ns``'s ``dp_comm`` forms leave out; a stage's
+    ``dp_comm`` is its form plus each term's ``at(n)`` (``stage_time_ns``)."""
 
     def most(self, stage: int, mode: str) -> int:
         """The most layers ``stage`` holds within capacity under ``mode``."""
@@ -218,12 +242,18 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         lo, hi = (model.num_layers,), (model.num_layers,)
     allowed = tuple((pinned_modes[i],) for i in range(p)) if pinned_modes else (modes,) * p
     by_class: dict[tuple, StageTerms[Linear]] = {}
-    times, memories, mosts = [], [], []
+    bucket_class: dict[tuple, tuple[BucketTerm, ...]] = {}
+    times, memories, mosts, bucket_terms = [], [], [], []
     capacity = math.floor(cluster.gpu.hbm_bytes * (1 - memory_margin))
     for stage in range(p):
         cls = (stage == 0, stage == p - 1, lo[stage], hi[stage],
                stage_link_signature(cluster, config, stage))
         stage_times, stage_memory_forms, stage_most = {}, {}, {}
+        if cls not in bucket_class:
+            bucket_class[cls] = _bucket_terms(model, cluster, config, stage, lo[stage],
+                                              hi[stage], framework, calibration)
+        terms_b = bucket_class[cls]
+        bucket_terms.append(terms_b)
         for mode in allowed[stage]:
             key = (*cls, mode)
             if key not in by_class:
@@ -231,6 +261,11 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                                 calibration)
                 b = (_time_terms(model, cluster, config, stage, lo[stage] + 1, mode, framework,
                                  calibration) if hi[stage] > lo[stage] else a)
+                if terms_b:  # the forms hold the rest; the bucketed part is added exactly
+                    a = dataclasses.replace(a, dp_comm=a.dp_comm - sum(
+                        t.at(0) for t in terms_b) / NS_PER_S)
+                    b = dataclasses.replace(b, dp_comm=b.dp_comm - sum(
+                        t.at(1) for t in terms_b) / NS_PER_S)
                 by_class[key] = map_terms(lambda x, y: _linear(x, y, NS_PER_S), a, b)
             stage_times[mode] = by_class[key]
             first = _reserved(model, cluster, config, stage, lo[stage], mode, framework,
@@ -251,7 +286,25 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     return CandidateTables(config=config, allowed=allowed, lo=lo, hi=hi, time_ns=tuple(times),
                            memory_bytes=tuple(memories), capacity_bytes=capacity,
                            num_layers=model.num_layers, micro_batches=config.grad_accum_steps,
-                           vpp=config.vpp, most_layers=tuple(mosts))
+                           vpp=config.vpp, most_layers=tuple(mosts),
+                           dp_buckets=(tuple(bucket_terms) if any(bucket_terms) else ()))
+
+
+def _bucket_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
+                  lo: int, hi: int, framework: str,
+                  calibration: Calibration) -> tuple[BucketTerm, ...]:
+    """``stage``'s per-bucket data-parallel costs (``costmodel.estimate.stage_dp_buckets``)
+    with their amounts as a linear form from ``lo`` (read at ``lo`` and ``lo + 1``); terms
+    that cost nothing are left out."""
+    first = stage_dp_buckets(model, cluster, stage_config(config, model, stage, lo, "none"),
+                             stage, framework=framework, calibration=calibration)
+    second = (stage_dp_buckets(model, cluster, stage_config(config, model, stage, lo + 1,
+                                                            "none"),
+                               stage, framework=framework, calibration=calibration)
+              if hi > lo else first)
+    return tuple(BucketTerm(base=a, slope=a2 - a, bucket=bucket, cost=int(round(cost * NS_PER_S)))
+                 for (a, bucket, cost), (a2, _, _) in zip(first, second)
+                 if int(round(cost * NS_PER_S)) > 0)
 
 
 def _most_layers(reserved: Callable[[int], float], lo: int, hi: int, capacity: int, *,
@@ -313,7 +366,11 @@ def _reserved(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, st
 def stage_time_ns(tables: CandidateTables, stage: int, layers: int, mode: str) -> StageTime:
     """Every time term of ``stage`` with ``layers`` layers under ``mode`` (ns)."""
     offset = layers - tables.lo[stage]
-    return _with_totals(map_terms(lambda form: form.at(offset), tables.time_ns[stage][mode]))
+    terms = map_terms(lambda form: form.at(offset), tables.time_ns[stage][mode])
+    if tables.dp_buckets and tables.dp_buckets[stage]:
+        terms = dataclasses.replace(terms, dp_comm=terms.dp_comm + sum(
+            term.at(offset) for term in tables.dp_buckets[stage]))
+    return _with_totals(terms)
 
 
 def _with_totals(terms: StageTerms[int]) -> StageTime:
@@ -363,6 +420,19 @@ class KindForm:
 
 
 @dataclass(frozen=True)
+class KindBucket:
+    """``cost * buckets(amount, bucket)`` ns with ``amount`` linear in the kind counts of a
+    stage (``BucketTerm`` for tables over stage boundaries)."""
+
+    amount: KindForm
+    bucket: float
+    cost: int
+
+    def at(self, counts: tuple[int, ...] | list[int]) -> int:
+        return self.cost * buckets(self.amount.at(counts), self.bucket)
+
+
+@dataclass(frozen=True)
 class TracedTables:
     """Per stage and mode, every time term and reserved memory as a ``KindForm``.
 
@@ -397,6 +467,11 @@ class TracedTables:
     ``light_memory_bytes`` those of stages that hold none; each set is exact on its ranges."""
     light_time_ns: tuple[dict[str, StageTerms[KindForm]], ...] | None = None
     light_memory_bytes: tuple[dict[str, KindForm], ...] | None = None
+    dp_buckets: tuple[tuple[KindBucket, ...], ...] = ()
+    """Per stage (empty: none anywhere): the per-bucket data-parallel costs ``time_ns``'s
+    ``dp_comm`` forms leave out (as ``CandidateTables.dp_buckets``); ``light_dp_buckets`` for
+    the light forms."""
+    light_dp_buckets: tuple[tuple[KindBucket, ...], ...] = ()
 
     def counts(self, start: int, stop: int) -> tuple[int, ...]:
         return tuple(row[stop] - row[start] for row in self.prefix)
@@ -413,6 +488,11 @@ class TracedTables:
             return (None,)
         return tuple(cls for cls, forms in ((True, self.memory_bytes[stage]),
                                             (False, self.light_memory_bytes[stage])) if forms)
+
+    def buckets(self, stage: int, light: bool) -> tuple[KindBucket, ...]:
+        """The per-bucket terms of ``stage``'s light or heavy forms."""
+        table = self.light_dp_buckets if light else self.dp_buckets
+        return table[stage] if table else ()
 
     def forms(self, stage: int, counts: tuple[int, ...]
               ) -> tuple[dict[str, StageTerms[KindForm]], dict[str, KindForm]]:
@@ -522,14 +602,27 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
         ranges, rows = _probe_ranges(prefix, stage, p, keep)
         stage_times, stage_memory_forms = {}, {}
         if not ranges:  # the stage holds no range of this class
-            return stage_times, stage_memory_forms
+            return stage_times, stage_memory_forms, ()
+        # the per-bucket data-parallel costs, carried apart (``KindBucket``)
+        probes = [stage_dp_buckets(model, cluster,
+                                   range_config(config, model, stage, start, stop, "none"),
+                                   stage, framework=framework, calibration=calibration)
+                  for start, stop in ranges]
+        bucket_terms = tuple(
+            KindBucket(amount=_solve_forms(rows, [probe[j][0] for probe in probes], 1.0),
+                       bucket=probes[0][j][1], cost=int(round(probes[0][j][2] * NS_PER_S)))
+            for j in range(len(probes[0])) if int(round(probes[0][j][2] * NS_PER_S)) > 0)
         for mode in allowed[stage]:
             terms, reserved = [], []
             for start, stop in ranges:
                 staged = range_config(config, model, stage, start, stop, mode)
-                terms.append(_terms_of(stage_terms(model, cluster, staged, stage,
-                                                   framework=framework,
-                                                   calibration=calibration)))
+                got = _terms_of(stage_terms(model, cluster, staged, stage, framework=framework,
+                                            calibration=calibration))
+                if bucket_terms:
+                    counts = tuple(kind[stop] - kind[start] for kind in prefix)
+                    got = dataclasses.replace(got, dp_comm=got.dp_comm - sum(
+                        term.at(counts) for term in bucket_terms) / NS_PER_S)
+                terms.append(got)
                 workspace = recompute_workspace_bytes(model, staged, stage) if apart else 0.0
                 reserved.append(stage_memory(model, cluster, staged, stage,
                                              framework=framework,
@@ -538,7 +631,7 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
             stage_times[mode] = map_terms(
                 lambda *values: _solve_forms(rows, list(values), NS_PER_S), *terms)
             stage_memory_forms[mode] = _solve_forms(rows, reserved, 1.0, round_up=True)
-        return stage_times, stage_memory_forms
+        return stage_times, stage_memory_forms, bucket_terms
 
     heavy_forms = [stage_forms(stage, None if heavy is None else
                                (lambda counts: counts[heavy] > 0)) for stage in range(p)]
@@ -549,17 +642,21 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
         for index, kind in enumerate(kinds):
             workspace[kind] = math.ceil(traced.layer_workspace_bytes(model, config, index)
                                         * (1 + calibration.allocator_fragmentation))
+    heavy_buckets = tuple(b for _, _, b in heavy_forms)
+    light_buckets = tuple(b for _, _, b in light_forms) if light_forms else ()
     return TracedTables(config=config, allowed=allowed, kinds=kinds, prefix=prefix,
-                        time_ns=tuple(t for t, _ in heavy_forms),
-                        memory_bytes=tuple(m for _, m in heavy_forms),
+                        time_ns=tuple(t for t, _, _ in heavy_forms),
+                        memory_bytes=tuple(m for _, m, _ in heavy_forms),
                         capacity_bytes=math.floor(cluster.gpu.hbm_bytes * (1 - memory_margin)),
                         num_layers=model.num_layers, micro_batches=config.grad_accum_steps,
                         pinned_layers=pinned_layers, workspace_bytes=tuple(workspace),
                         vpp=config.vpp, heavy_kind=heavy,
-                        light_time_ns=(tuple(t for t, _ in light_forms) if light_forms
+                        light_time_ns=(tuple(t for t, _, _ in light_forms) if light_forms
                                        else None),
-                        light_memory_bytes=(tuple(m for _, m in light_forms) if light_forms
-                                            else None))
+                        light_memory_bytes=(tuple(m for _, m, _ in light_forms) if light_forms
+                                            else None),
+                        dp_buckets=heavy_buckets if any(heavy_buckets) else (),
+                        light_dp_buckets=light_buckets if any(light_buckets) else ())
 
 
 def _terms_of(terms) -> StageTerms[float]:
@@ -576,7 +673,11 @@ def traced_stage_ns(tables: TracedTables, stage: int, start: int, stop: int,
     """Every time term of ``stage`` holding ``[start, stop)`` under ``mode`` (ns)."""
     counts = tables.counts(start, stop)
     times, _ = tables.forms(stage, counts)
-    return _with_totals(map_terms(lambda form: form.at(counts), times[mode]))
+    terms = map_terms(lambda form: form.at(counts), times[mode])
+    extra = sum(term.at(counts) for term in tables.buckets(stage, tables.light(counts)))
+    if extra:
+        terms = dataclasses.replace(terms, dp_comm=terms.dp_comm + extra)
+    return _with_totals(terms)
 
 
 def traced_objective_ns(tables: TracedTables, layers: list[int] | tuple[int, ...],
