@@ -549,21 +549,25 @@ def _probe_ranges(prefix: tuple[tuple[int, ...], ...], stage: int, p: int,
     total = len(prefix[0]) - 1
     first, last = stage, total - (p - 1 - stage)  # reachable layers [first, last)
     if stage == 0:
-        options = [(0, stop) for stop in range(1, last + 1)]
+        options = ((0, stop) for stop in range(1, last + 1))
     elif stage == p - 1:
-        options = [(start, total) for start in range(total - 1, first - 1, -1)]
-    else:
-        options = [(j, j + width) for width in (1, 2, 3) for j in range(first, last - width + 1)]
-    if keep is not None:
-        options = [(a, b) for a, b in options
-                   if keep(tuple(kind[b] - kind[a] for kind in prefix))]
+        options = ((start, total) for start in range(total - 1, first - 1, -1))
+    else:  # every middle range, narrowest first (a wide one may hold a kind twice)
+        options = ((j, j + width) for width in range(1, last - first + 1)
+                   for j in range(first, last - width + 1))
     chosen: list[tuple[int, int]] = []
     rows: list[list[int]] = []
+    full = len(prefix) + 1
     for start, stop in options:
-        row = [1] + [kind[stop] - kind[start] for kind in prefix]
+        counts = tuple(kind[stop] - kind[start] for kind in prefix)
+        if keep is not None and not keep(counts):
+            continue
+        row = [1, *counts]
         if np.linalg.matrix_rank(np.array(rows + [row], dtype=float)) > len(rows):
             chosen.append((start, stop))
             rows.append(row)
+            if len(rows) == full:
+                break
     return chosen, np.array(rows, dtype=float)
 
 

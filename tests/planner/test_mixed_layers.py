@@ -54,7 +54,7 @@ TIED = ModelSpec(name="mixed-13-tied", num_layers=13, hidden_size=512, num_heads
 @pytest.mark.parametrize("model,pp,dp,ep,framework", [
     (MODEL, 3, 2, 1, "megatron"), (MODEL, 3, 2, 1, "deepspeed"),
     (MODEL, 3, 2, 1, "torchtitan"), (MODEL, 3, 2, 1, "meshplan"),
-    (TIED, 2, 16, 2, "meshplan")])
+    (TIED, 2, 16, 2, "meshplan"), (TIED, 3, 2, 1, "megatron")])
 def test_tables_match_the_cost_model_on_every_range(model, pp, dp, ep, framework):
     """Every range each stage can hold, every mode: the tables' time terms within their
     integer rounding, and reserved memory never below the cost model's and within 16 bytes of
