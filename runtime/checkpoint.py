@@ -78,15 +78,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from meshplan.costmodel.model import ModelSpec
 from meshplan.runtime import integrity
 from meshplan.runtime.materialize import clean_name
-from meshplan.runtime import optim as optim_mod
 from meshplan.runtime.data import DataSpec
+
+# DCP (torch.distributed.checkpoint) and optim.py (torch.distributed.optim) are imported by the
+# functions that save and load: ``meshplan run``'s launching process imports this module for
+# its checks only (``worker.import_training``).
 
 LATEST = "latest"
 """Pointer file naming the last committed checkpoint folder."""
@@ -275,6 +276,10 @@ def _state_dict(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer
 
     The tensors are the model's and the optimizer's own (or views of them): DCP loads in place.
     """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from meshplan.runtime import optim as optim_mod
+
     parts = [get_model_state_dict(module) for module in modules]
     model: dict[str, Any] = {}
     names: dict[torch.Tensor, str] = {}
@@ -323,6 +328,8 @@ def save(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, directo
          state: TrainState, *, keep_last: int = 0) -> None:
     """Write checkpoint ``step-<state.step>`` of this rank's chunks and optimizer (collective;
     module docstring: the commit protocol); then keep only the ``keep_last`` newest (0: all)."""
+    import torch.distributed.checkpoint as dcp
+
     final = step_dir(directory, state.step)
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -391,6 +398,11 @@ def load(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, directo
          step: int) -> None:
     """Load checkpoint ``step-<step>`` into this rank's chunks and optimizer, resharding to
     their layout (collective). Its ``TrainState`` is ``read_train_state``'s."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    from meshplan.runtime import optim as optim_mod
+
     verify(directory, step)
     tensors, parts = _state_dict(modules, optimizer)
     dcp.load(tensors, checkpoint_id=step_dir(directory, step))

@@ -25,10 +25,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshplan.runtime.model import initial_value
+
+# torch.distributed.tensor (DTensor, about 1 s to import) is imported by the functions that use
+# it: ``meshplan run``'s launching process imports this module without training
+# (``worker.import_training``).
 
 Fill = Callable[[str, tuple[int, ...], tuple[slice, ...]], torch.Tensor]
 """(parameter name, global shape, this rank's region) -> the region's values."""
@@ -41,6 +43,9 @@ def clean_name(name: str) -> str:
 
 def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
     """The region of the global tensor that this rank's shard of ``param`` holds."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     if not isinstance(param, DTensor):
         return tuple(slice(0, size) for size in param.shape)
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
@@ -61,6 +66,8 @@ def materialize(module: nn.Module, device: torch.device, fill: Fill) -> None:
     """Allocate ``module``'s parameters on ``device`` (``to_empty``) and fill each rank's
     shard from ``fill``. Shared parameters (tied embeddings) stay shared (``to_empty``
     gives each owner its own tensor) and are filled once."""
+    from torch.distributed.tensor import DTensor
+
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for sub in module.modules():
         for name, param in sub._parameters.items():

@@ -26,15 +26,16 @@ torch APIs: ``torch.distributed.pipelining.PipelineStage``, ``Schedule1F1B``,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                          ScheduleInterleaved1F1B)
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from meshplan.costmodel.config import ParallelConfig, even_split
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 def virtual_stage_layers(config: ParallelConfig, num_layers: int) -> list[list[int]]:
@@ -58,7 +59,14 @@ def build_schedule(modules: Sequence[nn.Module], stage_indices: Sequence[int], *
                    config: ParallelConfig, device: torch.device, pp_group: ProcessGroup,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                    ) -> _PipelineSchedule:
-    """The pipeline schedule over this rank's stage ``modules`` (already TP/AC/DP-wrapped)."""
+    """The pipeline schedule over this rank's stage ``modules`` (already TP/AC/DP-wrapped).
+
+    ``torch.distributed.pipelining`` (which imports torch._dynamo) is imported here, not with
+    this module, so that ``meshplan run``'s launching process does not load it
+    (``worker.import_training``)."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                              ScheduleInterleaved1F1B)
+
     num_stages = config.pp * config.vpp
     stages = [PipelineStage(module, index, num_stages, device, group=pp_group)
               for module, index in zip(modules, stage_indices)]

@@ -41,7 +41,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+
+# torch.distributed.tensor (DTensor, about 1 s to import) is imported by the functions that use
+# it: ``meshplan run``'s launching process imports this module without training
+# (``worker.import_training``).
 
 SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
@@ -142,6 +145,8 @@ def check_dtype(dtype: str) -> None:
 def _group_key(grad: torch.Tensor):
     """(mesh, indices of the mesh dimensions the gradient is sharded on), or None for a plain
     tensor (held whole by this rank, replicated across data parallel)."""
+    from torch.distributed.tensor import DTensor
+
     if not isinstance(grad, DTensor):
         return None
     # "not replicated" rather than is_shard(): FSDP2 over TP uses _StridedShard, which torch
@@ -156,6 +161,8 @@ def reduce_partial_grads(params: list[torch.Tensor]) -> None:
     parameter used on sequence shards, under sequence parallelism) by their reduced value,
     which the optimizer would otherwise reduce implicitly; their norms and clipping then see
     the real gradient."""
+    from torch.distributed.tensor import DTensor, Replicate
+
     for param in params:
         grad = param.grad
         if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
@@ -168,6 +175,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], *, device: torch.device,
                      pp_mesh: DeviceMesh | None) -> torch.Tensor:
     """The L2 norm of all gradients of the whole model (fp32 scalar on ``device``; the same on
     every rank). Parameters without a gradient count as zero."""
+    from torch.distributed.tensor import DTensor
+
     params = list(params)
     reduce_partial_grads(params)
     groups: dict = defaultdict(list)
@@ -193,6 +202,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], *, device: torch.device,
 def clip_grads(params: Iterable[torch.Tensor], *, total_norm: torch.Tensor,
                max_norm: float) -> None:
     """Scale every gradient by min(1, max_norm / (total_norm + 1e-6)) (torch's formula)."""
+    from torch.distributed.tensor import DTensor
+
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     by_device: dict = defaultdict(list)
     for param in params:

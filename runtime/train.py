@@ -44,16 +44,20 @@ from meshplan.runtime import elastic
 from meshplan.runtime import hf
 from meshplan.runtime import materialize
 from meshplan.runtime import mesh as mesh_mod
-from meshplan.runtime import optim as optim_mod
-from meshplan.runtime import parallelize, pipeline
+from meshplan.runtime import pipeline
 from meshplan.runtime import recipe as recipe_mod
 from meshplan.runtime.metrics import MetricsLog, StepMetrics, mfu
 from meshplan.runtime.recipe import Recipe
 from meshplan.runtime.fault import Fault
 from meshplan.runtime.memory import PeakMemory, RssGrowth, peak_rss_bytes
-from meshplan.runtime.chain import build_chain, build_whole
 from meshplan.runtime.model import Decoder, build_decoder
 from meshplan.runtime.report import RankReport, RunReport
+
+# parallelize.py and optim.py (FSDP2, tensor parallelism, ZeRO: torch.distributed.tensor and
+# torch.distributed.optim) and chain.py (the cost model's tracing, networkx) are imported by
+# the functions that build a rank's model: ``meshplan run``'s launching process imports this
+# module for ``RunOptions`` only. A worker imports them before it starts
+# (``worker.import_training``).
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +192,9 @@ def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
     """Build, tensor-parallelise and checkpoint-wrap this rank's (virtual) stage modules:
     the decoder's on ``meta`` (``materialize.py`` fills them once sharded), a traced module's
     initialised on ``device``."""
+    from meshplan.runtime import parallelize
+    from meshplan.runtime.chain import build_chain, build_whole
+
     config, spec = plan.config, plan.model
     pp_rank = mesh.get_local_rank("pp")
     layers = pipeline.virtual_stage_layers(config, spec.num_layers)
@@ -220,6 +227,9 @@ def _fill(module: nn.Module, plan: Plan, *, seed: int, init_from: str | None):
 def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.device,
                      recipe: Recipe, init_from: str | None = None) -> RankModel:
     """Everything this rank needs to train ``plan``."""
+    from meshplan.runtime import optim as optim_mod
+    from meshplan.runtime import parallelize
+
     config = plan.config
     dtype = compute_dtype(plan, device)
     modules, indices = _chunk_modules(plan, mesh, seed=seed, device=device)
@@ -386,6 +396,8 @@ def train_step(rank_model: RankModel, plan: Plan, batch: torch.Tensor, device: t
     the global gradient norm, checked (``TrainingDiverged`` before anything is applied) and
     clipped; the optimizer step.
     """
+    from meshplan.runtime import optim as optim_mod
+
     config = plan.config
     lr = recipe_mod.lr_at(recipe, step + 1)
     optim_mod.set_lr(rank_model.optimizer, lr)
