@@ -6,7 +6,11 @@ The multi-process cases run ``meshplan run`` (``python -m meshplan run``) on 4 C
 first use:
 
 * reference: tp2 x dp2 ZeRO-1, ``--steps 6``, no checkpoints;
-* saved: the same plan, ``--steps 4 --checkpoint-every 2`` (checkpoints step-2 and step-4).
+* killed: the same plan, ``--steps 6 --checkpoint-every 2 --max-restarts 1``, rank 2 killed
+  after step 5 (``test_killed_rank_restarts_from_the_last_checkpoint``). Its first attempt
+  commits step-2 and step-4 before the kill, as a run of ``--steps 4`` would; the resume tests
+  start from a copy of its folder cut back to that state (``Runs.saved``: step-6 removed,
+  ``latest`` on step-4), which saves a launch of its own.
 
 A resumed run must give the reference's losses: the same plan bit for bit (``==`` on the
 floats), another plan within ``RESHARD_REL_TOL`` (layouts sum in other orders). At least two
@@ -19,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +61,24 @@ def _ok(done) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
+@dataclass(frozen=True)
+class Killed:
+    """The killed run: its completed process, checkpoint folder and fault marker."""
+
+    done: subprocess.CompletedProcess
+    folder: Path
+    marker: Path
+
+
 class Runs:
-    """The reference run and the saved checkpoints, made on first use."""
+    """The reference run and the killed run (whose checkpoints the resume tests start from),
+    made on first use."""
 
     def __init__(self, root: Path, *, meshplan, plan_file, make_config) -> None:
         self.root, self._meshplan = root, meshplan
         self._plan_file, self._make_config = plan_file, make_config
         self._reference: list[float] | None = None
-        self._saved: Path | None = None
+        self._killed: Killed | None = None
 
     def plan(self, name: str, config: dict[str, Any]) -> Path:
         return self._plan_file(TINY, self._make_config(**config), self.root / f"{name}.json")
@@ -83,15 +99,33 @@ class Runs:
             self._reference = report["losses"]
         return self._reference
 
+    def killed(self) -> Killed:
+        """Rank 2 dies after step 5 (step-4 saved); torchrun restarts the job once."""
+        if self._killed is None:
+            folder, marker = self.root / "killed", self.root / "fault-marker"
+            env = {"MESHPLAN_FAULT_AT_STEP": "5", "MESHPLAN_FAULT_RANK": "2",
+                   "MESHPLAN_FAULT_MARKER": str(marker)}
+            done = self.launch(self.plan("save", SAVE_PLAN), "--steps", str(STEPS),
+                               "--checkpoint-dir", str(folder), "--checkpoint-every", "2",
+                               "--max-restarts", "1", env=env, timeout_s=170)
+            self._killed = Killed(done=done, folder=folder, marker=marker)
+        return self._killed
+
     def saved(self, into: Path) -> Path:
-        """A copy of the saved checkpoint folder at ``into``."""
-        if self._saved is None:
-            folder = self.root / "saved"
-            report = self.run(self.plan("save", SAVE_PLAN), "--steps", str(SAVED_STEPS),
-                              "--checkpoint-dir", str(folder), "--checkpoint-every", "2")
-            assert report["losses"] == self.reference()[:SAVED_STEPS]
-            self._saved = folder
-        shutil.copytree(self._saved, into)
+        """At ``into``, the checkpoint folder a run of ``--steps 4 --checkpoint-every 2``
+        leaves: the killed run's, whose first attempt committed step-2 and step-4 before the
+        kill, without what came after step 4 (step-6, the metrics of steps 5 and 6)."""
+        killed = self.killed()
+        _ok(killed.done)
+        shutil.copytree(killed.folder, into)
+        shutil.rmtree(into / f"step-{STEPS}")
+        (into / "latest").write_text(f"step-{SAVED_STEPS}\n")
+        metrics = into / "metrics.jsonl"
+        metrics.write_text("".join(line for line in metrics.read_text().splitlines(True)
+                                   if json.loads(line)["step"] <= SAVED_STEPS))
+        assert _committed(into) == ["step-2", "step-4"]
+        saved = checkpoint.read_train_state(str(into), SAVED_STEPS)
+        assert saved.losses == tuple(self.reference()[:SAVED_STEPS])
         return into
 
 
@@ -108,7 +142,7 @@ def _committed(folder: Path) -> list[str]:
 # ----- multi-process ---------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)  # the module's first test: it also makes the reference and saved runs
+@pytest.mark.timeout(420)  # the module's first test: it also makes the reference and killed runs
 def test_resume_under_the_same_plan_is_bit_for_bit(runs, tmp_path):
     folder = runs.saved(tmp_path / "ckpt")
     report = runs.run(runs.plan("save", SAVE_PLAN), "--steps", str(STEPS),
@@ -153,16 +187,12 @@ def test_resume_under_another_plan_reshards(runs, tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_killed_rank_restarts_from_the_last_checkpoint(runs, tmp_path):
+@pytest.mark.timeout(300)
+def test_killed_rank_restarts_from_the_last_checkpoint(runs):
     """Rank 2 dies after step 5 (step-4 saved); torchrun restarts the job, which resumes from
     step-4, runs steps 5 and 6 again and reports each step's loss once."""
-    folder, marker = tmp_path / "ckpt", tmp_path / "fault-marker"
-    env = {"MESHPLAN_FAULT_AT_STEP": "5", "MESHPLAN_FAULT_RANK": "2",
-           "MESHPLAN_FAULT_MARKER": str(marker)}
-    done = runs.launch(runs.plan("save", SAVE_PLAN), "--steps", str(STEPS),
-                       "--checkpoint-dir", str(folder), "--checkpoint-every", "2",
-                       "--max-restarts", "1", env=env, timeout_s=170)
+    killed = runs.killed()
+    done, folder, marker = killed.done, killed.folder, killed.marker
     report = _ok(done)
     assert marker.exists() and "fault injection: rank 2 exits after step 5" in done.stderr
     assert report["restarts"] == 1 and report["resumed_from_step"] == 4
