@@ -1,8 +1,11 @@
 """Collective calls each framework issues per micro-batch and per step, and their fixed costs.
 
 Two costs are charged per call. Its network latency (``collectives.call_latency_s``: the ring's
-steps times their hop latencies, so an all-gather over 768 ranks pays ~770 hops): latency-bound
-calls cannot hide behind compute, so ``timing.py`` adds it to the stage's time outright. And
+steps times their hop latencies, so an all-gather over 768 ranks pays ~770 hops): a call issued
+when its data is needed waits on the network, so ``timing.py`` adds it to the stage's time
+outright, except where the framework issues the call ahead of use (FSDP2's prefetched blocks,
+DeepSpeed ZeRO-3's next module: ``timing.prefetches_blocks``, ``timing.deepspeed_zero3_traffic``).
+And
 ``Calibration.collective_call_s`` per one-hop step (``latency_steps``), the host cost of a
 call; on NCCL the value is 0, on gloo over loopback it is what a refit finds (``meshplan
 validate --refit``). The counts follow what each framework really issues: TP/SP collectives per
