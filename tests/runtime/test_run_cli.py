@@ -24,6 +24,35 @@ def dp2_plan(tmp_path, plan_file, make_config):
     return plan_file(TINY, make_config(dp=2, zero_stage=3), tmp_path / "dp2.json")
 
 
+def _env_without_paths() -> dict[str, str]:
+    drop = ("RANK", "WORLD_SIZE", "PYTHONPATH", "PYTHONSAFEPATH")
+    return dict({k: v for k, v in os.environ.items() if k not in drop}, OMP_NUM_THREADS="1")
+
+
+DECOY = "raise ImportError('this is the user\\'s own {name} package, not meshplan\\'s')\n"
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory, plan_file, make_config):
+    """One run of a dp2 plan, 2 steps, ``--json --report``, as a user starts it: the
+    ``meshplan`` console script, without PYTHONPATH, from a project folder holding packages
+    named like meshplan's parts and like meshplan itself (``DECOY``), with plain gloo (the
+    suite's one run without device-only collectives). Read by the ``--json`` test and by the
+    decoy test (one launch for both): (the completed process, the report path)."""
+    root = tmp_path_factory.mktemp("user-run")
+    for name in ("runtime", "planner", "costmodel", "meshplan"):
+        (root / name).mkdir()
+        (root / name / "__init__.py").write_text(DECOY.format(name=name))
+        (root / name / "worker.py").write_text(DECOY.format(name=name))
+    plan = plan_file(TINY, make_config(dp=2, zero_stage=3), root / "p.json")
+    report = root / "report.json"
+    script = Path(sys.executable).with_name("meshplan")
+    done = subprocess.run([str(script), "run", plan.name, "--steps", "2", "--json", "--report",
+                           str(report)], cwd=root, capture_output=True, text=True, timeout=150,
+                          env=dict(_env_without_paths(), **{STRICT_ENV: "0"}))
+    return done, report
+
+
 def test_world_size_mismatch_is_refused_before_any_work(capsys, dp2_plan):
     assert cli.main(["run", str(dp2_plan), "--nproc-per-node", "3"]) == 2
     out, err = capsys.readouterr()
@@ -57,12 +86,10 @@ def test_missing_data_file_is_refused(capsys, dp2_plan, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_run_json_prints_the_report(meshplan, dp2_plan, tmp_path):
+@pytest.mark.timeout(180)
+def test_run_json_prints_the_report(user_run):
     """Also the plain-gloo smoke test: the one run without device-only collectives."""
-    report_path = tmp_path / "report.json"
-    done = meshplan("run", str(dp2_plan), "--steps", "2", "--json", "--report",
-                    str(report_path), env={STRICT_ENV: "0"})
+    done, report_path = user_run
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout)
     assert report == json.loads(report_path.read_text())
@@ -142,29 +169,13 @@ def test_two_nodes_meet_at_the_rendezvous(dp2_plan, tmp_path, free_port):
     assert data["world_size"] == 2 and len(data["losses"]) == 2
 
 
-def _env_without_paths() -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "PYTHONPATH", "PYTHONSAFEPATH")
-    return dict({k: v for k, v in os.environ.items() if k not in drop}, OMP_NUM_THREADS="1")
-
-
-DECOY = "raise ImportError('this is the user\\'s own {name} package, not meshplan\\'s')\n"
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_run_works_from_a_directory_with_its_own_runtime_planner_costmodel_and_meshplan(
-        tmp_path, plan_file, make_config):
+        user_run):
     """A user project with packages named like meshplan's parts (and like meshplan itself):
     none of them may be imported by ``meshplan run`` or by its torchrun workers."""
-    for name in ("runtime", "planner", "costmodel", "meshplan"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text(DECOY.format(name=name))
-        (tmp_path / name / "worker.py").write_text(DECOY.format(name=name))
-    plan = plan_file(TINY, make_config(dp=2, zero_stage=3), tmp_path / "p.json")
-    script = Path(sys.executable).with_name("meshplan")
-    done = subprocess.run([str(script), "run", plan.name, "--steps", "2", "--json"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=150,
-                          env=_env_without_paths())
+    done, _ = user_run
     assert done.returncode == 0, done.stderr[-3000:]
     assert "not meshplan's" not in done.stderr
     report = json.loads(done.stdout)
