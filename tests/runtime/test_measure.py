@@ -309,9 +309,9 @@ def test_two_quick_profiles_agree(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(220)  # 54 s on a busy machine; over 100 s once at load average 6
 def test_four_processes_measure_groups_of_two_and_four_with_all_to_all(tmp_path):
-    raw = _profile(tmp_path, "four", "--quick", "--nproc-per-node", "4")
+    raw = _profile(tmp_path, "four", "--quick", "--nproc-per-node", "4", timeout_s=200)
     groups = {(op, n) for _, op, n, _, _ in raw["measurements"]["collectives"]}
     assert {("all_to_all", 2), ("all_to_all", 4), ("all_reduce", 4), ("send_recv", 2)} <= groups
     assert raw["fit"]["links"]["intra"]["group_sizes"] == [2, 4]
