@@ -289,9 +289,10 @@ the suite allows 2x: enough to catch a broken fit (a unit slip is 1000x), not tr
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(260)  # two profiles of at most 100 s each (``_profile``), on a busy machine
-def test_two_quick_profiles_agree(tmp_path):
-    first, second = (_profile(tmp_path, f"run{i}", "--quick")["fit"] for i in (1, 2))
+@pytest.mark.timeout(420)  # two profiles of at most 200 s each: one took over 100 s with two
+def test_two_quick_profiles_agree(tmp_path):  # full suites on the machine (load average 12)
+    first, second = (_profile(tmp_path, f"run{i}", "--quick", timeout_s=200)["fit"]
+                     for i in (1, 2))
     for key in ("matmul_flop_per_s", "memory_bytes_per_s"):
         ratio = max(first[key], second[key]) / min(first[key], second[key])
         assert ratio <= QUICK_COMPUTE_TOLERANCE, (key, first[key], second[key])
