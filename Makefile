@@ -33,7 +33,7 @@ demo: $(STAMP)
 # Two workers (the CI machine has 2 cores; most planner tests use one), each test file on one
 # worker (its module fixtures, e.g. a reference run, are made once).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=40
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,8 @@
 """Alpha-beta cost of collectives over a group of GPUs, read off the cluster graph.
 
 For a group of ranks, ``group_link`` walks the cluster graph between consecutive members of
-the ring (cached per pair class) and keeps the slowest link on each kind of hop: inside a node
+the ring (once per kind of pair, on the cluster's smallest copy that has every kind:
+``ClusterSpec.path_graph``) and keeps the slowest link on each kind of hop: inside a node
 (NVLink) and across nodes (NIC, leaf, spine). A ring that crosses nodes with ``k`` members per
 node runs ``k`` channels in parallel, one per member's NIC (as NCCL does on rail-optimised
 DGX clusters), so its inter-node bandwidth is ``k`` times one NIC's share.
@@ -37,13 +38,12 @@ import functools
 import math
 from collections.abc import Mapping
 
-import numpy as np
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshplan.costmodel.hardware import ClusterSpec
 
-if TYPE_CHECKING:  # imported in _pair_path: the plan-file type and light commands skip networkx
+if TYPE_CHECKING:  # _pair_path (the networkx reference the tests check against) imports it
     import networkx as nx
 
 
@@ -82,16 +82,16 @@ class GroupLink:
 
 
 def _pair_path(graph: nx.Graph, u: int, v: int) -> tuple[float, float]:
-    """(bottleneck bytes_per_s, total latency_s) of the shortest path between GPUs u and v."""
+    """(bottleneck bytes_per_s, total latency_s) of the shortest path between GPUs u and v
+    of a cluster's networkx graph (``ClusterSpec.graph``): the reference ``_small_pair_path``
+    is tested against."""
     import networkx as nx
 
     path = nx.bidirectional_shortest_path(graph, ("gpu", u), ("gpu", v))
-    bandwidth, latency = math.inf, 0.0
-    for a, b in zip(path, path[1:]):
-        edge = graph.edges[a, b]
-        bandwidth = min(bandwidth, edge["bytes_per_s"])
-        latency += edge["latency_s"]
-    return bandwidth, latency
+    edges = [graph.edges[a, b] for a, b in zip(path, path[1:])]
+    # fsum: the correctly rounded sum, the same whichever way the hops are met
+    return (min((e["bytes_per_s"] for e in edges), default=math.inf),
+            math.fsum(e["latency_s"] for e in edges))
 
 
 def group_link(cluster: ClusterSpec, ranks: tuple[int, ...]) -> GroupLink:
@@ -107,21 +107,12 @@ def _group_link_cached(cluster: ClusterSpec, ranks: tuple[int, ...]) -> GroupLin
     if n == 1:
         return GroupLink(size=1, nodes=1, intra_bytes_per_s=math.inf,
                          inter_bytes_per_s=math.inf, per_node=1, latency_s=0.0)
-    gpn, npl = cluster.gpus_per_node, cluster.nodes_per_leaf
-    u = np.asarray(ranks, dtype=np.int64)
-    v = np.roll(u, -1)
-    nu, nv = u // gpn, v // gpn
-    nodes = len(np.unique(nu))
+    nodes, kinds = _ring_kinds(ranks, cluster.gpus_per_node, cluster.nodes_per_leaf)
     per_node = max(1, n // nodes)
-    kinds = (((nu == nv) * gpn + u % gpn) * gpn + v % gpn) * 2 + (nu // npl == nv // npl)
-    _, first = np.unique(kinds, return_index=True)
     intra, inter, latency, intra_latency = math.inf, math.inf, 0.0, 0.0
-    for i in first.tolist():
-        a, b = int(u[i]), int(v[i])
-        same_node = a // gpn == b // gpn
-        bandwidth, hop_latency = _kind_path(cluster, same_node, a % gpn, b % gpn,
-                                            a // gpn // npl == b // gpn // npl, a, b)
-        if same_node:
+    for kind in kinds:
+        bandwidth, hop_latency = _kind_path(cluster, *kind)
+        if kind[0]:  # same node
             intra = min(intra, bandwidth)
             intra_latency = max(intra_latency, hop_latency)
         else:
@@ -133,20 +124,78 @@ def _group_link_cached(cluster: ClusterSpec, ranks: tuple[int, ...]) -> GroupLin
                      intra_latency_s=(intra_latency if spans and intra_latency > 0 else None))
 
 
+NUMPY_RING = 256
+"""Groups of at least this many ranks are classified with numpy (``_ring_kinds``); smaller
+ones in plain Python, which is faster there (a pair: ~2 us against ~200 us)."""
+
+
+def _ring_kinds(ranks: tuple[int, ...], gpn: int, npl: int) -> tuple[int, set[tuple]]:
+    """(nodes the group spans, the kinds of its ring-neighbour pairs): each pair's (same
+    node, local index of each, same leaf), what its path depends on."""
+    n = len(ranks)
+    if n < NUMPY_RING:
+        node_of = [r // gpn for r in ranks]
+        kinds = set()
+        for i, (a, node_a) in enumerate(zip(ranks, node_of)):
+            j = i + 1 if i + 1 < n else 0
+            node_b = node_of[j]
+            kinds.add((node_a == node_b, a % gpn, ranks[j] % gpn,
+                       node_a // npl == node_b // npl))
+        return len(set(node_of)), kinds
+    import numpy as np
+
+    u = np.asarray(ranks, dtype=np.int64)
+    v = np.roll(u, -1)
+    nu, nv = u // gpn, v // gpn
+    codes = (((nu == nv) * gpn + u % gpn) * gpn + v % gpn) * 2 + (nu // npl == nv // npl)
+    _, first = np.unique(codes, return_index=True)
+    kinds = {(bool(nu[i] == nv[i]), int(u[i] % gpn), int(v[i] % gpn),
+              bool(nu[i] // npl == nv[i] // npl)) for i in first.tolist()}
+    return len(np.unique(nu)), kinds
+
+
 @functools.lru_cache(maxsize=64)
 def _kind_paths(cluster: ClusterSpec) -> dict[tuple, tuple[float, float]]:
     return {}
 
 
 def _kind_path(cluster: ClusterSpec, same_node: bool, local_u: int, local_v: int,
-               same_leaf: bool, u: int, v: int) -> tuple[float, float]:
-    """``_pair_path`` of GPUs u and v, shared by every pair of the same kind in ``cluster``
-    (the first pair of a kind met is the one measured)."""
+               same_leaf: bool) -> tuple[float, float]:
+    """``_pair_path`` of every GPU pair of this kind in ``cluster``, read once off the
+    cluster's smallest copy that has the kind (``ClusterSpec.path_graph``)."""
     paths = _kind_paths(cluster)
     key = (same_node, local_u, local_v, same_leaf)
     if key not in paths:
-        paths[key] = _pair_path(cluster.graph, u, v)
+        paths[key] = _small_pair_path(cluster.path_graph[0], *cluster.pair_kind_gpus(
+            same_node, local_u, local_v, same_leaf))
     return paths[key]
+
+
+def _small_pair_path(adjacency: dict[tuple, list[tuple]], u: int,
+                     v: int) -> tuple[float, float]:
+    """``_pair_path`` on a ``ClusterSpec.path_graph`` adjacency: a breadth-first search for
+    a path of fewest hops (every such path between two GPUs crosses the same tiers, so
+    which one is found does not change the bottleneck or the latency)."""
+    source, target = ("gpu", u), ("gpu", v)
+    parent: dict[tuple, tuple | None] = {source: None}
+    frontier = [source]
+    while target not in parent and frontier:
+        following = []
+        for vertex in frontier:
+            for neighbour, bytes_per_s, latency_s in adjacency[vertex]:
+                if neighbour not in parent:
+                    parent[neighbour] = (vertex, bytes_per_s, latency_s)
+                    following.append(neighbour)
+        frontier = following
+    if target not in parent:
+        raise ValueError(f"GPUs {u} and {v} are not connected")
+    bandwidths, latencies = [], []
+    vertex = target
+    while parent[vertex] is not None:
+        vertex, bytes_per_s, latency_s = parent[vertex]
+        bandwidths.append(bytes_per_s)
+        latencies.append(latency_s)
+    return min(bandwidths, default=math.inf), math.fsum(latencies)
 
 
 def with_latency(link: GroupLink, latency_s: Mapping[str, float]) -> GroupLink:

@@ -9,6 +9,7 @@ GPU's flow gets on that link, per direction) and ``latency_s``. Collective costs
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 from dataclasses import dataclass, field
@@ -139,6 +140,39 @@ class ClusterSpec:
         """The topology graph (built once per ClusterSpec)."""
         return build_topology(self)
 
+    @functools.cached_property
+    def path_graph(self) -> tuple[dict[tuple, list[tuple]], int]:
+        """(adjacency, far node): the topology of the smallest cluster of this design in
+        which every kind of GPU pair occurs (``pair_kind_gpus``), as each vertex's
+        ``(neighbour, bytes_per_s, latency_s)`` list in ``topology``'s edge order, and the
+        node under another leaf than node 0 (node 1 shares node 0's leaf whenever two nodes
+        can).
+
+        Every node is a copy of one design and every leaf of a rail meets the same spine, so
+        the path between two GPUs depends only on their local indices and on whether they
+        share a node or a leaf: node 0, node 1 and the first node of the second leaf stand
+        for every pair, and a 16,384-GPU cluster's paths come from a graph of a few dozen
+        GPUs, built without networkx."""
+        npl = self.nodes_per_leaf
+        nodes = 1 if self.nodes == 1 else 2 if self.nodes <= npl else npl + 1
+        small = self if nodes == self.nodes else dataclasses.replace(self, nodes=nodes)
+        adjacency: dict[tuple, list[tuple]] = {}
+        for a, b, bytes_per_s, latency_s, _ in topology(small)[1]:
+            adjacency.setdefault(a, []).append((b, bytes_per_s, latency_s))
+            adjacency.setdefault(b, []).append((a, bytes_per_s, latency_s))
+        return adjacency, min(npl, nodes - 1)
+
+    def pair_kind_gpus(self, same_node: bool, local_u: int, local_v: int,
+                       same_leaf: bool) -> tuple[int, int]:
+        """Two GPUs of ``path_graph`` whose path is that of every pair of this kind: GPU
+        ``local_u`` of node 0 and GPU ``local_v`` of node 0 (same node), of node 1 (same
+        leaf) or of the graph's far node (another leaf)."""
+        gpn = self.gpus_per_node
+        if same_node:
+            return local_u, local_v
+        node = 1 if same_leaf else self.path_graph[1]
+        return local_u, node * gpn + local_v
+
 
 def build_topology(cluster: ClusterSpec) -> nx.Graph:
     """Return the networkx graph of ``cluster``.
@@ -148,46 +182,57 @@ def build_topology(cluster: ClusterSpec) -> nx.Graph:
     every node hangs off that rail's leaf switches (rail-optimised, as in DGX SuperPODs); leaves
     of a rail meet at that rail's spine. Edge ``bytes_per_s`` is what one GPU's flow gets per
     direction: NVLink for GPU-NVSwitch, the NIC for GPU-NIC-leaf, and the NIC divided by
-    ``spine_oversubscription`` for leaf-spine.
+    ``spine_oversubscription`` for leaf-spine (``topology``: the vertices and edges).
     """
     import networkx as nx
 
+    vertices, edges = topology(cluster)
     g = nx.Graph()
+    g.add_nodes_from(vertices.items())
+    for a, b, bytes_per_s, latency_s, tier in edges:
+        g.add_edge(a, b, bytes_per_s=bytes_per_s, latency_s=latency_s, tier=tier)
+    return g
+
+
+def topology(cluster: ClusterSpec) -> tuple[dict[tuple, dict[str, Any]], list[tuple]]:
+    """The vertices of ``cluster``'s topology with their attributes, and its edges as
+    ``(a, b, bytes_per_s, latency_s, tier)`` (``build_topology`` makes the graph of them)."""
     gpu = cluster.gpu
     rails = min(cluster.nics_per_node, cluster.gpus_per_node)  # NICs with a GPU on them
     nic_share = max(1, cluster.gpus_per_node // rails)
     per_gpu_nic = cluster.nic_bytes_per_s / nic_share
     leaves_per_rail = -(-cluster.nodes // cluster.nodes_per_leaf)
+    vertices: dict[tuple, dict[str, Any]] = {}
+    edges: list[tuple] = []
     for node in range(cluster.nodes):
         switch = ("nvswitch", node)
-        g.add_node(switch, kind="nvswitch", node=node)
+        vertices[switch] = {"kind": "nvswitch", "node": node}
         for local in range(cluster.gpus_per_node):
-            gid = node * cluster.gpus_per_node + local
-            g.add_node(("gpu", gid), kind="gpu", node=node, local=local)
-            g.add_edge(("gpu", gid), switch, bytes_per_s=gpu.nvlink_bytes_per_s,
-                       latency_s=cluster.nvlink_latency_s / 2, tier="nvlink")
+            gid = ("gpu", node * cluster.gpus_per_node + local)
+            vertices[gid] = {"kind": "gpu", "node": node, "local": local}
+            edges.append((gid, switch, gpu.nvlink_bytes_per_s, cluster.nvlink_latency_s / 2,
+                          "nvlink"))
             if cluster.nodes > 1:
-                rail = local % rails
-                g.add_edge(("gpu", gid), ("nic", node, rail), bytes_per_s=per_gpu_nic,
-                           latency_s=cluster.nic_latency_s / 4, tier="pcie-nic")
+                nic = ("nic", node, local % rails)
+                vertices.setdefault(nic, {})
+                edges.append((gid, nic, per_gpu_nic, cluster.nic_latency_s / 4, "pcie-nic"))
         if cluster.nodes == 1:
             continue
         for rail in range(rails):
             nic = ("nic", node, rail)
-            g.nodes[nic].update(kind="nic", node=node, rail=rail)
+            vertices.setdefault(nic, {}).update(kind="nic", node=node, rail=rail)
             leaf = ("leaf", rail, node // cluster.nodes_per_leaf)
-            g.add_node(leaf, kind="leaf", rail=rail)
-            g.add_edge(nic, leaf, bytes_per_s=per_gpu_nic, latency_s=cluster.nic_latency_s / 4,
-                       tier="nic-leaf")
+            vertices[leaf] = {"kind": "leaf", "rail": rail}
+            edges.append((nic, leaf, per_gpu_nic, cluster.nic_latency_s / 4, "nic-leaf"))
     if cluster.nodes > 1 and leaves_per_rail > 1:
         for rail in range(rails):
             spine = ("spine", rail)
-            g.add_node(spine, kind="spine", rail=rail)
+            vertices[spine] = {"kind": "spine", "rail": rail}
             for j in range(leaves_per_rail):
-                g.add_edge(("leaf", rail, j), spine,
-                           bytes_per_s=per_gpu_nic / cluster.spine_oversubscription,
-                           latency_s=cluster.nic_latency_s / 4, tier="leaf-spine")
-    return g
+                edges.append((("leaf", rail, j), spine,
+                               per_gpu_nic / cluster.spine_oversubscription,
+                               cluster.nic_latency_s / 4, "leaf-spine"))
+    return vertices, edges
 
 
 # ----- catalogs and loading --------------------------------------------------------------------

@@ -408,3 +408,50 @@ def test_group_links_match_every_pair_and_stages_shift_by_whole_leaves(cluster_n
                         _reference_group_link(cluster, list(ranks))
                     checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("name,nodes,changes", [
+    ("dgx-h100", 9, {}),
+    ("dgx-a100-80gb", 3, {}),
+    ("dgx-h100", 7, {"nodes_per_leaf": 3, "spine_oversubscription": 2.0}),
+    ("dgx-h100", 5, {"nodes_per_leaf": 1}),
+    ("dgx-h100", 6, {"nics_per_node": 4, "nodes_per_leaf": 2}),
+    ("dgx-h100", 2, {"nodes_per_leaf": 8}),
+])
+def test_pair_paths_of_the_small_copy_are_the_clusters_own(name, nodes, changes):
+    """Every GPU pair's shortest path (bottleneck bandwidth and latency) read off the full
+    cluster graph equals the one of its kind on ``path_graph``, the cluster's small copy the
+    group links are read from: pairs from two different nodes to GPUs of every node."""
+    cluster = dataclasses.replace(load_cluster(name, nodes=nodes), **changes)
+    small, _ = cluster.path_graph
+    assert len(small) <= cluster.graph.number_of_nodes()
+    gpn, npl = cluster.gpus_per_node, cluster.nodes_per_leaf
+    checked = 0
+    for a_node in sorted({0, nodes // 2}):
+        for u in range(a_node * gpn, (a_node + 1) * gpn):
+            for v in range(cluster.num_gpus):
+                if u == v:
+                    continue
+                kind = (u // gpn == v // gpn, u % gpn, v % gpn, u // gpn // npl == v // gpn // npl)
+                assert (coll._small_pair_path(small, *cluster.pair_kind_gpus(*kind))
+                        == coll._pair_path(cluster.graph, u, v)), (u, v)
+                checked += 1
+    assert checked >= gpn * (cluster.num_gpus - 1)
+
+
+def test_ring_kinds_agree_in_python_and_numpy(monkeypatch):
+    """Both ways ``_ring_kinds`` classifies a group (plain Python below ``NUMPY_RING`` ranks,
+    numpy from there) give the same nodes and pair kinds, on strided, shuffled and repeated-
+    node groups of 2 to 600 ranks."""
+    import random
+
+    rng = random.Random(7)
+    groups = [tuple(range(s, s + n * stride, stride))
+              for n, stride, s in ((2, 256, 0), (8, 1, 8), (64, 8, 3), (300, 4, 1), (600, 1, 0))]
+    groups += [tuple(rng.sample(range(4096), n)) for n in (2, 3, 17, 255, 256, 500)]
+    for ranks in groups:
+        for gpn, npl in ((8, 4), (4, 1), (72, 2)):
+            monkeypatch.setattr(coll, "NUMPY_RING", 10**9)
+            in_python = coll._ring_kinds(ranks, gpn, npl)
+            monkeypatch.setattr(coll, "NUMPY_RING", 1)
+            assert coll._ring_kinds(ranks, gpn, npl) == in_python, (len(ranks), gpn, npl)
