@@ -128,6 +128,20 @@ class ClusterSpec:
             raise ValueError(f"cluster {self.name!r}: spine_oversubscription must be >= 1, "
                              f"got {self.spine_oversubscription!r}")
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: clusters key the collective and link caches,
+        which the planner reads hundreds of thousands of times per search."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields only: string hashes differ between processes, and the cached graphs
+        are rebuilt on demand."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node

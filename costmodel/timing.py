@@ -37,7 +37,7 @@ from meshplan.costmodel.calls import (DDP_BUCKET_BYTES, LOSS_REDUCTION_CALLS, bu
                                       zero3_gather_passes, zero_call_latency_s)
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import eager_kernels
-from meshplan.costmodel.layout import axis_group, dp_cp_ranks, ep_group, rank_of, strides
+from meshplan.costmodel.layout import axis_group, dp_cp_ranks, ep_group, rank_of
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import (StageParams, layer_modes, layer_rank_params,
@@ -149,18 +149,38 @@ def _pp_link(cluster: ClusterSpec, config: ParallelConfig, stage: int,
                                      rank_of(config, {"pp": stage})))
 
 
+def link_period(cluster: ClusterSpec, config: ParallelConfig) -> int:
+    """Stages ``period <= s < pp - 1`` have the links of stage ``s % period``
+    (``_stage_links``)."""
+    return _link_period(cluster.gpus_per_node * cluster.nodes_per_leaf, config.tp, config.cp,
+                        config.dp, config.pp, tuple(config.mesh_order))
+
+
+@functools.lru_cache(maxsize=16384)
+def _link_period(leaf: int, tp: int, cp: int, dp: int, pp: int,
+                 mesh_order: tuple[str, ...]) -> int:
+    """Shifting every rank by whole leaves (``leaf``: GPUs per node x nodes per leaf) keeps
+    what a group's links depend on (``collectives._group_link_cached``), so stage s sees the
+    links of the stage an exact number of leaves before it: the stages repeat with this
+    period (the pipeline axis's rank stride, ``layout.strides``, against the leaf)."""
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    stride = 1
+    for name in mesh_order:
+        if name == "pp":
+            break
+        stride *= sizes[name]
+    return leaf // math.gcd(stride, leaf)
+
+
 @functools.lru_cache(maxsize=16384)
 def _stage_links(cluster: ClusterSpec, tp: int, cp: int, dp: int, pp: int, ep: int,
                  mesh_order: tuple[str, ...], stage: int) -> Links:
-    layout = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, mesh_order=mesh_order,
-                            global_batch_size=dp, seq_len=cp)
-    # Shifting every rank by whole leaves (gpus per node x nodes per leaf) keeps what a
-    # group's links depend on (``collectives._group_link_cached``): the stage's groups see
-    # the links of the first stage an exact number of leaves before it.
-    leaf = cluster.gpus_per_node * cluster.nodes_per_leaf
-    period = leaf // math.gcd(strides(layout)["pp"], leaf)
+    period = _link_period(cluster.gpus_per_node * cluster.nodes_per_leaf, tp, cp, dp, pp,
+                          mesh_order)
     if period <= stage < pp - 1:
         return _stage_links(cluster, tp, cp, dp, pp, ep, mesh_order, stage % period)
+    layout = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, mesh_order=mesh_order,
+                            global_batch_size=dp, seq_len=cp)
     return direct_stage_links(cluster, layout, stage)
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig
 from meshplan.costmodel.estimate import stage_micro
-from meshplan.costmodel.timing import stage_link_signature
+from meshplan.costmodel.timing import link_period, stage_link_signature
 from meshplan.planner.tables import stage_config
 
 MIDDLE_SAMPLES = 6
@@ -126,9 +126,14 @@ def stage_classes(cluster: ClusterSpec, config: ParallelConfig,
     if cache is not None and key in cache:
         return cache[key]
     p = config.pp
+    period = link_period(cluster, config)  # stages period..p-2 repeat the links of 0..period-1
+    ids: dict[tuple, int] = {}  # each distinct signature's number (hashed once each)
+    known = [ids.setdefault(stage_link_signature(cluster, config, stage), len(ids))
+             for stage in range(min(period, p))]
+    last = ids.setdefault(stage_link_signature(cluster, config, p - 1), len(ids))
     firsts: dict[tuple, int] = {}
     out = tuple(firsts.setdefault((stage == 0, stage == p - 1,
-                                   stage_link_signature(cluster, config, stage)), stage)
+                                   known[stage % period] if stage < p - 1 else last), stage)
                 for stage in range(p))
     if cache is not None:
         cache[key] = out
