@@ -77,9 +77,13 @@ def strides(config: ParallelConfig) -> dict[str, int]:
     """Rank distance between neighbours along each axis: 1 for the first of ``mesh_order``,
     then the product of the sizes of the axes before it (``rank_of`` is the sum of
     coordinate times stride)."""
-    sizes = axis_sizes(config)
+    return order_strides(config.mesh_order, axis_sizes(config))
+
+
+def order_strides(mesh_order, sizes: dict[str, int]) -> dict[str, int]:
+    """``strides`` from the mesh order and the axis sizes alone (no configuration built)."""
     out, step = {}, 1
-    for name in config.mesh_order:
+    for name in mesh_order:
         out[name] = step
         step *= sizes[name]
     return out

@@ -37,7 +37,8 @@ from meshplan.costmodel.calls import (DDP_BUCKET_BYTES, LOSS_REDUCTION_CALLS, bu
                                       zero3_gather_passes, zero_call_latency_s)
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import eager_kernels
-from meshplan.costmodel.layout import axis_group, dp_cp_ranks, ep_group, rank_of
+from meshplan.costmodel.layout import (axis_group, dp_cp_ranks, ep_group, order_strides,
+                                       rank_of)
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import (StageParams, layer_modes, layer_rank_params,
@@ -163,12 +164,7 @@ def _link_period(leaf: int, tp: int, cp: int, dp: int, pp: int,
     what a group's links depend on (``collectives._group_link_cached``), so stage s sees the
     links of the stage an exact number of leaves before it: the stages repeat with this
     period (the pipeline axis's rank stride, ``layout.strides``, against the leaf)."""
-    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
-    stride = 1
-    for name in mesh_order:
-        if name == "pp":
-            break
-        stride *= sizes[name]
+    stride = order_strides(mesh_order, {"tp": tp, "cp": cp, "dp": dp, "pp": pp})["pp"]
     return leaf // math.gcd(stride, leaf)
 
 
