@@ -20,6 +20,10 @@ import sys
 
 ERROR_FILE = "MESHPLAN_ERROR_FILE"
 """Environment variable: where a worker records the error that ended it (first one wins)."""
+START_ENV = "MESHPLAN_WORKER_START"
+"""Environment variable: how this agent starts its workers: ``forkserver`` (forks of one
+preloaded interpreter, ``prefork.py``; what ``meshplan run`` asks for on the CPU) or
+``spawn`` (one interpreter each, torchrun's way; the default)."""
 TOO_FEW_NODES = "too_few_nodes"
 """The error file's ``kind`` when the rendezvous ended for want of nodes."""
 AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",
@@ -69,6 +73,9 @@ class _AfterRecordedError(logging.Filter):
 
 
 def main(argv: list[str]) -> int:
+    forked = os.environ.get(START_ENV) == "forkserver"
+    if forked:  # the server imports the training stack while this process imports torchrun
+        _start_forkserver()
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError,
@@ -79,7 +86,10 @@ def main(argv: list[str]) -> int:
         for name in AGENT_LOGGERS:
             logging.getLogger(name).addFilter(_AfterRecordedError(path))
     try:
-        torchrun.main(argv)
+        if forked:
+            _run_forked(argv)
+        else:
+            torchrun.main(argv)
     except ChildFailedError:
         recorded = read_error(path) if path else None
         if recorded is None:
@@ -91,6 +101,37 @@ def main(argv: list[str]) -> int:
         report_error(4, str(ended) or type(ended).__name__, kind=TOO_FEW_NODES)
         return 4
     return 0
+
+
+def _start_forkserver() -> None:
+    """Start multiprocessing's fork server, preloading ``prefork.TRAINING_MODULES``."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    from meshplan.runtime import prefork
+
+    multiprocessing.set_forkserver_preload(list(prefork.TRAINING_MODULES))
+    multiprocessing.forkserver.ensure_running()
+
+
+def _run_forked(argv: list[str]) -> None:
+    """torchrun's ``run`` with the worker program (``-m meshplan.runtime.worker JOB``)
+    replaced by ``prefork.entry(JOB)``, started by multiprocessing's forkserver with
+    ``meshplan.runtime.prefork`` preloaded."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+
+    from meshplan.runtime import prefork
+
+    args = torchrun.parse_args(argv)
+    if not args.module or args.training_script != "meshplan.runtime.worker":
+        raise ValueError(f"{START_ENV}=forkserver runs meshplan's worker only, "
+                         f"not {args.training_script!r}")
+    config, _, _ = torchrun.config_from_args(args)
+    config.start_method = "forkserver"
+    record(elastic_launch(config=config, entrypoint=prefork.entry))(
+        *args.training_script_args)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,8 @@ def worker_environment(options: RunOptions, launch: Launch,
     On CUDA, NCCL's asynchronous error handling and flight recorder are on (``NCCL_DEFAULTS``;
     a value the user set wins): a collective that times out ends its process instead of
     hanging, and every rank dumps its last collectives to ``flight_recorder_prefix``. On the
-    CPU, glibc returns large freed blocks at once (``CPU_MALLOC_DEFAULTS``).
+    CPU, glibc returns large freed blocks at once (``CPU_MALLOC_DEFAULTS``) and the workers
+    are forks of one preloaded interpreter (``agent.START_ENV``, ``prefork.py``).
     """
     env = dict(os.environ if base is None else base, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     if launch.max_restarts or launch.elastic:
@@ -163,6 +164,7 @@ def worker_environment(options: RunOptions, launch: Launch,
     else:
         for key, value in CPU_MALLOC_DEFAULTS.items():
             env.setdefault(key, value)
+        env.setdefault(agent.START_ENV, "forkserver")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env

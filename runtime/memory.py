@@ -208,7 +208,10 @@ class RssGrowth:
     """How far this process's resident memory rose above its level at entry while the block
     ran (``growth_bytes``): the peak inside the block minus the RSS at entry. Linux resets
     the peak mark for this (``echo 5 > /proc/self/clear_refs``; ``peak_rss_bytes`` still
-    reports the whole process's peak); None where that is not possible."""
+    reports the whole process's peak); None where that is not possible. In a worker forked
+    from the preloaded server (``prefork.py``) the growth also counts shared-library code the
+    block runs for the first time in that process (a fork does not copy the page tables of
+    file mappings): several MiB that a worker of its own interpreter counted at import."""
 
     growth_bytes: int | None = None
 

@@ -3,7 +3,7 @@
 ``RunReport`` is what a run measured next to what its plan predicted; ``to_dict`` is the one
 place its JSON is produced (the keys of DESIGN.md plus the extras the runtime adds:
 ``ratio``, ``peak_bytes``, ``step_s``, ``compute_dtype``, ``resumed_from_step``,
-``restarts``, ``grad_norms``, ``lrs``, ``optimizer_s``, ``recipe``), and
+``restarts``, ``grad_norms``, ``lrs``, ``optimizer_s``, ``recipe``, ``worker_start``), and
 ``report_from_dict`` the one place it is read, strictly (``costmodel.jsonio``). Its ``plan``
 object is the estimate's (``estimate.config_to_dict``).
 Derived values (median step, tokens/s, ratios, the largest peak) are computed from the
@@ -87,6 +87,9 @@ class RunReport:
     rank's) of each step this attempt ran: after a resume, only the steps since it."""
     recipe: dict[str, Any] | None = None
     """The training recipe (``recipe.Recipe`` as a dict)."""
+    worker_start: str | None = None
+    """How the workers started: ``forkserver`` (forks of one preloaded interpreter, the CPU
+    default) or ``spawn`` (an interpreter each; ``runtime/prefork.py``)."""
     membership_changes: tuple[dict[str, Any], ...] = ()
     """An elastic run's membership records (``elastic.report_changes``), oldest first; the
     document has the key only when there was a change."""
@@ -123,6 +126,7 @@ class RunReport:
                 "resumed_from_step": self.resumed_from_step, "restarts": self.restarts,
                 "grad_norms": list(self.grad_norms), "lrs": list(self.lrs),
                 "optimizer_s": list(self.optimizer_s), "recipe": self.recipe,
+                "worker_start": self.worker_start,
                 **({"membership_changes": list(self.membership_changes)}
                    if self.membership_changes else {})}
 
@@ -142,6 +146,8 @@ REPORT_SCHEMA = schema_of(
     rules={"schema_version": Rule(kind="int", limit=Limit(choices=(schema.RUN_REPORT,))),
            "plan": Rule(kind="object"),
            "recipe": Rule(kind="object", nullable=True),
+           "worker_start": Rule(kind="str", nullable=True,
+                                limit=Limit(choices=("forkserver", "spawn"))),
            "membership_changes": Rule(kind="list", items=Rule(kind="object")),
            "per_rank": Rule(kind="list", items=Rule(kind="object", schema=_RANK_SCHEMA)),
            "predicted": Rule(kind="object", schema=_PREDICTED_SCHEMA),
@@ -154,7 +160,8 @@ REPORT_SCHEMA = schema_of(
 and unknown extras tolerated, as DESIGN.md lets the report grow. Derived keys (median,
 tokens/s, ratios, the largest peak) are checked for type and recomputed, not read."""
 _RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankReport))
-_OPTIONAL_FIELDS = ("compute_dtype", "resumed_from_step", "restarts", "recipe")
+_OPTIONAL_FIELDS = ("compute_dtype", "resumed_from_step", "restarts", "recipe",
+                    "worker_start")
 _OPTIONAL_SERIES = ("grad_norms", "lrs", "optimizer_s", "membership_changes")
 
 

@@ -45,6 +45,7 @@ from meshplan.runtime import hf
 from meshplan.runtime import materialize
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime import pipeline
+from meshplan.runtime import prefork
 from meshplan.runtime import recipe as recipe_mod
 from meshplan.runtime.metrics import MetricsLog, StepMetrics, mfu
 from meshplan.runtime.recipe import Recipe
@@ -618,7 +619,8 @@ def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
                           per_rank=gathered)
     return dataclasses.replace(report, grad_norms=tuple(log.grad_norms), lrs=tuple(log.lrs),
                                optimizer_s=tuple(log.optimizer_s), recipe=log.recipe,
-                               resumed_from_step=log.resumed_from)
+                               resumed_from_step=log.resumed_from,
+                               worker_start=prefork.started_as)
 
 
 def build_report(plan: Plan, *, backend: str, losses: list[float], times_s: list[float],

@@ -16,6 +16,7 @@ traceback and ends the process at once
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from meshplan.planner.plan import Plan, read_plan
-from meshplan.runtime import agent, elastic
+from meshplan.runtime import agent, elastic, prefork
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime.integrity import CorruptCheckpoint
 from meshplan.runtime.report import RunReport
@@ -118,24 +119,19 @@ def _refused(rank: int, code: int, err: Exception) -> int:
 
 
 def import_training() -> None:
-    """Import the parts of torch.distributed that training uses (DTensor, FSDP2, tensor
-    parallelism, ZeRO, pipelining, DCP) and the cost model's tracing.
+    """Import ``prefork.TRAINING_MODULES``: the parts of torch.distributed that training
+    uses (DTensor, FSDP2, tensor parallelism, ZeRO, pipelining, DCP) and the runtime's own.
 
     The runtime's modules import them inside the functions that use them, so that
     ``meshplan run``'s launching process, which only checks the plan and starts torchrun,
     starts in about half the time (2 s instead of 5 s of CPU on a 2-core machine). A worker
     imports all of them here, first thing, as it did when they were module-level imports:
     before strict mode (``strict.py``) wraps the collectives when the process group is
-    joined, and outside the measured build (``memory.RssGrowth``) and memory windows.
+    joined, and outside the measured build (``memory.RssGrowth``) and memory windows. A
+    worker forked from the preloaded server (``prefork.py``) finds them imported.
     """
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-    import torch.distributed.pipelining  # noqa: F401
-    import torch.distributed.pipelining.schedules  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
-    import torch.distributed.tensor._utils  # noqa: F401
-
-    from meshplan.runtime import chain, optim, parallelize  # noqa: F401
+    for name in prefork.TRAINING_MODULES:
+        importlib.import_module(name)
 
 
 def run_job(job: Job, *, plans: list[Plan] | None = None) -> int:

@@ -50,7 +50,11 @@ def worker_env() -> dict[str, str]:
 
 def run_torchrun(plans: Sequence[Path], reports: Sequence[Path], *, nproc: int, steps: int,
                  timeout_s: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """``runtime.worker`` on ``nproc`` local processes for ``plans``, one report each."""
+    """``runtime.worker`` on ``nproc`` local processes for ``plans``, one report each; on the
+    CPU forked from one preloaded server, as ``meshplan run`` starts them there."""
+    import torch
+
+    from meshplan.runtime.agent import START_ENV
     from meshplan.runtime.launch import Launch, torchrun_command
     from meshplan.runtime.train import RunOptions
     from meshplan.runtime.worker import Job
@@ -58,7 +62,9 @@ def run_torchrun(plans: Sequence[Path], reports: Sequence[Path], *, nproc: int, 
     job = Job(plans=tuple(map(str, plans)), reports=tuple(map(str, reports)),
               options=RunOptions(steps=steps, timeout_s=60.0))
     return subprocess.run(torchrun_command(job, Launch(), nproc_per_node=nproc),
-                          capture_output=True, text=True, timeout=timeout_s, env=worker_env())
+                          capture_output=True, text=True, timeout=timeout_s,
+                          env=dict(worker_env(), **({} if torch.cuda.is_available()
+                                                    else {START_ENV: "forkserver"})))
 
 
 @pytest.fixture(scope="session")

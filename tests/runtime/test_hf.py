@@ -162,7 +162,11 @@ LOAD_OVERHEAD_BYTES = 16 * 2 ** 20
 """What loading adds to a rank's resident memory beyond its parameter shards and one
 tensor's region in flight (safetensors' copy before it lands in the shard): allocator and
 library state. Measured 9.4-9.5 MiB on this machine (dp4 and tp2 x dp2, ZeRO-3) for
-checkpoints of 48 and 192 MiB, whose shards and regions in flight were 14 and 56 MiB."""
+checkpoints of 48 and 192 MiB, whose shards and regions in flight were 14 and 56 MiB, with
+workers of their own interpreters. A worker forked from the preloaded server (the CPU default,
+``runtime/prefork.py``) also counts the shared-library code it first runs while loading (Linux
+does not copy the page tables of file mappings at a fork): 6-7 MiB more here, so the test
+starts its workers as interpreters of their own."""
 
 
 @pytest.mark.slow
@@ -172,6 +176,7 @@ def test_each_rank_reads_only_its_own_shard(tmp_path, plan_file):
     of each rank's resident memory while it builds and loads is its quarter, one tensor's
     region and the fixed overhead; reading the whole checkpoint would exceed that."""
     from meshplan.costmodel import ParallelConfig
+    from meshplan.runtime.agent import START_ENV
     from tests.runtime.conftest import run_meshplan
 
     config = transformers.LlamaConfig(
@@ -187,7 +192,7 @@ def test_each_rank_reads_only_its_own_shard(tmp_path, plan_file):
                      ParallelConfig(dtype="fp32", tp=2, dp=2, zero_stage=3, **COMMON),
                      tmp_path / "plan.json")
     done = run_meshplan("run", str(plan), "--steps", "1", "--init-from", str(tmp_path / "hf"),
-                        "--json", "--oversubscribe")
+                        "--json", "--oversubscribe", env={START_ENV: "spawn"})
     assert done.returncode == 0, done.stderr[-3000:]
     share = total / 4
     bound = share + largest / 4 + LOAD_OVERHEAD_BYTES

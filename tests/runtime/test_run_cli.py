@@ -14,6 +14,7 @@ import pytest
 
 from meshplan.costmodel import load_model
 from meshplan import cli
+from meshplan.runtime.agent import START_ENV
 from meshplan.runtime.strict import ENV as STRICT_ENV
 
 TINY = load_model("tiny")
@@ -96,6 +97,22 @@ def test_run_json_prints_the_report(user_run):
     assert report["world_size"] == 2 and len(report["losses"]) == 2
     assert "step 1 loss" in done.stderr  # progress goes to stderr under --json
     assert [r["rank"] for r in report["per_rank"]] == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_workers_forked_from_one_server_train_like_workers_of_their_own(user_run, meshplan):
+    """On the CPU the workers are forks of one preloaded interpreter (runtime/prefork.py); the
+    start method GPUs keep, an interpreter per worker, gives the same losses bit for bit."""
+    done, report_path = user_run
+    forked = json.loads(done.stdout)
+    assert forked["worker_start"] == "forkserver"
+    spawned = meshplan("run", str(report_path.with_name("p.json")), "--steps", "2", "--json",
+                       env={START_ENV: "spawn"}, timeout_s=150)
+    assert spawned.returncode == 0, spawned.stderr[-4000:]
+    report = json.loads(spawned.stdout)
+    assert report["worker_start"] == "spawn"
+    assert report["losses"] == forked["losses"]
 
 
 @pytest.mark.slow
