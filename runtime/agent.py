@@ -116,8 +116,8 @@ def _start_forkserver() -> None:
 
 def _run_forked(argv: list[str]) -> None:
     """torchrun's ``run`` with the worker program (``-m meshplan.runtime.worker JOB``)
-    replaced by ``prefork.entry(JOB)``, started by multiprocessing's forkserver with
-    ``meshplan.runtime.prefork`` preloaded."""
+    run as ``prefork.entry("meshplan.runtime.worker", JOB)`` in forks of multiprocessing's
+    fork server (``_start_forkserver``)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
@@ -131,7 +131,7 @@ def _run_forked(argv: list[str]) -> None:
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
     record(elastic_launch(config=config, entrypoint=prefork.entry))(
-        *args.training_script_args)
+        args.training_script, *args.training_script_args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ This module itself imports nothing heavy: the agent imports it to name ``entry``
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -37,16 +38,18 @@ started_as = "spawn"
 or ``spawn`` (an interpreter of its own); the run report's ``worker_start``."""
 
 
-def entry(job_json: str) -> None:
-    """A forked worker's main: ``worker.main`` on the job. A non-zero exit code ends the
-    process at once (as a worker of its own interpreter does); exit code 0 returns, so that
-    torchrun's process context collects the worker's (empty) return value."""
+def entry(program: str, *argv: str) -> None:
+    """A forked worker's main: ``main(argv)`` of the module named ``program`` (what
+    ``python -m program argv...`` runs, torchrun's way of naming it; the agent passes
+    ``meshplan.runtime.worker`` and its job), from the module the server preloaded. The worker
+    is named, not imported here, as torchrun names it: this module stays a leaf that the
+    worker itself imports. A non-zero exit code ends the process at once (as a worker of its
+    own interpreter does); exit code 0 returns, so that torchrun's process context collects
+    the worker's (empty) return value."""
     global started_as
-    from meshplan.runtime import worker
-
     started_as = "forkserver"
     sys.stdout.reconfigure(line_buffering=True)
-    code = worker.main([job_json])
+    code = importlib.import_module(program).main(list(argv))
     sys.stdout.flush()
     sys.stderr.flush()
     if code:
