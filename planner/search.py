@@ -742,7 +742,9 @@ class _Refiner:
         micro-batch and the most virtual chunks; reached, ``fitting``: per (sp, rank
         layout), the same with the per-sample slowest stage and sum of
         ``bounds.capacity_bound`` (largest micro-batch's work, smallest micro-batch's leanest
-        capacities: 3, 4); degree tuples no member of which fits drop.
+        capacities: 3, 4); degree tuples no member of which fits drop. Each layout below
+        starts from that floor at its own micro-batch b and its own most virtual chunks (the
+        bubble's share, ``b (S - T) / v``, grows with b), not the tuple's smallest b.
     ``layout`` (+ micro-batch, sp, rank layout)
         the layout's linear work over every v (2), then its leanest member's capacities
         (``family``: 1, 4); ``layout_fit`` bounds each v from the v = 1 terms (2).
@@ -932,13 +934,23 @@ class _Refiner:
             per_layout = self.degrees_fit_bounds(degrees, layouts)
             if not per_layout:
                 return [], 1
-            return [self.node(max(min(per_layout.values()), node.bound), "fitting",
+            smallest = min(b for b, _, _ in layouts)
+            v_max = self.v_max(degrees, {b for b, _, _ in layouts})
+            value = min(self.pipeline_floor(degrees, top, total, smallest, v_max)
+                        for top, total in per_layout.values())
+            return [self.node(max(value, node.bound), "fitting",
                               (degrees, layouts, per_layout))], 0
-        if kind == "fitting":
+        if kind == "fitting":  # each micro-batch's own floor: the bubble's share grows with b
             degrees, layouts, per_layout = node.data
-            out = [self.node(max(per_layout[sp, order], node.bound), "layout",
-                             (degrees, b, sp, order, self.vpps(degrees, b)))
-                   for b, sp, order in layouts if (sp, order) in per_layout]
+            out = []
+            for b, sp, order in layouts:
+                if (sp, order) not in per_layout:
+                    continue
+                vpps = self.vpps(degrees, b)
+                floor = self.pipeline_floor(degrees, *per_layout[sp, order], b,
+                                            max(vpps, default=1))
+                out.append(self.node(max(floor, node.bound), "layout",
+                                     (degrees, b, sp, order, vpps)))
             return out, 0
         if kind == "layout":  # its linear work alone first (cheaper than its capacities)
             degrees, b, sp, order, vpps = node.data
@@ -1179,9 +1191,10 @@ class _Refiner:
             self.cache[key] = config.replace(mesh_order=MESH_ORDERS[0])
         return self.cache[key]
 
-    def degrees_fit_bounds(self, degrees, layouts) -> dict[tuple, float]:
-        """Per (sp, rank layout) of a degree tuple, a memory-aware bound of its members;
-        the layouts where none fits are left out.
+    def degrees_fit_bounds(self, degrees, layouts) -> dict[tuple, tuple[float, float]]:
+        """Per (sp, rank layout) of a degree tuple, memory-aware per-sample lower bounds
+        (slowest stage, sum over stages) of its members' linear work per micro-batch, for
+        ``pipeline_floor``; the layouts where none fits are left out.
 
         Any member with micro-batch b, m = B / (dp b) micro-batches and any v takes at least
         ``m T_b`` (``v step >= (m v - 1) T + S`` and S >= T), T_b its slowest stage's linear
@@ -1202,9 +1215,7 @@ class _Refiner:
             split = self.capacity_split(lean, timing, time_scale=1.0 / max(bs),
                                         relaxed=True)
             if split is not None:
-                v_max = self.v_max(degrees, bs)
-                out[sp, order] = self.pipeline_floor(degrees, split[0], split[1], min(bs),
-                                                     v_max)
+                out[sp, order] = split
         return out
 
     def vpps(self, degrees, b) -> list[int]:
