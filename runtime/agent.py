@@ -117,7 +117,9 @@ def _start_forkserver() -> None:
 def _run_forked(argv: list[str]) -> None:
     """torchrun's ``run`` with the worker program (``-m meshplan.runtime.worker JOB``)
     run as ``prefork.entry("meshplan.runtime.worker", JOB)`` in forks of multiprocessing's
-    fork server (``_start_forkserver``)."""
+    fork server (``_start_forkserver``). ``torchrun.run`` also fills in a rendezvous for
+    ``--standalone`` and the static backend; the command line meshplan builds names its c10d
+    rendezvous, and others are refused here rather than half supported."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
@@ -128,6 +130,10 @@ def _run_forked(argv: list[str]) -> None:
     if not args.module or args.training_script != "meshplan.runtime.worker":
         raise ValueError(f"{START_ENV}=forkserver runs meshplan's worker only, "
                          f"not {args.training_script!r}")
+    if args.standalone or args.rdzv_backend == "static":  # torchrun.run rewrites these
+        raise ValueError(f"{START_ENV}=forkserver needs an explicit c10d rendezvous "
+                         f"(--rdzv-backend c10d --rdzv-endpoint --rdzv-id, as "
+                         f"launch.torchrun_command passes)")
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
     record(elastic_launch(config=config, entrypoint=prefork.entry))(
