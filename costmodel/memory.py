@@ -95,9 +95,28 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
         dense = float(sum(model.layer_params(i) for i in stage_layer_range(model, config, stage)))
         return StageParams(dense=dense, expert=0.0,
                            largest_layer=float(traced.largest_layer_params(model)))
+    layers = stage_layer_range(model, config, stage)
+    key = (id(model), config.tp, config.ep, config.pp, stage == 0, stage == config.pp - 1,
+           layers.start, layers.stop)
+    hit = _STAGE_PARAMS.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    if len(_STAGE_PARAMS) > 65536:
+        _STAGE_PARAMS.clear()
+    value = _stage_params(model, config, stage, layers)
+    _STAGE_PARAMS[key] = (model, value)
+    return value
+
+
+_STAGE_PARAMS: dict[tuple, tuple[ModelSpec, StageParams]] = {}
+"""``stage_params`` of analytic models by (id of the model, tp, ep, pp, first stage, last
+stage, layer range): all it depends on (the entry keeps its model alive, as ``_LAYER_BYTES``)."""
+
+
+def _stage_params(model: ModelSpec, config: ParallelConfig, stage: int,
+                  layers: range) -> StageParams:
     t = config.tp
     expert_one = model.mlp_params(model.expert_ffn_size) if model.is_moe else 0
-    layers = stage_layer_range(model, config, stage)
     # MoE layers are the indices i with (i + 1) % freq == 0 (``ModelSpec.is_moe_layer``)
     freq = model.moe_layer_freq
     moe = layers.stop // freq - layers.start // freq if model.is_moe else 0
@@ -240,8 +259,46 @@ def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int)
     return ["full" if (k + 1) % every == 0 else "none" for k in range(layers)]
 
 
+LAYER_FIELDS = ("tp", "cp", "sp", "micro_batch_size", "seq_len", "flash_attention", "dtype")
+"""The ``ParallelConfig`` fields one layer's activation bytes depend on: ``activations``'
+per-layer functions read no other (tests/costmodel/test_memory.py checks it)."""
+_LAYER_BYTES: dict[tuple, tuple[ModelSpec, float]] = {}
+"""``_layer_bytes`` by (id of the model, framework, mode, moe, device, ``LAYER_FIELDS``); each
+entry keeps its model alive so that the id is not reused while the entry exists (models are
+not changed after they are made)."""
+
+
 def _layer_bytes(model: ModelSpec, config: ParallelConfig, framework: str, mode: str, *,
                  moe: bool, device_key: str = "") -> float:
+    """One layer's stored bytes for one micro-batch under ``mode`` (cached: the planner asks
+    for the same few layers across thousands of stage probes)."""
+    return _per_layer(model, config, (framework, mode, moe, device_key),
+                      lambda: _uncached_layer_bytes(model, config, framework, mode, moe=moe,
+                                                    device_key=device_key))
+
+
+def _stored_input_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """What a fully recomputed layer keeps: its input (cached as ``_layer_bytes``)."""
+    return _per_layer(model, config, ("input",),
+                      lambda: act.layer_activation_bytes(model, config, recompute="full"))
+
+
+def _per_layer(model: ModelSpec, config: ParallelConfig, tag: tuple, compute) -> float:
+    """``compute()``, cached by the model, ``tag`` and the config's ``LAYER_FIELDS``."""
+    fields = config.__dict__
+    key = (id(model), *tag, *(fields[f] for f in LAYER_FIELDS))
+    hit = _LAYER_BYTES.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    if len(_LAYER_BYTES) > 65536:
+        _LAYER_BYTES.clear()
+    value = compute()
+    _LAYER_BYTES[key] = (model, value)
+    return value
+
+
+def _uncached_layer_bytes(model: ModelSpec, config: ParallelConfig, framework: str, mode: str,
+                          *, moe: bool, device_key: str = "") -> float:
     if mode == "op":
         return act.op_policy_layer_bytes(
             model, config, moe=moe, policy=framework,
@@ -269,7 +326,7 @@ def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: i
     moe = model.is_moe and any(model.is_moe_layer(i) for i in layer_range)
     whole = _layer_bytes(model, config, framework, "none", moe=moe)
     if "full" in modes:
-        return whole - act.layer_activation_bytes(model, config, recompute="full")
+        return whole - _stored_input_bytes(model, config)
     if "op" in modes:
         return max(0.0, whole - _layer_bytes(model, config, framework, "op", moe=moe,
                                              device_key=device_key))

@@ -298,6 +298,11 @@ class ModelSpec:
         """Layer ``index`` (0-based) is an MoE layer: every ``moe_layer_freq``-th, last first."""
         return self.is_moe and (index + 1) % self.moe_layer_freq == 0
 
+    @functools.cached_property
+    def layers_of_one_kind(self) -> bool:
+        """Every layer dense, or every layer MoE."""
+        return len({self.is_moe_layer(i) for i in range(self.num_layers)}) == 1
+
     # ----- parameter counts ----------------------------------------------------------------
     @functools.cached_property
     def norm_params(self) -> int:

@@ -142,7 +142,7 @@ def stage_classes(cluster: ClusterSpec, config: ParallelConfig,
 
 def uniform_layers(model: ModelSpec) -> bool:
     """Every layer of one kind (all dense or all MoE): what the stage-order argument needs."""
-    return len({model.is_moe_layer(i) for i in range(model.num_layers)}) == 1
+    return model.layers_of_one_kind
 
 
 def sampled_stages(model: ModelSpec, p: int) -> tuple[int, ...]:
