@@ -534,6 +534,11 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
 NO_PLAN_GRACE_S = 5.0
 NO_PLAN_NODES = 8000
 """Nodes a wall-clock search refines before it may give up without a plan (``past_grace``)."""
+DIVE_NODES = 500
+"""Nodes ``_Pass.dive`` refines at most looking for a first plan. It follows the lowest child
+whatever its bound: the bounds above the candidate level are loose enough (often by more than
+3x on 405B-parameter spaces) that leaving a path whose bound rose sends the dive back to
+breadth-first order before any plan is found."""
 DETERMINISTIC_NODES = 20000
 """Nodes a ``deterministic`` search refines at most (most are a handful of cost-model calls or
 fewer: a lazily evaluated node is refined twice). Every case of
@@ -585,6 +590,8 @@ class _Pass:
 
     def run(self) -> None:
         heap, best = self.heap, self.best
+        if not best:
+            self.dive()
         while heap:
             if heap[0].bound >= best.kth():
                 self.pruned += len(heap)
@@ -602,6 +609,41 @@ class _Pass:
                     heapq.heappush(heap, child)
                 continue
             self.solve(node)
+
+    def dive(self) -> None:
+        """Depth first from the lowest bound until a plan is held and the path has reached
+        its candidate's CP-SAT solve (at most ``DIVE_NODES`` nodes): the refined node's lowest
+        child is refined next, its siblings go to the heap. Best-first order reaches its first
+        plan only after refining every node whose bound is below that plan's, which on a large
+        space is most of a short time limit; the dive holds a plan within a few dozen
+        refinements. It only changes the order in which nodes are refined: every node still
+        ends refined or pruned, so a search that completes gives the best-first answer."""
+        heap, best = self.heap, self.best
+        node = None
+        for _ in range(DIVE_NODES):
+            if best and (node is None or self.budget.spent()):
+                break
+            if node is None:
+                if not heap:
+                    return
+                node = heapq.heappop(heap)
+            if node.bound >= best.kth():  # nothing below it beats the k-th plan (or ceiling)
+                self.pruned += 1
+                node = None
+                continue
+            self.budget.nodes += 1
+            if node.kind == "solve":
+                self.solve(node)
+                node = None
+                continue
+            children, dropped = self.refiner.refine(node, best)
+            self.infeasible += dropped
+            children.sort()
+            node = children[0] if children else None
+            for child in children[1:]:
+                heapq.heappush(heap, child)
+        if node is not None:
+            heapq.heappush(heap, node)
 
     def solve(self, node: "_Node") -> None:
         index, config, tables = node.data

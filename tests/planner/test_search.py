@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import pytest
 
 from meshplan.costmodel import (ClusterSpec, ModelSpec, ParallelConfig, default_calibration, estimate,
-                       load_cluster)
+                       load_cluster, load_model)
 from meshplan.costmodel.config import RECOMPUTE_MODES
 from meshplan.costmodel.estimate import compose_step, stage_terms
 from meshplan.planner import solver
@@ -579,3 +579,18 @@ def test_search_is_deterministic():
                                                           for s in runs[1].ranked]
     assert [s.step_s for s in runs[0].ranked] == [s.step_s for s in runs[1].ranked]
     assert (runs[0].solves, runs[0].pruned) == (runs[1].solves, runs[1].pruned)
+
+
+def test_a_spent_budget_still_dives_to_a_plan_in_a_few_dozen_nodes():
+    """A work budget of 30 nodes on Llama-3-70B over 8 H100 nodes: best-first order would
+    refine hundreds of nodes before its first plan (and give up: SearchTimeout); the dive
+    (``_Pass.dive``) holds a plan whose split CP-SAT solved, within the budget."""
+    model, cluster = load_model("llama3-70b"), load_cluster("dgx-h100", nodes=8)
+    space = SearchSpace(global_batch_size=512, seq_len=8192)
+    quick = search(model, cluster, space, framework="megatron", calibration=CAL, top_k=1,
+                   deterministic=True, max_nodes=30)
+    assert quick.status == "FEASIBLE"
+    assert quick.stats["nodes"] <= 30
+    assert quick.ranked[0].status == "OPTIMAL"  # its own split solved, not a greedy one
+    assert quick.ranked[0].estimate.fits
+    assert 0.0 <= quick.stats["gap"] < 1.0
