@@ -261,7 +261,7 @@ def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int)
 
 LAYER_FIELDS = ("tp", "cp", "sp", "micro_batch_size", "seq_len", "flash_attention", "dtype")
 """The ``ParallelConfig`` fields one layer's activation bytes depend on: ``activations``'
-per-layer functions read no other (tests/costmodel/test_memory.py checks it)."""
+per-layer functions read no other (tests/costmodel/test_memory_caches.py checks it)."""
 _LAYER_BYTES: dict[tuple, tuple[ModelSpec, float]] = {}
 """``_layer_bytes`` by (id of the model, framework, mode, moe, device, ``LAYER_FIELDS``); each
 entry keeps its model alive so that the id is not reused while the entry exists (models are
