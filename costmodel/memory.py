@@ -7,6 +7,7 @@ micro-batches in flight under the pipeline schedule.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from meshplan.costmodel import activations as act
@@ -262,6 +263,7 @@ def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int)
 LAYER_FIELDS = ("tp", "cp", "sp", "micro_batch_size", "seq_len", "flash_attention", "dtype")
 """The ``ParallelConfig`` fields one layer's activation bytes depend on: ``activations``'
 per-layer functions read no other (tests/costmodel/test_memory_caches.py checks it)."""
+_layer_fields = operator.itemgetter(*LAYER_FIELDS)
 _LAYER_BYTES: dict[tuple, tuple[ModelSpec, float]] = {}
 """``_layer_bytes`` by (id of the model, framework, mode, moe, device, ``LAYER_FIELDS``); each
 entry keeps its model alive so that the id is not reused while the entry exists (models are
@@ -285,8 +287,7 @@ def _stored_input_bytes(model: ModelSpec, config: ParallelConfig) -> float:
 
 def _per_layer(model: ModelSpec, config: ParallelConfig, tag: tuple, compute) -> float:
     """``compute()``, cached by the model, ``tag`` and the config's ``LAYER_FIELDS``."""
-    fields = config.__dict__
-    key = (id(model), *tag, *(fields[f] for f in LAYER_FIELDS))
+    key = (id(model), tag, _layer_fields(config.__dict__))
     hit = _LAYER_BYTES.get(key)
     if hit is not None and hit[0] is model:
         return hit[1]

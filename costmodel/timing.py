@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 from meshplan.costmodel import activations as act
@@ -482,6 +483,7 @@ _SPLIT_FREE = frozenset({"layers_per_stage", "recompute", "zero_stage", "offload
 mode is part of its key instead)."""
 _COST_FIELDS: tuple[str, ...] = tuple(f for f in ParallelConfig.__dataclass_fields__
                                       if f not in _SPLIT_FREE)
+_cost_fields = operator.itemgetter(*_COST_FIELDS)
 _STAGE_COSTS: dict[tuple, tuple[tuple, _StageCosts]] = {}
 """``_StageCosts`` by (ids of model, cluster and calibration, framework, stage, its recompute
 mode, the other fields of the config); each entry keeps those three objects alive so that
@@ -495,7 +497,7 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     calibrations are not changed after they are made)."""
     fields = config.__dict__
     key = (id(model), id(cluster), id(calibration), framework, stage,
-           config.stage_recompute(stage), *(fields[f] for f in _COST_FIELDS))
+           config.stage_recompute(stage), _cost_fields(fields))
     hit = _STAGE_COSTS.get(key)
     if hit is not None and hit[0][0] is model and hit[0][1] is cluster \
             and hit[0][2] is calibration:
