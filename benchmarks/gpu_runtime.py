@@ -73,6 +73,27 @@ def run_plan(plan: Plan, steps: int, timeout_s: float) -> dict:
         return json.loads(report_file.read_text())
 
 
+def write_results(rows: list[dict], args: argparse.Namespace) -> None:
+    """Print the table and (re)write ``gpu-<gpu>-<date>.{md,json}``: called after each plan,
+    so a run cut short keeps the plans it finished."""
+    table = pd.DataFrame(rows)
+    for column in ("measured_peak_bytes", "measured_step_s"):
+        if column not in table:
+            table[column] = float("nan")
+    table["peak_ratio"] = table.measured_peak_bytes / table.predicted_peak_bytes
+    table["step_ratio"] = table.measured_step_s / table.predicted_step_s
+    pd.set_option("display.width", 200)
+    print(table.to_string(index=False))
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = "dryrun-cpu" if args.dry_run else load_cluster(args.cluster).gpu.key
+    model = DRY_MODEL if args.dry_run else MODEL
+    stem = f"gpu-{gpu}-{dt.date.today().isoformat()}"
+    (args.out / f"{stem}.md").write_text(f"# {model} on one {gpu}: measured vs predicted\n\n"
+                                         + table.to_markdown(index=False, floatfmt=".4g") + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(table.to_dict(orient="records"),
+                                                      indent=2))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,30 +123,30 @@ def main() -> int:
     rows, start = [], time.perf_counter()
     for name in names:
         plan = make_plan(cluster_name, PLANS[name], dry_run=args.dry_run)
-        report = run_plan(plan, args.steps, args.timeout)
-        rank = report["per_rank"][0]
-        rows.append({"plan": name, "gpu": device_name,
-                     "measured_peak_bytes": rank["peak_bytes"],
-                     "measured_reserved_bytes": rank["peak_reserved_bytes"],
-                     "predicted_peak_bytes": rank["predicted_peak_bytes"],
-                     "predicted_reserved_bytes": plan.prediction.memory.peak_reserved_bytes,
-                     "measured_step_s": report["step_s_median"],
-                     "predicted_step_s": report["predicted"]["step_s"]})
+        row = {"plan": name, "gpu": device_name,
+               "predicted_peak_bytes": plan.prediction.memory.peak_bytes,
+               "predicted_reserved_bytes": plan.prediction.memory.peak_reserved_bytes,
+               "predicted_step_s": plan.prediction.step_s}
+        try:
+            report = run_plan(plan, args.steps, args.timeout)
+        except (subprocess.SubprocessError, OSError, ValueError) as error:
+            # one plan that fails (out of memory, a hang past --timeout) keeps the others
+            why = (f"timed out after {error.timeout:.0f} s"
+                   if isinstance(error, subprocess.TimeoutExpired) else
+                   f"exit {error.returncode}" if isinstance(error, subprocess.CalledProcessError)
+                   else f"{type(error).__name__}: {error}"[:160])
+            print(f"{name}: failed: {why}", file=sys.stderr)
+            rows.append({**row, "error": why})
+        else:
+            rank = report["per_rank"][0]
+            rows.append({**row, "measured_peak_bytes": rank["peak_bytes"],
+                         "measured_reserved_bytes": rank["peak_reserved_bytes"],
+                         "predicted_peak_bytes": rank["predicted_peak_bytes"],
+                         "measured_step_s": report["step_s_median"],
+                         "predicted_step_s": report["predicted"]["step_s"]})
         print(f"{name}: done after {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    table = pd.DataFrame(rows)
-    table["peak_ratio"] = table.measured_peak_bytes / table.predicted_peak_bytes
-    table["step_ratio"] = table.measured_step_s / table.predicted_step_s
-    pd.set_option("display.width", 200)
-    print(table.to_string(index=False))
-    args.out.mkdir(parents=True, exist_ok=True)
-    gpu = "dryrun-cpu" if args.dry_run else load_cluster(args.cluster).gpu.key
-    model = DRY_MODEL if args.dry_run else MODEL
-    stem = f"gpu-{gpu}-{dt.date.today().isoformat()}"
-    (args.out / f"{stem}.md").write_text(f"# {model} on one {gpu}: measured vs predicted\n\n"
-                                         + table.to_markdown(index=False, floatfmt=".4g") + "\n")
-    (args.out / f"{stem}.json").write_text(json.dumps(table.to_dict(orient="records"),
-                                                      indent=2))
-    return 0
+        write_results(rows, args)
+    return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":

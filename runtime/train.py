@@ -152,9 +152,18 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
+CPU_PLAN_DTYPE_ENV = "MESHPLAN_CPU_PLAN_DTYPE"
+"""Set to 1: run the plan's dtype on the CPU too (bf16 autocast, or FSDP2's bf16 parameters),
+slowly. For measuring the low-precision path's memory where no GPU is lent (its tensors are
+the ones a CUDA run keeps, but for kernels that differ by device, e.g. a fused RMSNorm)."""
+
+
 def compute_dtype(plan: Plan, device: torch.device) -> torch.dtype:
-    """The plan's dtype on CUDA; fp32 on the CPU (no fast low-precision kernels there)."""
-    return _DTYPES[plan.config.dtype] if device.type == "cuda" else torch.float32
+    """The plan's dtype on CUDA; fp32 on the CPU (no fast low-precision kernels there) unless
+    ``MESHPLAN_CPU_PLAN_DTYPE=1``."""
+    if device.type == "cuda" or os.environ.get(CPU_PLAN_DTYPE_ENV) == "1":
+        return _DTYPES[plan.config.dtype]
+    return torch.float32
 
 
 @dataclass

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", ["gpu_profile_validate.py", "gpu_runtime.py"])
+@pytest.mark.parametrize("name", ["gpu_profile_validate.py", "gpu_runtime.py", "gpu_kernels.py",
+                                  "gpu_memory_breakdown.py"])
 def test_without_cuda_it_stops_with_one_line(tmp_path, name):
     done = run_benchmark(name, "--out", str(tmp_path), timeout_s=50)
     assert done.returncode == 2
@@ -92,3 +93,34 @@ def test_every_runtime_plan_runs_on_one_cpu_process(tmp_path, torchrun):
         assert report["world_size"] == 1, name
         assert rank["peak_bytes"] > 0 and rank["predicted_peak_bytes"] > 0, name
         assert report["step_s_median"] > 0 and report["predicted"]["step_s"] > 0, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_kernels_dry_run_writes_every_group(tmp_path):
+    """``gpu_kernels.py --dry-run``: every group on the CPU at tiny sizes, each row beside the
+    calibration's value, in both results files."""
+    done = run_benchmark("gpu_kernels.py", "--dry-run", "--out", str(tmp_path), timeout_s=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [result] = tmp_path.glob("gpu-kernels-dryrun-cpu-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert {row["group"] for row in rows} == {"gemm", "attention", "launch", "elementwise",
+                                              "host"}
+    assert not [row for row in rows if "error" in row]
+    assert all(row["seconds"] > 0 for row in rows)
+    assert (tmp_path / result.name.replace(".json", ".md")).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_memory_breakdown_on_the_cpu_adds_up_to_its_peak(tmp_path):
+    """``gpu_memory_breakdown.py --device cpu``: the composition of each peak sums to the
+    tracked peak (the tensor whose release reveals the peak included)."""
+    done = run_benchmark("gpu_memory_breakdown.py", "--device", "cpu", "--model", "tiny",
+                         "--seq-len", "64", "--out", str(tmp_path), timeout_s=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [result] = tmp_path.glob("memory-breakdown-cpu-tiny-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["none", "selective", "full"]
+    for row in rows:
+        assert sum(row["composition"].values()) == row["tracked_peak_bytes"]

@@ -1,0 +1,324 @@
+"""One GPU: the kernel rates the cost model assumes, measured, next to what it predicts.
+
+The step-time model prices a layer from a few per-device constants (``DeviceCalibration``):
+a GEMM efficiency scaled by the row count, a fixed cost per GEMM call, a fused-attention
+efficiency (eager SDPA for eager trainers, the library kernels of Megatron-LM otherwise), an
+element-wise bandwidth fraction, and host-side rates for offload (pinned and pageable copies,
+the host AdamW step). This script times each on the GPU it runs on, in bf16:
+
+- ``gemm``: the projection and MLP products of Llama-3.2-1B, Llama-3-8B and Llama-3-70B
+  layers (``[tokens, h] x [h, n]``) at 512 to 16,384 tokens, and an 8192-cube;
+- ``attention``: causal SDPA forward and forward+backward with the flash backend and, where
+  torch has it, cuDNN's, at sequence 2k-8k and head size 64/128 (FLOPs counted as the cost
+  model counts them: causal forward ``2 * 2 * s * q / 2`` per token, backward twice forward);
+- ``launch``: back-to-back tiny kernels (the GPU-side cost of one launch) and a 256-cube GEMM;
+- ``elementwise``: a 1 GiB bf16 add (bytes read and written over time);
+- ``host``: 256 MiB host-device copies from pinned and from pageable memory, each way, and one
+  fp32 AdamW step on the CPU over 64 M parameters with torch's fused kernel on all cores.
+
+Each figure is the median of several timed repeats (CUDA events, after warm-up calls), printed
+beside the cost model's value for the catalog GPU (``--gpu``, default ``h200``) under the
+built-in calibration. Writes ``gpu-kernels-<gpu>-<date>.{md,json}`` under ``--out``.
+About one minute on one H200.
+
+    python benchmarks/gpu_kernels.py [--gpu h200] [--out DIR]
+    python benchmarks/gpu_kernels.py --dry-run   # CPU: tiny sizes, fp32; tests the plumbing
+
+Without CUDA (and without ``--dry-run``) it stops with one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from meshplan.costmodel import default_calibration
+from meshplan.costmodel.hardware import gpu_catalog
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB = 2 ** 20
+LAYERS = {  # name: (hidden, q size, kv size, ffn hidden), from the models' configs
+    "llama3.2-1b": (2048, 2048, 512, 8192),
+    "llama3-8b": (4096, 4096, 1024, 14336),
+    "llama3-70b": (8192, 8192, 1024, 28672),
+}
+TOKENS = (512, 2048, 4096, 8192, 16384)
+ATTENTION = ((2048, 128), (4096, 128), (8192, 128), (4096, 64))
+"""(sequence, head size) of the attention cases; 16,384 tokens a call (batch = 16384 / s) and
+16 query heads of 128 (32 of 64), 8 key-value heads of 128 (16 of 64)."""
+
+
+class Timer:
+    """Median seconds of ``fn`` over ``repeats`` timed batches of ``calls`` calls each."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __call__(self, fn: Callable[[], object], *, calls: int = 10, repeats: int = 5,
+                 warmup: int = 3) -> float:
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        samples = []
+        for _ in range(repeats):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3 / calls)
+            else:
+                begin = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples.append((time.perf_counter() - begin) / calls)
+        return statistics.median(samples)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def gemm_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dry_run: bool,
+              peak: float, cal) -> list[dict]:
+    rows = []
+    layers = {"tiny": (64, 64, 32, 128)} if dry_run else LAYERS
+    tokens = (16, 64) if dry_run else TOKENS
+    for model, (h, q, kv, ffn) in layers.items():
+        for m in tokens:
+            x = torch.randn(m, h, device=device, dtype=dtype)
+            shapes = {"qkv": (h, q + 2 * kv), "mlp_up": (h, 2 * ffn), "mlp_down": (ffn, h)}
+            for name, (k, n) in shapes.items():
+                a = x if k == h else torch.randn(m, k, device=device, dtype=dtype)
+                w = torch.randn(k, n, device=device, dtype=dtype)
+                seconds = timer(lambda a=a, w=w: torch.matmul(a, w))
+                flop = 2.0 * m * k * n
+                rows.append(dict(group="gemm", case=f"{model} {name} m={m} k={k} n={n}",
+                                 rows=m, seconds=seconds, rate=flop / seconds,
+                                 efficiency=flop / seconds / peak,
+                                 predicted_efficiency=_predicted_gemm(cal, flop, m, peak),
+                                 predicted_efficiency_megatron=_predicted_gemm(
+                                     cal, flop, m, peak, eager=False)))
+                del a, w
+    side = 128 if dry_run else 8192
+    a = torch.randn(side, side, device=device, dtype=dtype)
+    seconds = timer(lambda: torch.matmul(a, a))
+    flop = 2.0 * side ** 3
+    rows.append(dict(group="gemm", case=f"square {side}", rows=side, seconds=seconds,
+                     rate=flop / seconds, efficiency=flop / seconds / peak,
+                     predicted_efficiency=_predicted_gemm(cal, flop, side, peak),
+                     predicted_efficiency_megatron=_predicted_gemm(cal, flop, side, peak,
+                                                                   eager=False)))
+    return rows
+
+
+def _predicted_gemm(cal, flop: float, rows: int, peak: float, *, eager: bool = True) -> float:
+    """Achieved fraction of peak the cost model gives one GEMM call of ``flop`` FLOPs:
+    ``flop / (peak * gemm_efficiency * row_efficiency) + matmul_overhead_s``."""
+    seconds = (flop / (peak * cal.gemm_efficiency(eager) * cal.row_efficiency(rows))
+               + cal.matmul_overhead_s)
+    return flop / seconds / peak
+
+
+def attention_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dry_run: bool,
+                   peak: float, cal) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"math": SDPBackend.MATH} if dry_run else {
+        "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    cases = ((64, 16),) if dry_run else ATTENTION
+    tokens = 256 if dry_run else 16384
+    rows = []
+    for seq, head in cases:
+        heads, kv_heads = (16, 8) if head == 128 else (32, 16)
+        if dry_run:
+            heads, kv_heads = 2, 2
+        batch = max(1, tokens // seq)
+        q = torch.randn(batch, heads, seq, head, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(batch, heads, seq, head, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(batch, heads, seq, head, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(batch, heads, seq, head, device=device, dtype=dtype)
+        # forward FLOPs as the cost model counts them: 2 * 2 * s * q per token, causal halves
+        fwd_flop = batch * seq * 2 * 2 * seq * heads * head / 2
+        for name, backend in backends.items():
+            def forward(backend=backend):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, is_causal=True)
+
+            def both(forward=forward):
+                out = forward()
+                torch.autograd.grad(out, (q, k, v), grad)
+
+            try:
+                fwd_s = timer(forward, calls=5)
+                both_s = timer(both, calls=5)
+            except RuntimeError as error:  # backend not available for this shape / build
+                rows.append(dict(group="attention", case=f"{name} s={seq} d={head}",
+                                 error=str(error).splitlines()[0][:160]))
+                continue
+            rows.append(dict(group="attention", case=f"{name} s={seq} d={head} b={batch}",
+                             seconds=both_s, forward_s=fwd_s,
+                             forward_efficiency=fwd_flop / fwd_s / peak,
+                             efficiency=3 * fwd_flop / both_s / peak,
+                             predicted_efficiency=cal.fused_attention_efficiency(True),
+                             predicted_efficiency_megatron=cal.fused_attention_efficiency(
+                                 False)))
+        del q, k, v, grad
+    return rows
+
+
+def launch_rows(timer: Timer, device: torch.device, dtype: torch.dtype, cal) -> list[dict]:
+    calls = 2000 if device.type == "cuda" else 20
+    tiny = torch.zeros(1, device=device, dtype=dtype)
+    per_launch = timer(lambda: tiny.add_(1), calls=calls, repeats=5)
+    a = torch.randn(256, 256, device=device, dtype=dtype)
+    small = timer(lambda: torch.matmul(a, a), calls=calls, repeats=5)
+    return [dict(group="launch", case="tiny add (one kernel)", seconds=per_launch,
+                 predicted_s=cal.op_overhead_s),
+            dict(group="launch", case="gemm 256-cube", seconds=small,
+                 predicted_s=cal.matmul_overhead_s)]
+
+
+def elementwise_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *,
+                     dry_run: bool, hbm: float, cal) -> list[dict]:
+    n = (4 * MIB if dry_run else 512 * MIB)  # elements: 1 GiB of bf16
+    a = torch.ones(n, device=device, dtype=dtype)
+    b = torch.ones(n, device=device, dtype=dtype)
+    out = torch.empty_like(a)
+    seconds = timer(lambda: torch.add(a, b, out=out))
+    moved = 3.0 * n * a.element_size()
+    return [dict(group="elementwise", case=f"add {moved / 3 / MIB:.0f} MiB", seconds=seconds,
+                 rate=moved / seconds, efficiency=moved / seconds / hbm,
+                 predicted_efficiency=cal.memory_efficiency)]
+
+
+def host_rows(timer: Timer, device: torch.device, *, dry_run: bool, pcie: float,
+              calibration, host_bw: float) -> list[dict]:
+    rows = []
+    nbytes = (16 if dry_run else 256) * MIB
+    if device.type == "cuda":
+        gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        for kind, pinned in (("pinned", True), ("pageable", False)):
+            host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            predicted = calibration.host_copy_rate(pcie, pinned=pinned)
+            for way, fn in (("h2d", lambda host=host: gpu.copy_(host, non_blocking=True)),
+                            ("d2h", lambda host=host: host.copy_(gpu, non_blocking=True))):
+                seconds = timer(fn, calls=4, repeats=5)
+                rows.append(dict(group="host", case=f"{way} {kind} {nbytes // MIB} MiB",
+                                 seconds=seconds, rate=nbytes / seconds,
+                                 predicted_rate=predicted))
+    params = (1 if dry_run else 64) * MIB
+    size = params // 16
+    weights = [torch.zeros(size) for _ in range(16)]
+    for weight in weights:
+        weight.grad = torch.full_like(weight, 1e-3)
+    adam = torch.optim.AdamW(weights, lr=1e-3, fused=True)
+    seconds = Timer(cuda=False)(adam.step, calls=1, repeats=5, warmup=2)
+    rows.append(dict(group="host", case=f"fused AdamW {params // MIB} M params, "
+                     f"{torch.get_num_threads()} threads", seconds=seconds,
+                     rate=params / seconds,
+                     predicted_rate=host_bw / calibration.host_adam_bytes_per_param,
+                     note="predicted: one DGX node's host memory bandwidth / 28 B per param"))
+    return rows
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    lines = [f"# {title}", ""]
+    for group in ("gemm", "attention", "launch", "elementwise", "host"):
+        part = [row for row in rows if row["group"] == group]
+        if not part:
+            continue
+        keys = [k for k in part[0] if k != "group"]
+        for row in part[1:]:
+            keys += [k for k in row if k not in keys and k != "group"]
+        lines += [f"## {group}", "", "| " + " | ".join(keys) + " |",
+                  "|" + "---|" * len(keys)]
+        for row in part:
+            lines.append("| " + " | ".join(_cell(row.get(k, "")) for k in keys) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", default="h200", help="catalog GPU this is (default h200)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny sizes on this machine's CPU, fp32 (tests the plumbing)")
+    args = parser.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_kernels.py: no CUDA device here; run it on a GPU machine (or pass "
+              "--dry-run)", file=sys.stderr)
+        return 2
+    catalog = gpu_catalog()
+    if args.gpu not in catalog:
+        print(f"gpu_kernels.py: unknown GPU {args.gpu!r}; choose from {', '.join(catalog)}",
+              file=sys.stderr)
+        return 2
+    gpu = catalog[args.gpu]
+    calibration = default_calibration()
+    cal = calibration.device("cpu" if args.dry_run else gpu.key)
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    peak = gpu.peak("fp32" if args.dry_run else "bf16")
+    timer = Timer(cuda=device.type == "cuda")
+    from meshplan.costmodel.hardware import cluster_names, load_cluster
+    cluster = next((load_cluster(n) for n in cluster_names() if load_cluster(n).gpu.key ==
+                    gpu.key), None)
+    pcie = cluster.pcie_bytes_per_s if cluster else 25e9
+    host_bw = calibration.host_memory_bytes_per_s.get(
+        gpu.key, calibration.host_memory_bytes_per_s.get("default", 0.0))
+    start = time.perf_counter()
+    rows = []
+    steps = (("gemm", lambda: gemm_rows(timer, device, dtype, dry_run=args.dry_run, peak=peak,
+                                        cal=cal)),
+             ("attention", lambda: attention_rows(timer, device, dtype, dry_run=args.dry_run,
+                                                  peak=peak, cal=cal)),
+             ("launch", lambda: launch_rows(timer, device, dtype, cal)),
+             ("elementwise", lambda: elementwise_rows(timer, device, dtype,
+                                                      dry_run=args.dry_run,
+                                                      hbm=gpu.hbm_bytes_per_s, cal=cal)),
+             ("host", lambda: host_rows(timer, device, dry_run=args.dry_run, pcie=pcie,
+                                        calibration=calibration, host_bw=host_bw)))
+    for name, step in steps:
+        try:
+            rows += step()
+        except Exception as error:  # keep the other groups' figures
+            rows.append(dict(group=name, case="failed", error=f"{type(error).__name__}: "
+                             f"{str(error).splitlines()[0][:200] if str(error) else ''}"))
+        print(f"{name}: done after {time.perf_counter() - start:.0f} s", file=sys.stderr,
+              flush=True)
+    name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+    title = (f"Kernel rates on {name} (catalog {gpu.key}, torch {torch.__version__}, "
+             f"{os.cpu_count()} CPUs) vs the built-in calibration")
+    text = markdown(rows, title)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu-kernels-{'dryrun-cpu' if args.dry_run else gpu.key}-{dt.date.today()}"
+    (args.out / f"{stem}.md").write_text(text + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(
+        {"device": name, "gpu": gpu.key, "torch": torch.__version__,
+         "wall_s": time.perf_counter() - start, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
