@@ -42,7 +42,8 @@ def tokens_per_microbatch(config: ParallelConfig) -> int:
 
 def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recompute: str,
                            moe: bool = False, eager: bool = False,
-                           rope_tables: bool = True) -> float:
+                           rope_tables: bool = True, autocast: bool = False,
+                           fused_norm: bool = True) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank.
 
     ``eager``: unfused PyTorch modules (meshplan's runtime) also keep, per layer, SiLU's output
@@ -55,13 +56,27 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     are kept all-gathered, h wide. Reconciled term by term with a trace of the runtime's
     layers in tests/costmodel/test_tracing.py. ``rope_tables`` False: the RoPE table is one
     buffer of the model shared by all layers (torchtitan's ``freqs_cis``), not per layer.
+
+    ``autocast`` (with ``eager``): the layer runs under ``torch.autocast`` over fp32 weights,
+    as meshplan's runtime runs a 16-bit plan without FSDP2 (``runtime/train.py``). The
+    embedding's output is fp32 and every residual add promotes to fp32, so the block input and
+    the residual between attention and MLP are kept in fp32 (by the norms that read them); the
+    norms run in fp32 and autocast casts their output to the compute dtype once per consumer
+    matmul (casts of activations are not cached, only of weights): three copies for ``wq``,
+    ``wk``, ``wv`` and one per up projection (two for SwiGLU). These h-wide tensors replace
+    the eager ones; the rest is as ``eager``. With ``recompute="full"`` the stored input is
+    fp32. Reconciled tensor by tensor with the runtime's step on an H200 (CUDA's fused
+    RMSNorm; ``benchmarks/gpu_memory_breakdown.py``, Llama-3.2-1B, 2 x 2048 tokens: 441.0 MiB
+    per layer measured and predicted). ``fused_norm`` False (the CPU, where RMSNorm decomposes
+    into pow, mean, rsqrt and two multiplies): each RMSNorm also keeps its fp32 normalised
+    input.
     """
     t, act = config.tp, config.bytes_per_activation
     tokens = tokens_per_microbatch(config)
     seq_div = t if config.sp else 1
     h = model.hidden_size
     if recompute == "full":
-        return act * tokens * h / seq_div
+        return (FP32_BYTES if autocast and eager else act) * tokens * h / seq_div
     dropout_masks = 2 * MASK_BYTES * tokens * h if model.dropout else 0
     seq_split = 4 * act * tokens * h + dropout_masks
     attention = act * tokens * (2 * model.q_size + 2 * model.kv_size)
@@ -76,7 +91,12 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
         if model.activation == "swiglu":
             f = model.expert_ffn_size * model.moe_top_k if moe else model.ffn_hidden_size
             mlp += act * tokens * f
-        if model.norm == "rmsnorm":
+        if autocast:
+            ups = 2 if model.activation == "swiglu" else 1
+            seq_split += (2 * FP32_BYTES + (3 + ups) * act - 4 * act) * tokens * h
+            if model.norm == "rmsnorm" and not fused_norm:
+                seq_split += 2 * FP32_BYTES * tokens * h
+        elif model.norm == "rmsnorm":
             seq_split += 2 * act * tokens * h
     total = seq_split / seq_div + (attention + mlp) / t
     if eager and config.sp and t > 1:
@@ -110,7 +130,8 @@ def matmul_output_bytes(model: ModelSpec, config: ParallelConfig, *,
 
 
 def op_policy_layer_bytes(model: ModelSpec, config: ParallelConfig, *, policy: str,
-                          moe: bool = False, saves_attention: bool = True) -> float:
+                          moe: bool = False, saves_attention: bool = True,
+                          autocast: bool = False) -> float:
     """Bytes one layer keeps for backward under a per-op selective checkpointing policy.
 
     Both policies wrap each block in ``checkpoint_wrapper`` with
@@ -133,13 +154,15 @@ def op_policy_layer_bytes(model: ModelSpec, config: ParallelConfig, *, policy: s
       reduce-scatter outputs; without SP the two all-reduce outputs); the attention core is
       recomputed. Under TP that can keep more than no recomputation does (the row-parallel
       outputs and collective outputs are tensors plain autograd frees).
+
+    ``autocast``: the block input is fp32 (``layer_activation_bytes``).
     """
     act, t = config.bytes_per_activation, config.tp
     tokens = tokens_per_microbatch(config)
     h = model.hidden_size
     seq_div = t if config.sp else 1
     matmuls = matmul_output_bytes(model, config, moe=moe)
-    total = act * tokens * h / seq_div
+    total = (FP32_BYTES if autocast else act) * tokens * h / seq_div
     if policy == "torchtitan":
         total += sum(matmuls[0::2])
         if saves_attention:

@@ -173,8 +173,11 @@ def stage_recv_buffer_bytes(model: ModelSpec, config: ParallelConfig, stage: int
     """Pipeline communication buffers of ``stage``: the receive buffers
     (``frameworks.pipeline_recv_buffer_bytes``) and the send in flight
     (``frameworks.pipeline_send_in_flight_bytes``); the boundary tensor is one micro-batch's
-    hidden states, sequence-split under SP."""
-    boundary = (config.bytes_per_activation * act.tokens_per_microbatch(config)
+    hidden states, sequence-split under SP (fp32 under the runtime's autocast, whose residual
+    stream is fp32: ``runtime_autocast``)."""
+    element = act.FP32_BYTES if runtime_autocast(framework, config) else \
+        config.bytes_per_activation
+    boundary = (element * act.tokens_per_microbatch(config)
                 * model.hidden_size / (config.tp if config.sp else 1))
     return (pipeline_recv_buffer_bytes(framework, boundary_bytes=boundary,
                                        micro_batches=config.grad_accum_steps, stage=stage,
@@ -274,15 +277,44 @@ def _layer_bytes(model: ModelSpec, config: ParallelConfig, framework: str, mode:
                  moe: bool, device_key: str = "") -> float:
     """One layer's stored bytes for one micro-batch under ``mode`` (cached: the planner asks
     for the same few layers across thousands of stage probes)."""
-    return _per_layer(model, config, (framework, mode, moe, device_key),
+    autocast = runtime_autocast(framework, config)
+    return _per_layer(model, config, (framework, mode, moe, device_key, autocast),
                       lambda: _uncached_layer_bytes(model, config, framework, mode, moe=moe,
-                                                    device_key=device_key))
+                                                    device_key=device_key, autocast=autocast))
 
 
-def _stored_input_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+def _stored_input_bytes(model: ModelSpec, config: ParallelConfig, framework: str) -> float:
     """What a fully recomputed layer keeps: its input (cached as ``_layer_bytes``)."""
-    return _per_layer(model, config, ("input",),
-                      lambda: act.layer_activation_bytes(model, config, recompute="full"))
+    autocast = runtime_autocast(framework, config)
+    return _per_layer(model, config, ("input", autocast),
+                      lambda: act.layer_activation_bytes(model, config, recompute="full",
+                                                         eager=autocast, autocast=autocast))
+
+
+def runtime_autocast(framework: str, config: ParallelConfig) -> bool:
+    """Whether meshplan's runtime runs this plan under ``torch.autocast`` over fp32 weights:
+    a 16-bit plan without FSDP2 (ZeRO 0-1 and no parameter offload; ``runtime/train.py``
+    ``build_rank_model``). FSDP2 plans hold 16-bit parameters instead."""
+    return (framework == "meshplan" and config.dtype != "fp32" and config.zero_stage <= 1
+            and config.offload != "optimizer+params")
+
+
+def autocast_weight_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
+                          params: StageParams) -> float:
+    """Compute-dtype copies of the stage's weights that ``torch.autocast`` keeps in its cast
+    cache while its context is open: every weight a matmul reads (the blocks' and the LM
+    head's; the word embedding only where it is also the head), cast once per context.
+
+    Measured on an H200 (``benchmarks/gpu_memory_breakdown.py``, Llama-3.2-1B under the
+    runtime's step): 2,357 MiB of bf16 weight copies alive at the loss under full and
+    selective recomputation, all 1.24 B parameters at 2 bytes (its embedding is the tied
+    head)."""
+    cast = params.dense + params.expert
+    if stage == 0 and not model.is_traced:
+        cast -= model.embedding_params / config.tp
+        if stage == config.pp - 1 and model.tied_embeddings:
+            cast += model.vocab_rows * model.hidden_size / config.tp
+    return config.bytes_per_activation * cast
 
 
 def _per_layer(model: ModelSpec, config: ParallelConfig, tag: tuple, compute) -> float:
@@ -299,14 +331,16 @@ def _per_layer(model: ModelSpec, config: ParallelConfig, tag: tuple, compute) ->
 
 
 def _uncached_layer_bytes(model: ModelSpec, config: ParallelConfig, framework: str, mode: str,
-                          *, moe: bool, device_key: str = "") -> float:
+                          *, moe: bool, device_key: str = "", autocast: bool = False) -> float:
     if mode == "op":
         return act.op_policy_layer_bytes(
             model, config, moe=moe, policy=framework,
-            saves_attention=framework != "torchtitan" or device_key != CPU_DEVICE_KEY)
+            saves_attention=framework != "torchtitan" or device_key != CPU_DEVICE_KEY,
+            autocast=autocast)
     return act.layer_activation_bytes(model, config, recompute=mode, moe=moe,
                                       eager=eager_autograd(framework),
-                                      rope_tables=framework != "torchtitan")
+                                      rope_tables=framework != "torchtitan", autocast=autocast,
+                                      fused_norm=device_key != CPU_DEVICE_KEY)
 
 
 def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: int, *,
@@ -325,9 +359,9 @@ def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: i
     layer_range = stage_layer_range(model, config, stage)
     modes = set(layer_modes(config, framework, stage, len(layer_range)))
     moe = model.is_moe and any(model.is_moe_layer(i) for i in layer_range)
-    whole = _layer_bytes(model, config, framework, "none", moe=moe)
+    whole = _layer_bytes(model, config, framework, "none", moe=moe, device_key=device_key)
     if "full" in modes:
-        return whole - _stored_input_bytes(model, config)
+        return whole - _stored_input_bytes(model, config, framework)
     if "op" in modes:
         return max(0.0, whole - _layer_bytes(model, config, framework, "op", moe=moe,
                                              device_key=device_key))
@@ -368,8 +402,10 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     gathered = buffers + recv  # gather and gradient buffers with the pipeline's
     buffers += recv
     persistent += recv
-    if framework != "ideal":
-        buffers += recompute_workspace_bytes(model, config, stage, framework=framework)
+    workspace = (recompute_workspace_bytes(model, config, stage, framework=framework,
+                                           device_key=cluster.gpu.key)
+                 if framework != "ideal" else 0.0)
+    buffers += workspace
     optimizer_params = 0.0 if config.offload != "none" else (
         params.dense / (config.dp * config.cp if config.zero_stage >= 1 else 1)
         + params.expert / (max(1, config.dp * config.cp // config.ep)
@@ -386,6 +422,9 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         phases.append(activations + buffers - persistent
                       + _head_backward_bytes(model, config, stage, params))
     phases.append(in_block)
+    if runtime_autocast(framework, config) and not model.is_traced:
+        phases = _autocast_phases(model, config, stage, params, phases,
+                                  loss_forward=activations + buffers - workspace - persistent)
     if pipelined_fsdp:
         phases.append(gathered - persistent + pipelined_fsdp_reduce_scatter_bytes(
             largest_group_params=max(params.root, params.largest_block),
@@ -400,6 +439,35 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                        optimizer_bytes=states.optimizer, activations_bytes=activations,
                        buffers_bytes=buffers, offloaded_bytes=states.offloaded,
                        peak_bytes=peak, reserved_bytes=reserved)
+
+
+def _autocast_phases(model: ModelSpec, config: ParallelConfig, stage: int, params: StageParams,
+                     phases: list[float], *, loss_forward: float) -> list[float]:
+    """The forward/backward phases of meshplan's runtime under ``torch.autocast``.
+
+    The cast cache (``autocast_weight_bytes``) lives while the autocast context is open. A
+    pipeline schedule runs whole under one context, so every phase holds it. Without a
+    pipeline the context closes after each micro-batch's loss: the loss's forward holds the
+    cache, with the logits in the compute dtype, their fp32 upcast and the log-softmax (one
+    fp32 copy fewer, counted in compute-dtype bytes, than the three at the loss's backward);
+    in backward only recomputation without checkpoints keeps the copies (each matmul saved
+    its weight's), so ``none`` holds them throughout. Measured on an H200
+    (``benchmarks/gpu_memory_breakdown.py``, Llama-3.2-1B, 2 x 2048 tokens, 4 micro-batches):
+    peaks of 34,331 (none), 29,728 (selective) and 26,784 MiB (full), at the loss's backward,
+    the loss and the loss. ``loss_forward``: the stored activations with the loss's three
+    copies and the buffers other than the recomputation workspace (nothing is recomputed
+    yet)."""
+    cast = autocast_weight_bytes(model, config, stage, params)
+    if config.pp > 1 or config.stage_recompute(stage) == "none":
+        return [phase + cast for phase in phases]
+    if stage != config.pp - 1:
+        return phases
+    copies = logit_copies("meshplan", fp32=False)
+    at_forward = act.logit_bytes(model, config, copies=2.0) + act.logit_bytes(
+        model, config, copies=1.0, element_bytes=config.bytes_per_activation)
+    drop = act.logit_bytes(model, config, copies=copies, vocab_parallel=vocab_parallel_loss(
+        "meshplan")) - at_forward
+    return [*phases, loss_forward - drop + cast]
 
 
 def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:

@@ -471,7 +471,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     start = time.perf_counter()
     space = framework_space(space, framework)
     refiner = _Refiner(model, cluster, space, framework=framework, calibration=calibration)
-    core = candidates(model, cluster, space, core=True)
+    core = candidates(model, cluster, space, core=True, framework=framework)
     best = _Best(top_k, ceiling=ceiling_s)
     if deterministic and max_nodes is None:
         max_nodes = DETERMINISTIC_NODES
@@ -866,7 +866,8 @@ class _Refiner:
         """Roots of the whole space (of the core space while ``core``), less ``skip``."""
         if self.flat:
             configs = [c for c in candidates(self.model, self.cluster, self.space,
-                                             core=self.core) if c not in self.skip]
+                                             core=self.core, framework=self.framework)
+                       if c not in self.skip]
             return self.flat_roots(configs)
         out = []
         for degrees in degree_tuples(self.model, self.cluster, self.space, core=self.core):
@@ -1028,7 +1029,8 @@ class _Refiner:
             (degrees, b, sp, order, vpps), family = node.data
             tp, cp, pp, dp, ep = degrees
             choices = [(zero, offload, device)
-                       for zero in zero_choices(self.space, dp * cp, core=self.core)
+                       for zero in zero_choices(self.space, dp * cp, core=self.core,
+                                                framework=self.framework)
                        for offload, device in offload_choices(self.space, zero, self.model,
                                                               self.cluster)]
             onces = self.once_bounds(degrees, b, sp, order, choices)
@@ -1173,7 +1175,8 @@ class _Refiner:
         device memory: the highest allowed ZeRO stage with the most offload (memory does not
         grow with the ZeRO stage or with offload)."""
         tp, cp, pp, dp, ep = degrees
-        for zero in sorted(zero_choices(self.space, dp * cp, core=self.core), reverse=True):
+        for zero in sorted(zero_choices(self.space, dp * cp, core=self.core,
+                                        framework=self.framework), reverse=True):
             choices = offload_choices(self.space, zero, self.model, self.cluster)
             order_of = {"optimizer+params": 0, "optimizer": 1, "none": 2}
             for offload, device in sorted(choices, key=lambda c: order_of[c[0]]):

@@ -15,8 +15,10 @@ every configuration ``meshplan estimate`` accepts, except where noted:
 * sp: on whenever tp > 1 (``SP_DOMINATES``: the cost model gives sequence parallelism the same
   traffic with less memory and element-wise time, so tp > 1 without it is never faster);
 * ZeRO: 0, 1, 2, 3 with more than one replica; 0 and 3 with one (``ONE_REPLICA_ZERO``: stages 1
-  and 2 shard over a single rank, which the cost model prices exactly as ZeRO-0; ZeRO-3 stays
-  for parameter offload);
+  and 2 shard over a single rank, which the estimates price as ZeRO-0 or higher; ZeRO-3 stays
+  for parameter offload), and 2 as well under the ``meshplan`` framework
+  (``MESHPLAN_ONE_REPLICA_ZERO``: its runtime runs ZeRO-2 with FSDP2's 16-bit parameters
+  instead of autocast over fp32 weights, which keeps less at a 16-bit plan's peak);
 * offload: none; optimizer to cpu or nvme; optimizer+params under ZeRO-3 (also at dp = 1, the
   ZeRO-Offload single-GPU case); NVMe only when pinned or when host memory cannot hold the
   offloaded states;
@@ -41,6 +43,8 @@ from meshplan.costmodel.config import OFFLOAD_DEVICES, RECOMPUTE_MODES
 MESH_ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
 ONE_REPLICA_ZERO = (0, 3)
 """ZeRO stages searched with one data-parallel replica (module docstring)."""
+MESHPLAN_ONE_REPLICA_ZERO = (0, 2, 3)
+"""The same under the ``meshplan`` framework (module docstring)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -179,21 +183,22 @@ def degree_tuples(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
 
 
 def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
-               core: bool = False) -> list[ParallelConfig]:
+               core: bool = False, framework: str = "meshplan") -> list[ParallelConfig]:
     """Every global configuration of the space; layer split and recompute left at defaults.
 
     ``core``: only the core space, which the search solves first for a strong incumbent
     (``search.py``): tp within a node, cp 1 or a power of two up to ``CORE_MAX_CP`` for
     sequences of at least ``CORE_MIN_CP_SEQ_LEN`` tokens, ZeRO 1-3 with several replicas,
     micro-batches up to ``CORE_MAX_MICRO_BATCH``, vpp up to ``CORE_MAX_VPP``. Pinned choices
-    are used as given in both spaces.
+    are used as given in both spaces. ``framework``: whose ZeRO stages one replica searches
+    (``zero_choices``; the default, ``meshplan``, searches the most).
     """
     out = []
     for tp, cp, pp, dp, ep in degree_tuples(model, cluster, space, core=core):
         per_replica = space.global_batch_size // dp
         mbs = micro_batch_choices(space, per_replica, pp, core=core)
         sps = [tp > 1] if space.sp is None else [s for s in space.sp if tp > 1 or not s]
-        zeros = zero_choices(space, dp * cp, core=core)
+        zeros = zero_choices(space, dp * cp, core=core, framework=framework)
         orders = pick(space.mesh_order, list(MESH_ORDERS))
         if space.mesh_order is None and (pp == 1 or dp == 1):
             orders = orders[:1]  # both orders give the same layout
@@ -218,12 +223,14 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
     return out
 
 
-def zero_choices(space: SearchSpace, replicas: int, *, core: bool = False) -> list[int]:
+def zero_choices(space: SearchSpace, replicas: int, *, core: bool = False,
+                 framework: str = "meshplan") -> list[int]:
     """ZeRO stages for ``replicas`` data-parallel replicas (dp x cp); pinned ones as given."""
     if space.zero_stage is not None:
         return list(space.zero_stage)
     if replicas == 1:
-        return pick(space.zero_stage, list(ONE_REPLICA_ZERO))
+        return pick(space.zero_stage, list(MESHPLAN_ONE_REPLICA_ZERO if framework == "meshplan"
+                                           else ONE_REPLICA_ZERO))
     return pick(space.zero_stage, [1, 2, 3] if core else [0, 1, 2, 3])
 
 
