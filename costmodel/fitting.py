@@ -15,6 +15,7 @@ run report (validate) as plain numbers.
   the values being fitted, ``fit_alpha_beta`` alternates fit and choice until it is stable.
 * Both profile fits weigh each sample by ``1 / t^2`` (relative residuals): times span three
   decades, and unweighted least squares lets the noise of the largest sizes set the intercept.
+  On a GPU the GEMM fit leaves out the launch-bound sizes (``fit_gemm_rate``).
 * Refit of one plan: one multiplicative factor ``f`` on every compute and communication cost
   (efficiencies divided by ``f``, per-call overheads and link latency multiplied by it), found
   by a fixed-point iteration on the estimator itself so that the predicted step equals the
@@ -87,14 +88,32 @@ def clamp_efficiency(value: float) -> float:
     return min(MAX_EFFICIENCY, max(MIN_EFFICIENCY, value))
 
 
-def fit_gemm_rate(flop: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+LAUNCH_BOUND_FACTOR = 4.0
+"""On a device that queues kernels ahead of the host (a GPU), back-to-back GEMMs shorter than
+the host's launch interval all take that interval, whatever their FLOPs: a sample within this
+factor of the fastest one is taken as launch-bound and left out of the rate fit."""
+
+
+def fit_gemm_rate(flop: Sequence[float], seconds: Sequence[float], *,
+                  asynchronous: bool = False) -> tuple[float, float]:
     """(flop_per_s, overhead_s) of ``t = flop / rate + overhead`` from per-call GEMM times.
 
     Relative least squares (``relative_weights``): the small GEMMs, where the fixed cost is
     most of the time, pin the overhead; the large ones the rate. A negative intercept (noise)
     becomes 0 with the rate refitted through the origin; a non-positive slope falls back to
     the best single sample's rate.
+
+    ``asynchronous`` (a GPU): the samples within ``LAUNCH_BOUND_FACTOR`` of the fastest are
+    launch-bound, not ``flop / rate + overhead``, and are left out when at least two others
+    remain. On an H200 (``benchmarks/results/profile-h200-2026-12-04-measurements.json``)
+    512- to 2048-cubes took 16-26 us each, near-flat in FLOPs; fitted with them, the rate came
+    out 915 TFLOP/s, where the 4096- and 8192-cubes run at 767-786.
     """
+    if asynchronous:
+        floor = min(seconds)
+        kept = [(f, s) for f, s in zip(flop, seconds) if s >= LAUNCH_BOUND_FACTOR * floor]
+        if len(kept) >= 2:
+            flop, seconds = [f for f, _ in kept], [s for _, s in kept]
     weights = relative_weights(seconds)
     line = fit_line(flop, seconds, weights)
     if line.intercept < 0:
@@ -334,12 +353,15 @@ def fit_profile(*, gemm: Sequence[tuple[float, float]], copy: tuple[float, float
                 host_copy: Sequence[tuple[str, float, float]] = (),
                 host_adam: Sequence[tuple[int, int, float]] = (),
                 thin_gemm: Sequence[tuple[float, float, float]] = (),
-                fresh_pages: Sequence[float] = ()) -> ProfileFit:
+                fresh_pages: Sequence[float] = (),
+                asynchronous: bool = False) -> ProfileFit:
     """Fit raw ``(flop, s)`` GEMM, ``(bytes, s)`` copy, ``(link, op, n, size_bytes, s)``
     collective and ``(direction, bytes, s)`` host-copy samples; one alpha-beta fit per link
     kind present; ``(rows, flop, s)`` thin GEMMs (``fit_half_rows``) and the ``(bytes, s)``
-    of zeroing fresh pages where timed."""
-    flop_per_s, overhead_s = fit_gemm_rate([f for f, _ in gemm], [s for _, s in gemm])
+    of zeroing fresh pages where timed. ``asynchronous``: the device queues kernels (a GPU;
+    ``fit_gemm_rate``)."""
+    flop_per_s, overhead_s = fit_gemm_rate([f for f, _ in gemm], [s for _, s in gemm],
+                                           asynchronous=asynchronous)
     links = {}
     for link in sorted({row[0] for row in collectives}):
         rows = [(op, n, size, s) for kind, op, n, size, s in collectives if kind == link]

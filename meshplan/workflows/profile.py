@@ -93,7 +93,8 @@ def profile(*, out: str = "calibration.json", measurements: str | None = None,
     fit = fitting.fit_profile(gemm=measured.gemm, copy=measured.copy,
                               collectives=measured.collectives, host_copy=measured.host_copy,
                               host_adam=measured.host_adam, thin_gemm=measured.thin_gemm,
-                              fresh_pages=measured.fresh_pages)
+                              fresh_pages=measured.fresh_pages,
+                              asynchronous=key != CPU_DEVICE_KEY)
     catalog = fitting.CatalogRates(peak_flop_per_s=gpu.peak(dtype),
                                    hbm_bytes_per_s=gpu.hbm_bytes_per_s,
                                    link_bytes_per_s=gpu.nvlink_bytes_per_s,

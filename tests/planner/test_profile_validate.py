@@ -39,6 +39,25 @@ def test_fit_gemm_recovers_efficiency_and_overhead():
     assert eff_fit == pytest.approx(eff) and overhead_fit == pytest.approx(overhead)
 
 
+H200_GEMMS = ((2 * 512 ** 3, 1.6097e-05), (2 * 1024 ** 3, 1.6616e-05), (2 * 2048 ** 3, 2.5803e-05),
+              (2 * 4096 ** 3, 1.79112e-04), (2 * 8192 ** 3, 1.398112e-03))
+"""(flop, s) per call of bf16 n-cubes, ``meshplan profile`` on one H200 on 2026-12-04
+(``benchmarks/results/profile-h200-2026-12-04-measurements.json``): up to 2048 the calls are
+launch-bound (16-26 us, near-flat in FLOPs)."""
+
+
+def test_gpu_gemm_fit_reads_the_rate_off_the_sizes_that_are_not_launch_bound():
+    flop, seconds = zip(*H200_GEMMS)
+    (f1, t1), (f2, t2) = H200_GEMMS[-2:]
+    secant = (f2 - f1) / (t2 - t1)  # the two largest: 789 TFLOP/s
+    rate, overhead = fitting.fit_gemm_rate(flop, seconds, asynchronous=True)
+    assert rate == pytest.approx(secant, rel=1e-9)
+    assert overhead == pytest.approx(t1 - f1 / secant, rel=1e-6)
+    # the launch-bound sizes pull the same fit to ~915 TFLOP/s, above what any size reached
+    cpu_rate, _ = fitting.fit_gemm_rate(flop, seconds)
+    assert cpu_rate > 1.1 * max(f / t for f, t in H200_GEMMS)
+
+
 def test_fit_alpha_beta_recovers_the_collectives_model():
     bandwidth, alpha = 3e9, 1e-4
     samples = []
