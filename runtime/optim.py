@@ -192,12 +192,31 @@ def _kernel(impl: str, params: list[torch.Tensor]) -> dict:
     return {"foreach": impl == "foreach" and foreach_ok(params)}
 
 
+class HostThreadsAdamW(torch.optim.AdamW):
+    """torch's AdamW stepping on ``threads`` CPU threads (``host_threads``): the optimizer of
+    FSDP2's CPU offload (``optimizer+params``), whose sharded parameters, gradients and moments
+    all live in host memory. The workers run on one thread (``OMP_NUM_THREADS=1``,
+    runtime/launch.py), where a 1.24 B-parameter step took about 20 s on an H200's host
+    (``benchmarks/results/gpu-h200-2026-12-04.md``)."""
+
+    def __init__(self, params: Iterable[torch.Tensor], *, threads: int | None = None,
+                 **hyper) -> None:
+        super().__init__(params, **hyper)
+        self.threads = threads or host_threads()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with _intra_op_threads(self.threads):
+            return super().step(closure)
+
+
 def build_optimizer(modules: list[nn.Module], *, zero_stage: int, offload: str,
                     dp_mesh: DeviceMesh, recipe: Recipe) -> torch.optim.Optimizer:
     """The optimizer over every parameter of ``modules`` (the rank's model chunks)."""
     params = [p for m in modules for p in m.parameters()]
     hyper = {**recipe.adamw_kwargs(), **_kernel(recipe.optimizer_impl, params)}
-    inner = HostOffloadAdamW if offload == "optimizer" else torch.optim.AdamW
+    inner = {"optimizer": HostOffloadAdamW,
+             "optimizer+params": HostThreadsAdamW}.get(offload, torch.optim.AdamW)
     if zero_stage == 1 and dp_mesh.size() > 1:
         if any(isinstance(p, DTensor) for p in params):
             return ShardedStateOptimizer(params, dp_mesh=dp_mesh, optimizer_class=inner,

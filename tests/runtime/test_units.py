@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import dataclasses
 
 import numpy as np
@@ -192,6 +193,36 @@ def test_host_offload_adamw_matches_adamw():
     # (bias correction, decay, eps) is off by orders of magnitude more
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-8)
+
+
+def test_host_threads_adamw_steps_on_its_threads_and_matches_adamw(monkeypatch):
+    """FSDP2's CPU-offload optimizer: torch's AdamW, stepped on ``threads`` threads (the
+    workers run on one), the thread count restored after the step."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.AdamW(a.parameters(), **Recipe().adamw_kwargs())
+    opt_b = optim.HostThreadsAdamW(b.parameters(), threads=3, **Recipe().adamw_kwargs())
+    seen = []
+    original = torch.optim.AdamW.step
+
+    def recording(self, closure=None):
+        seen.append(torch.get_num_threads())
+        return original(self, closure)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording)
+    before = torch.get_num_threads()
+    for _ in range(2):
+        x = torch.randn(5, 8)
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+    assert seen == [before, 3, before, 3] and torch.get_num_threads() == before
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert optim.HostThreadsAdamW(a.parameters()).threads == (os.cpu_count() or 1)
 
 
 def test_partition_balances_and_is_deterministic():
