@@ -234,6 +234,21 @@ def _fill(module: nn.Module, plan: Plan, *, seed: int, init_from: str | None):
                                                  for sub in module.modules()))
 
 
+def host_work_threads(offload: str, device: torch.device) -> int | None:
+    """Intra-op threads for a GPU rank whose host does per-micro-batch work: under FSDP2's CPU
+    offload (``optimizer+params``) every backward copies the gradient shards to host memory and
+    adds them there to the earlier micro-batches', and the optimizer steps there too; on the
+    one thread the workers start with (runtime/launch.py) a 1.24 B-parameter step took 16-24 s
+    on an H200 (``benchmarks/results/gpu-h200-2026-12-04.md``). The node's cores over its
+    local ranks (``optim.host_threads``); None (keep one) otherwise, and on the CPU, whose
+    ranks share the cores for their compute."""
+    from meshplan.runtime.optim import host_threads
+
+    if offload != "optimizer+params" or device.type != "cuda":
+        return None
+    return host_threads()
+
+
 def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.device,
                      recipe: Recipe, init_from: str | None = None) -> RankModel:
     """Everything this rank needs to train ``plan``."""
@@ -249,6 +264,9 @@ def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.d
         param_dtype=dtype if dtype != torch.float32 else None)
     # FSDP2's CPU offload keeps the sharded parameters on the CPU
     where = torch.device("cpu") if choice.offload == "optimizer+params" else device
+    threads = host_work_threads(choice.offload, device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     built = []
     for module in modules:
         meta = any(p.is_meta for p in module.parameters())

@@ -225,6 +225,17 @@ def test_host_threads_adamw_steps_on_its_threads_and_matches_adamw(monkeypatch):
     assert optim.HostThreadsAdamW(a.parameters()).threads == (os.cpu_count() or 1)
 
 
+def test_gpu_ranks_offloading_parameters_use_the_hosts_cores(monkeypatch):
+    from meshplan.runtime.train import host_work_threads
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert host_work_threads("optimizer+params", cuda) == max(1, (os.cpu_count() or 1) // 2)
+    assert host_work_threads("optimizer+params", cpu) is None
+    assert host_work_threads("optimizer", cuda) is None  # HostOffloadAdamW raises its own
+    assert host_work_threads("none", cuda) is None
+
+
 def test_partition_balances_and_is_deterministic():
     owners = optim.partition([10, 1, 7, 3, 3], 2)
     loads = [sum(s for s, o in zip([10, 1, 7, 3, 3], owners) if o == p) for p in range(2)]
