@@ -155,7 +155,8 @@ def op_policy_layer_bytes(model: ModelSpec, config: ParallelConfig, *, policy: s
       recomputed. Under TP that can keep more than no recomputation does (the row-parallel
       outputs and collective outputs are tensors plain autograd frees).
 
-    ``autocast``: the block input is fp32 (``layer_activation_bytes``).
+    ``autocast``: the block input is fp32 (``layer_activation_bytes``), and so are the
+    all-gathered norm outputs under SP (the gather runs before the matmul's cast).
     """
     act, t = config.bytes_per_activation, config.tp
     tokens = tokens_per_microbatch(config)
@@ -172,8 +173,11 @@ def op_policy_layer_bytes(model: ModelSpec, config: ParallelConfig, *, policy: s
         return total
     if policy == "meshplan":
         total += sum(matmuls)
-        if t > 1:
-            total += 2 * act * tokens * h * ((1 + 1 / t) if config.sp else 1)
+        if t > 1 and config.sp:  # under autocast the gathered norm outputs are fp32
+            gathered = FP32_BYTES if autocast else act
+            total += 2 * tokens * h * (gathered + act / t)
+        elif t > 1:
+            total += 2 * act * tokens * h
         return total
     raise ValueError(f"policy must be torchtitan or meshplan, got {policy!r}")
 

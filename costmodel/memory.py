@@ -460,14 +460,13 @@ def _autocast_phases(model: ModelSpec, config: ParallelConfig, stage: int, param
     cast = autocast_weight_bytes(model, config, stage, params)
     if config.pp > 1 or config.stage_recompute(stage) == "none":
         return [phase + cast for phase in phases]
-    if stage != config.pp - 1:
-        return phases
-    copies = logit_copies("meshplan", fp32=False)
-    at_forward = act.logit_bytes(model, config, copies=2.0) + act.logit_bytes(
-        model, config, copies=1.0, element_bytes=config.bytes_per_activation)
-    drop = act.logit_bytes(model, config, copies=copies, vocab_parallel=vocab_parallel_loss(
-        "meshplan")) - at_forward
-    return [*phases, loss_forward - drop + cast]
+    # one stage: it holds the loss
+    shards = dict(vocab_parallel=vocab_parallel_loss("meshplan"))
+    at_forward = act.logit_bytes(model, config, copies=2.0, **shards) + act.logit_bytes(
+        model, config, copies=1.0, element_bytes=config.bytes_per_activation, **shards)
+    at_backward = act.logit_bytes(model, config, copies=logit_copies("meshplan", fp32=False),
+                                  **shards)
+    return [*phases, loss_forward - at_backward + at_forward + cast]
 
 
 def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
