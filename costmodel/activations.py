@@ -63,8 +63,9 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     the residual between attention and MLP are kept in fp32 (by the norms that read them); the
     norms run in fp32 and autocast casts their output to the compute dtype once per consumer
     matmul (casts of activations are not cached, only of weights): three copies for ``wq``,
-    ``wk``, ``wv`` and one per up projection (two for SwiGLU). These h-wide tensors replace
-    the eager ones; the rest is as ``eager``. With ``recompute="full"`` the stored input is
+    ``wk``, ``wv`` and one per up projection (two for SwiGLU), over the whole sequence (under
+    SP the gathered output is cast, and the casts replace the eager gathered inputs). These
+    h-wide tensors replace the eager ones; the rest is as ``eager``. With ``recompute="full"`` the stored input is
     fp32. Reconciled tensor by tensor with the runtime's step on an H200 (CUDA's fused
     RMSNorm; ``benchmarks/gpu_memory_breakdown.py``, Llama-3.2-1B, 2 x 2048 tokens: 441.0 MiB
     per layer measured and predicted). ``fused_norm`` False (the CPU, where RMSNorm decomposes
@@ -79,6 +80,7 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
         return (FP32_BYTES if autocast and eager else act) * tokens * h / seq_div
     dropout_masks = 2 * MASK_BYTES * tokens * h if model.dropout else 0
     seq_split = 4 * act * tokens * h + dropout_masks
+    casts = 0.0
     attention = act * tokens * (2 * model.q_size + 2 * model.kv_size)
     mlp = _mlp_activation_bytes(model, config, tokens=tokens, moe=moe)
     if eager:
@@ -93,13 +95,15 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
             mlp += act * tokens * f
         if autocast:
             ups = 2 if model.activation == "swiglu" else 1
-            seq_split += (2 * FP32_BYTES + (3 + ups) * act - 4 * act) * tokens * h
+            seq_split += (2 * FP32_BYTES - 4 * act) * tokens * h  # the fp32 residuals
+            # per consumer matmul, of the whole sequence (under SP, of the gathered output)
+            casts = (3 + ups) * act * tokens * h
             if model.norm == "rmsnorm" and not fused_norm:
                 seq_split += 2 * FP32_BYTES * tokens * h
         elif model.norm == "rmsnorm":
             seq_split += 2 * act * tokens * h
-    total = seq_split / seq_div + (attention + mlp) / t
-    if eager and config.sp and t > 1:
+    total = seq_split / seq_div + (attention + mlp) / t + casts
+    if eager and config.sp and t > 1 and not autocast:
         # DTensor's SP -> TP all-gather hands the QKV and first MLP matmuls a gathered input,
         # which autograd keeps whole (Megatron keeps the sequence shard and gathers again).
         total += 2 * act * tokens * h * (1 - 1 / t)

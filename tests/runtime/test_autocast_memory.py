@@ -63,16 +63,20 @@ def test_cpu_bf16_autocast_peaks_are_predicted(tmp_path, plan_file, torchrun, mo
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_cpu_bf16_autocast_peak_under_tp_and_sp(tmp_path, plan_file, torchrun, monkeypatch):
-    """tp 2 with SP and the selective policy: the saved all-gathered norm outputs are fp32
-    under autocast (7.3 % under-predicted while they were counted in bf16)."""
+def test_cpu_bf16_autocast_peaks_under_tp_and_sp(tmp_path, plan_file, torchrun, monkeypatch):
+    """tp 2 with SP: autocast gathers the norms' fp32 outputs, then casts the whole sequence
+    once per consumer matmul (no recomputation: 5.4 % under-predicted while the casts were
+    counted sequence-split); the selective policy keeps the gathered fp32 outputs (7.3 % under
+    while counted in bf16)."""
     monkeypatch.setenv(CPU_PLAN_DTYPE_ENV, "1")
-    config = ParallelConfig(global_batch_size=8, micro_batch_size=2, seq_len=64, dtype="bf16",
-                            tp=2, sp=True, recompute="selective")
-    plan = plan_file(load_model("tiny"), config, tmp_path / "plan.json")
-    report = tmp_path / "report.json"
-    done = torchrun([plan], [report], nproc=2, steps=2)
+    modes = ("selective", "none")
+    plans = [plan_file(load_model("tiny"), ParallelConfig(
+        global_batch_size=8, micro_batch_size=2, seq_len=64, dtype="bf16", tp=2, sp=True,
+        recompute=mode), tmp_path / f"{mode}.json") for mode in modes]
+    reports = [tmp_path / f"{mode}-report.json" for mode in modes]
+    done = torchrun(plans, reports, nproc=2, steps=2)
     assert done.returncode == 0, done.stderr[-2000:]
-    for rank in json.loads(report.read_text())["per_rank"]:
-        ratio = rank["peak_bytes"] / rank["predicted_peak_bytes"]
-        assert 0.96 <= ratio <= 1.05, ratio  # measured 1.027
+    for mode, report in zip(modes, reports):
+        for rank in json.loads(report.read_text())["per_rank"]:
+            ratio = rank["peak_bytes"] / rank["predicted_peak_bytes"]
+            assert 0.96 <= ratio <= 1.045, (mode, ratio)  # measured 1.027 and 1.024
