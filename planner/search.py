@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -590,6 +591,7 @@ class _Pass:
         self.solves = self.infeasible = self.pruned = 0
         self.stopped = False
         self.incomplete = False  # some CP-SAT solve ended without proving its optimum
+        self.last_resort = False  # the budget ran out without a plan and a last dive was made
 
     def floor(self) -> float:
         return self.heap[0].bound if self.heap else float("inf")
@@ -604,6 +606,12 @@ class _Pass:
                 heap.clear()
                 return
             if self.budget.spent() and (best or self.budget.past_grace()):
+                if not best and not self.last_resort:
+                    # a plan however far above the bound (its gap says so) beats none: follow
+                    # one path to its plan, the leave rule off
+                    self.last_resort = True
+                    self.dive(leave=math.inf)
+                    continue
                 self.stopped = True
                 return
             node = heapq.heappop(heap)
@@ -616,17 +624,20 @@ class _Pass:
                 continue
             self.solve(node)
 
-    def dive(self) -> None:
+    def dive(self, leave: float | None = None) -> None:
         """Depth first from the lowest bound until a plan is held and the path has reached
         its candidate's CP-SAT solve (at most ``DIVE_NODES`` nodes): the refined node's lowest
         child is refined next, its siblings go to the heap, and a path whose priced bound
-        rises above ``DIVE_LEAVE`` times the heap's lowest is left for a new dive from there.
+        rises above ``leave`` times the heap's lowest is left for a new dive from there
+        (``DIVE_LEAVE``; ``run`` makes a last dive with none when the budget ends without a
+        plan).
         Best-first order reaches its first plan only after refining every node whose bound is
         below that plan's, which on a large space is more than a short time limit; the dive
         usually holds a plan within a few dozen refinements. It only changes the order in
         which nodes are refined: every node still ends refined or pruned, so a search that
         completes gives the best-first answer."""
         heap, best = self.heap, self.best
+        leave = DIVE_LEAVE if leave is None else leave
         node = None
         for _ in range(DIVE_NODES):
             if best and (node is None or self.budget.spent()):
@@ -651,7 +662,7 @@ class _Pass:
             for child in children[1:]:
                 heapq.heappush(heap, child)
             if (node is not None and node.kind in PRICED_KINDS and heap
-                    and node.bound > heap[0].bound * DIVE_LEAVE):
+                    and node.bound > heap[0].bound * leave):
                 node = heapq.heappushpop(heap, node)  # priced far above the rest: dive again
         if node is not None:
             heapq.heappush(heap, node)
