@@ -51,6 +51,14 @@ class DeviceCalibration:
     thread, so a small model's step is mostly this; a GPU queues kernels ahead of itself,
     so 0 there. Charged per op of each layer's forward (``timing.EAGER_OPS_PER_LAYER``),
     twice that in the backward."""
+    host_op_s: float = 0.0
+    """Host seconds per plain eager ATen op on the thread that drives this GPU (Python,
+    dispatcher, autograd, the kernel launch). The device runs queued kernels while the host
+    issues the next, so an eager framework's layer (``frameworks.eager_kernels``) takes the
+    larger of its kernels' time and its host work, ``timing.HOST_OP_EQUIVALENTS`` of its
+    recompute mode times this: small layers, and the selective-checkpoint dispatch modes'
+    Python per op, leave the GPU waiting on the host. 0: not modelled (the CPU device, whose
+    host work is serial, is priced by ``op_overhead_s``)."""
     collective_call_s: float = 0.0
     """Host seconds per latency step of every collective call on this device
     (``Calibration.collective_call_s`` adds to it): gloo on a CPU waits on Python, c10d,
@@ -136,7 +144,7 @@ class DeviceCalibration:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-        for name in ("matmul_overhead_s", "op_overhead_s", "collective_call_s"):
+        for name in ("matmul_overhead_s", "op_overhead_s", "host_op_s", "collective_call_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -280,7 +288,7 @@ DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "prefetch_overlap": FRACTION, "prefetch_contention": FRACTION,
     "optimizer_params_per_s": POSITIVE, "gemm_half_rows": POSITIVE,
     "fresh_page_bytes_per_s": POSITIVE,
-    "op_overhead_s": NON_NEGATIVE,
+    "op_overhead_s": NON_NEGATIVE, "host_op_s": NON_NEGATIVE,
     "collective_call_s": NON_NEGATIVE,
     "attention_efficiency": EFFICIENCY, "flash_attention_efficiency": EFFICIENCY,
     "memory_efficiency": EFFICIENCY})

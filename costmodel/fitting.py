@@ -271,7 +271,7 @@ def scaled_calibration(calibration: Calibration, *, gpu_key: str, factor: float,
         memory_efficiency=lower(dev.memory_efficiency),
         eager_matmul_efficiency=lower(dev.eager_matmul_efficiency),
         eager_flash_attention_efficiency=lower(dev.eager_flash_attention_efficiency),
-        op_overhead_s=dev.op_overhead_s * factor,
+        op_overhead_s=dev.op_overhead_s * factor, host_op_s=dev.host_op_s * factor,
         collective_call_s=dev.collective_call_s * factor,
         optimizer_params_per_s=slower(dev.optimizer_params_per_s),
         fresh_page_bytes_per_s=slower(dev.fresh_page_bytes_per_s))

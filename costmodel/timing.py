@@ -57,6 +57,18 @@ runtime, Llama-style): two RMSNorms of 6 ops (pow, mean, add, rsqrt, mul, mul), 
 rotary embeddings on q and k (6 each), 6 view / transpose ops, the fused attention, SiLU,
 the gate product and 2 residual adds. Charged ``DeviceCalibration.op_overhead_s`` each; the
 backward dispatches about twice as many (``BACKWARD_FACTOR``)."""
+HOST_OP_EQUIVALENTS = {"none": 248.0, "full": 577.0, "op": 1134.0}
+"""Host work of one decoder layer's forward and backward for one micro-batch in an eager
+framework, in plain eager ATen ops, by what the layer does for backward
+(``memory.layer_modes``). ``none``: the ATen ops meshplan's runtime's Llama block dispatches
+under bf16 autocast, forward 95 and backward 153, counted with a dispatch mode. ``full``
+(torch's non-reentrant checkpoint) and ``op`` (the per-op selective policies of meshplan's
+runtime and torchtitan: torch's selective-checkpoint dispatch modes run Python for every op
+of the forward and of its recomputation) scaled by their measured host time over
+``none``'s: 2.33x and 4.57x for a 16-token block whose kernels cost next to nothing, on one
+CPU thread (``python benchmarks/host_ops.py``,
+benchmarks/results/host-ops-cpu-2026-12-04.md). Charged ``DeviceCalibration.host_op_s``
+each; a GPU layer takes the larger of this and its kernels' time (``_StageCosts.layer``)."""
 EAGER_OPS_HEAD = 11
 """Forward operators outside the layers: embedding, the final norm (6), LM head and the
 loss (log-softmax, gather, mean)."""
@@ -470,7 +482,14 @@ class _StageCosts:
         # the backward writes the layer's weight gradients into fresh tensors
         extra += fresh_pages_s(cluster, calibration, layer_rank_params(model, config, moe=moe)
                                * config.bytes_per_activation)
-        cost = _LayerCost(compute_s=(1 + BACKWARD_FACTOR) * parts.total_s + extra,
+        compute = (1 + BACKWARD_FACTOR) * parts.total_s + extra
+        device = calibration.device(cluster.gpu.key)
+        if device.host_op_s and eager_kernels(framework):
+            # the host issues the layer's kernels while the device runs earlier ones: the
+            # slower of the two sets the pace (``compute_factor`` scales kernels, not host)
+            host = HOST_OP_EQUIVALENTS[layer_mode] * device.host_op_s
+            compute = max(compute, host / calibration.compute_factor(framework))
+        cost = _LayerCost(compute_s=compute,
                           cp_s=_cp_comm_per_layer_s(model, config, self.links.cp, calibration,
                                                     attention_fwd_s=parts.core_s))
         self._layers[key] = cost

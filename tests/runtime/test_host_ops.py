@@ -1,0 +1,30 @@
+"""The host work the cost model charges per layer (``timing.HOST_OP_EQUIVALENTS``) against
+the ATen ops the runtime's own block dispatches (``benchmarks/host_ops.py``'s counter)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from meshplan.costmodel.timing import HOST_OP_EQUIVALENTS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _host_ops():
+    spec = importlib.util.spec_from_file_location("host_ops", ROOT / "benchmarks" / "host_ops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(60)
+def test_the_runtime_block_dispatches_the_ops_the_cost_model_charges():
+    counts = _host_ops().count_ops("llama3.2-1b", autocast=True)
+    none = counts["none"]["forward"] + counts["none"]["backward"]
+    assert none == pytest.approx(HOST_OP_EQUIVALENTS["none"], rel=0.05)
+    for mode in ("full", "selective"):  # the recomputation dispatches the forward again
+        total = counts[mode]["forward"] + counts[mode]["backward"]
+        assert total >= none + 0.9 * counts["none"]["forward"]
