@@ -291,6 +291,29 @@ def _stored_input_bytes(model: ModelSpec, config: ParallelConfig, framework: str
                                                          eager=autocast, autocast=autocast))
 
 
+GLOO_HELD_GATHERS = 3
+"""Sequence-parallel activations (an all-gather's whole-sequence output, or what a matmul
+made of it) that meshplan's runtime on the CPU (gloo) can still hold at a peak after its
+forward moved on: a completed collective's work object keeps its output until gloo's thread
+releases it, so whether they are alive depends on timing. Measured with the live-tensor
+tracker (tiny, tp 2 with SP, bf16 autocast, 2 ranks): most runs' peaks hold none of them, about
+one rank in four holds two all-gather outputs and one matmul output more (98,304 bytes:
+3 x 2 x 64 x 64 fp32), 5.9 % above the prediction without this allowance."""
+
+
+def gloo_held_gather_bytes(model: ModelSpec, config: ParallelConfig, framework: str,
+                           device_key: str) -> float:
+    """``GLOO_HELD_GATHERS`` whole-sequence activations (fp32 under autocast, whose norms'
+    outputs are gathered, else the compute dtype) for meshplan's runtime on the CPU under
+    tensor parallelism with SP; 0 otherwise (the peak counts them: a timing the plan cannot
+    choose should not exceed it)."""
+    if framework != "meshplan" or device_key != CPU_DEVICE_KEY or config.tp == 1 \
+            or not config.sp:
+        return 0.0
+    element = 4 if runtime_autocast(framework, config) else config.bytes_per_activation
+    return GLOO_HELD_GATHERS * act.tokens_per_microbatch(config) * model.hidden_size * element
+
+
 def runtime_autocast(framework: str, config: ParallelConfig) -> bool:
     """Whether meshplan's runtime runs this plan under ``torch.autocast`` over fp32 weights:
     a 16-bit plan without FSDP2 (ZeRO 0-1 and no parameter offload; ``runtime/train.py``
@@ -398,6 +421,7 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
             compute_bytes=4 if config.dtype == "fp32" else 2)
     persistent = buffers if framework in ("meshplan", "torchtitan") and \
         config.zero_stage <= 1 else 0.0
+    buffers += gloo_held_gather_bytes(model, config, framework, cluster.gpu.key)
     recv = stage_recv_buffer_bytes(model, config, stage, framework)
     gathered = buffers + recv  # gather and gradient buffers with the pipeline's
     buffers += recv

@@ -79,4 +79,5 @@ def test_cpu_bf16_autocast_peaks_under_tp_and_sp(tmp_path, plan_file, torchrun, 
     for mode, report in zip(modes, reports):
         for rank in json.loads(report.read_text())["per_rank"]:
             ratio = rank["peak_bytes"] / rank["predicted_peak_bytes"]
-            assert 0.96 <= ratio <= 1.045, (mode, ratio)  # measured 1.027 and 1.024
+            # measured 0.995, or 1.023-1.026 when gloo still holds gathers (GLOO_HELD_GATHERS)
+            assert 0.96 <= ratio <= 1.045, (mode, ratio)
