@@ -256,22 +256,33 @@ def _micro_sum(model: ModelSpec, config: ParallelConfig, counts: dict[int, int],
     ZeRO and offload traffic composed from the sums (sum_i max(0, x_i) >= max(0, sum_i x_i)).
     ``micro(stage, n)``: a stage's time per micro-batch by term (``timing.StageTime``) at
     ``n`` layers."""
+    linear, zero_comm, zero_hidden, offload_raw, offload_hidden = _layer_sums(
+        model, config, counts, lo, micro, _MICRO_GETTERS)
+    return composition.micro_total(linear=linear, zero_comm=zero_comm, zero_hidden=zero_hidden,
+                                   offload_raw=offload_raw, offload_hidden=offload_hidden)
+
+
+_MICRO_GETTERS = (lambda t: t.linear_s, lambda t: t.zero_comm_s, lambda t: t.zero_hidden_s,
+                  lambda t: t.offload_raw_s, lambda t: t.offload_hidden_s)
+_RAW_TRAFFIC_GETTERS = (lambda t: t.zero_comm_s, lambda t: t.offload_raw_s)
+
+
+def _layer_sums(model: ModelSpec, config: ParallelConfig, counts: dict[int, int], lo: int,
+                micro, getters) -> tuple[float, ...]:
+    """Per getter, the sum over stages of a term linear in the layer count, for any split of
+    the layers (``_micro_sum``): each kind of stage at ``lo`` layers times its count, plus one
+    slope (``micro(first kind, lo + 1)``) for the layers above ``p lo``."""
     classes = list(counts)
     at_lo = {s: micro(s, lo) for s in classes}
     spread = model.num_layers - config.pp * lo
     above = micro(classes[0], lo + 1) if spread else None
 
     def summed(getter) -> float:
-        """sum over stages of a term linear in the layer count, for any split of L layers."""
         values = {s: getter(at_lo[s]) for s in classes}
         slope = getter(above) - values[classes[0]] if spread else 0.0
         return sum(values[s] * counts[s] for s in classes) + slope * spread
 
-    return composition.micro_total(
-        linear=summed(lambda t: t.linear_s),
-        zero_comm=summed(lambda t: t.zero_comm_s), zero_hidden=summed(lambda t: t.zero_hidden_s),
-        offload_raw=summed(lambda t: t.offload_raw_s),
-        offload_hidden=summed(lambda t: t.offload_hidden_s))
+    return tuple(summed(g) for g in getters)
 
 
 def _none_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
@@ -772,6 +783,20 @@ class _Family:
                                        top_micro=self.top, sum_micro=self.total,
                                        once=self.once) / v
 
+    def least(self, vpps) -> float:
+        """``min(value(v) for v in vpps)``: ``value(v) = m T + (S - T) / v + once`` is
+        monotonic in v, so the least is at the smallest or the largest v."""
+        return min(self.value(min(vpps)), self.value(max(vpps)))
+
+
+def _with_kind(family: _Family, floor: float, once: float, stages: int) -> _Family:
+    """``family``'s bounds for one (ZeRO, offload) choice of a ``stages``-stage pipeline: its
+    summed per-micro-batch work at least ``floor`` (``_Refiner.traffic_floor``), its
+    once-per-step terms ``once``."""
+    total = max(family.total, floor)
+    return _Family(top=max(family.top, total / stages), total=total,
+                   micro_batches=family.micro_batches, once=once)
+
 
 class _Refiner:
     """The search tree (``search``), refined one node at a time.
@@ -791,7 +816,10 @@ class _Refiner:
     5. a middle stage needs no less memory than a later one (``bounds``);
     6. compute per micro-batch depends on neither v nor ZeRO and offload, and the
        once-per-step terms (data-parallel traffic, optimizer, offload step) grow with a
-       stage's layer count and fall only with its compute (``once_bounds``).
+       stage's layer count and fall only with its compute (``once_bounds``);
+    7. a stage's time per micro-batch is at least its raw ZeRO-2/3 traffic and at least its
+       raw parameter-offload traffic, neither of which depends on the micro-batch or falls
+       under recomputation (``traffic_floor``).
 
     Levels, each bounding every candidate below it. Down to ``layout_fit`` the bounds leave
     the once-per-step terms out (they are at least 0); the ``kind`` level adds its own lower
@@ -811,10 +839,12 @@ class _Refiner:
         bubble's share, ``b (S - T) / v``, grows with b), not the tuple's smallest b.
     ``layout`` (+ micro-batch, sp, rank layout)
         the layout's linear work over every v (2), then its leanest member's capacities
-        (``family``: 1, 4); ``layout_fit`` bounds each v from the v = 1 terms (2).
+        (``family``: 1, 4) with, per (ZeRO, offload) choice, its raw traffic as a floor of
+        the summed work (``traffic_floor``: 7), the least over choices; ``layout_fit`` bounds
+        each v from the v = 1 terms (2).
     ``kind`` (+ ZeRO stage, offload)
-        created with its parent's bound plus its once-per-step bound (``once_bounds``);
-        dropped if its v = 1 member cannot hold its heaviest stage (``heavy_infeasible``;
+        created with the layout's capacities, its own traffic floor and its once-per-step
+        bound (``once_bounds``; 0 where the rest already reaches the k-th best plan); dropped if its v = 1 member cannot hold its heaviest stage (``heavy_infeasible``;
         2, 5); else that member's every term (``bound``: exposed ZeRO and offload traffic
         too) over every v (2), then its own capacities (``kind_fit``).
     ``member`` (+ vpp) and ``candidate``
@@ -1027,28 +1057,35 @@ class _Refiner:
             piece = self.linear_bound(base)
             linear = _Family(top=piece.per_micro_s / piece.stages, total=piece.per_micro_s,
                              micro_batches=piece.micro_batches)
-            value = min(linear.value(v) for v in vpps)
-            return [self.node(max(value, node.bound), "layout_caps", node.data)], 0
-        if kind == "layout_caps":
+            return [self.node(max(linear.least(vpps), node.bound), "layout_caps",
+                              node.data)], 0
+        if kind == "layout_caps":  # the capacities of its leanest member, and each (ZeRO,
+            # offload) choice's raw traffic
             degrees, b, sp, order, vpps = node.data
             family = self.family(degrees, b, sp, order, 1)
             if family is None:  # the leanest sibling fits no split, so none does
                 return [], 1
-            value = min(family.value(v) for v in vpps)
-            return [self.node(max(value, node.bound), "layout_fit", (node.data, family))], 0
-        if kind == "layout_fit":
-            (degrees, b, sp, order, vpps), family = node.data
-            tp, cp, pp, dp, ep = degrees
-            choices = [(zero, offload, device)
-                       for zero in zero_choices(self.space, dp * cp, core=self.core,
-                                                framework=self.framework)
-                       for offload, device in offload_choices(self.space, zero, self.model,
-                                                              self.cluster)]
-            onces = self.once_bounds(degrees, b, sp, order, choices)
-            out = [self.node(node.bound + onces[choice], "kind",
-                             (degrees, b, sp, order, vpps, choice,
-                              dataclasses.replace(family, once=onces[choice])))
-                   for choice in choices]
+            p = degrees[2]
+            floors = {c: self.traffic_floor(degrees, b, sp, order, c)
+                      for c in self.kind_choices(degrees)}
+            if not floors:
+                return [], 0
+            value = min(_with_kind(family, floors[c], 0.0, p).least(vpps) for c in floors)
+            return [self.node(max(value, node.bound), "layout_fit",
+                              (node.data, family, floors))], 0
+        if kind == "layout_fit":  # each choice's once-per-step terms: one child per choice
+            (degrees, b, sp, order, vpps), family, floors = node.data
+            p, kth = degrees[2], best.kth()
+            fams = {c: _with_kind(family, floors[c], 0.0, p) for c in floors}
+            # the once-per-step terms of the choices not already ruled out (the rest keep 0,
+            # a lower bound, and are pruned on it)
+            wanted = [c for c in floors if fams[c].least(vpps) < kth]
+            onces = self.once_bounds(degrees, b, sp, order, wanted) if wanted else {}
+            out = []
+            for choice, fam in fams.items():
+                terms = dataclasses.replace(fam, once=onces.get(choice, 0.0))
+                out.append(self.node(max(terms.least(vpps), node.bound), "kind",
+                                     (degrees, b, sp, order, vpps, choice, terms)))
             return out, 0
         if kind == "kind":
             return self.kind_node(node)
@@ -1093,7 +1130,7 @@ class _Refiner:
         if self.heavy_infeasible(member):
             return [], 1
         terms = self.member_terms(member, family.top, family.total, family.once)
-        value = min(terms.value(v) for v in vpps)
+        value = terms.least(vpps)
         return [self.node(max(value, node.bound), "kind_fit", (*node.data[:6], terms,
                                                                member))], 0
 
@@ -1108,7 +1145,7 @@ class _Refiner:
             return [], 1
         terms = self.member_terms(member, max(split[0], terms.top), max(split[1], terms.total),
                                   terms.once)
-        value = min(terms.value(v) for v in vpps)
+        value = terms.least(vpps)
         return [self.node(max(value, node.bound), "kind_caps", (*node.data[:6], terms))], 0
 
     def member_terms(self, member: ParallelConfig, top: float, total: float,
@@ -1117,6 +1154,43 @@ class _Refiner:
         total = max(total, piece.per_micro_s)
         return _Family(top=max(top, total / piece.stages), total=total,
                        micro_batches=piece.micro_batches, once=once)
+
+    def kind_choices(self, degrees) -> list[tuple]:
+        """The (ZeRO stage, offload, offload device) choices of a degree tuple."""
+        tp, cp, pp, dp, ep = degrees
+        return [(zero, offload, device)
+                for zero in zero_choices(self.space, dp * cp, core=self.core,
+                                         framework=self.framework)
+                for offload, device in offload_choices(self.space, zero, self.model,
+                                                       self.cluster)]
+
+    def traffic_floor(self, degrees, b, sp, order, choice) -> float:
+        """A lower bound of the per-micro-batch work summed over stages of every member of a
+        (ZeRO, offload) choice of a layout, for any split, v and recompute mode: the summed
+        raw ZeRO-2/3 traffic, or the summed raw parameter-offload traffic, whichever is
+        larger.
+
+        A stage's time per micro-batch is at least each of its raw ZeRO and offload traffic
+        (compute hides at most itself, and linear work includes compute), neither grows less
+        under recomputation than without, and neither depends on the micro-batch (both are
+        parameter-sized): so the v = 1 member's terms without recomputation at this ``b``
+        serve every micro-batch of the (degrees, sp, rank layout), and are cached as such
+        (``tests/planner/test_bounds.py`` checks the three properties)."""
+        key = ("traffic floor", degrees, sp, order, choice)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        member = self.config(degrees, b, sp, order, 1, *choice)
+        if member is None:
+            return 0.0
+        model, p = self.model, member.pp
+        lo = model.num_layers if p == 1 else layer_bounds(model, member, None)[0][0]
+        counts = _stage_kinds(self.cluster, member, self.cache)
+        zero, offload = _layer_sums(model, member, counts, lo, lambda stage, n: stage_micro_terms(
+            model, self.cluster, member, stage, n, "none", framework=self.framework,
+            calibration=self.calibration, cache=self.cache), _RAW_TRAFFIC_GETTERS)
+        self.cache[key] = value = max(zero, offload, 0.0)
+        return value
 
     def once_bounds(self, degrees, b, sp, order, choices) -> dict[tuple, float]:
         """Per (ZeRO, offload, device) choice of a layout, a lower bound of the once-per-step
@@ -1199,7 +1273,14 @@ class _Refiner:
     def family(self, degrees, b, sp, order, v) -> "_Family | None":
         """Bounds of every ZeRO / offload choice at (degrees, b, sp, order, v): the linear
         work (ZeRO-0, no offload: it does not depend on either) with the capacities of the
-        leanest member (``capacity_split``); None if even the leanest fits no split."""
+        leanest member (``capacity_split``); None if even the leanest fits no split. Cached:
+        each (ZeRO, offload) child of a layout asks for it."""
+        key = ("family", degrees, b, sp, order, v)
+        if key not in self.cache:
+            self.cache[key] = self._family(degrees, b, sp, order, v)
+        return self.cache[key]
+
+    def _family(self, degrees, b, sp, order, v) -> "_Family | None":
         base = self.config(degrees, b, sp, order, v, 0, "none", "cpu")
         lean = self.leanest(degrees, b, sp, order, v)
         if base is None or lean is None:

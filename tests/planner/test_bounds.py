@@ -204,6 +204,16 @@ def test_the_invariants_the_search_bounds_rest_on(case):
             (a, ma), (b, mb) = terms(n, mode, micro_batch_size=1), terms(n, mode,
                                                                          micro_batch_size=4)
             assert b.linear_s / 4 <= a.linear_s * (1 + 1e-12) and mb >= ma
+            # (7) raw ZeRO and offload traffic: below the stage's time, the same for every
+            # micro-batch, not less under recomputation (``_Refiner.traffic_floor``)
+            for t in (t1, t2, a, b):
+                assert t.total_s >= max(t.zero_comm_s, t.offload_raw_s) * (1 - 1e-12)
+            assert (a.zero_comm_s, a.offload_raw_s) == (b.zero_comm_s, b.offload_raw_s)
+            none = terms(n, "none")[0]
+            assert t1.zero_comm_s >= none.zero_comm_s * (1 - 1e-12)
+            assert t1.offload_raw_s >= none.offload_raw_s * (1 - 1e-12)
+    # the property has something to check: these cases' raw traffic is not 0
+    assert terms(4, "none")[0].zero_comm_s > 0 or kwargs["zero_stage"] < 2
 
 
 PER_MICRO_CASES = [  # model, cluster, nodes, framework (a MoE model with dense layers too)
@@ -252,6 +262,33 @@ ONCE_CASES = [  # model, cluster, nodes, framework, global batch, sequence lengt
 ]
 
 
+def _once_case(case):
+    """(model, cluster, the framework's space, a refiner over it) of a ``ONCE_CASES`` row."""
+    name, cluster_name, nodes, framework, batch, seq = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    space = search_module.framework_space(SearchSpace(global_batch_size=batch, seq_len=seq),
+                                          framework)
+    return model, cluster, space, search_module._Refiner(model, cluster, space,
+                                                          framework=framework, calibration=CAL)
+
+
+def _random_splits(model, config, space, rng, count):
+    """``count`` copies of ``config`` with the even split perturbed (a few layers moved
+    between random stages, each keeping at least v) and a random recompute mode per stage."""
+    from meshplan.costmodel.config import even_split
+
+    p, lo = config.pp, max(1, config.vpp)
+    for _ in range(count):
+        counts = list(even_split(model.num_layers, p))
+        for _ in range(rng.randint(0, 4) if p > 1 else 0):  # move layers between stages
+            a, b = rng.randrange(p), rng.randrange(p)
+            if counts[a] > lo:
+                counts[a] -= 1
+                counts[b] += 1
+        modes = tuple(rng.choice(space.recompute_modes) for _ in range(p))
+        yield config.with_split(tuple(counts), modes)
+
+
 @pytest.mark.parametrize("case", ONCE_CASES, ids=[c[0] + "-" + c[3] for c in ONCE_CASES])
 def test_once_per_step_bound_is_below_every_member(case):
     """``_Refiner.once_bounds`` (what the search adds to its ZeRO / offload nodes) is at most
@@ -259,16 +296,11 @@ def test_once_per_step_bound_is_below_every_member(case):
     recompute mode per stage. The members' terms are the cost model's own
     (``estimate.stage_terms`` of every stage, composed as ``compose_step`` does)."""
     from meshplan.costmodel import composition
-    from meshplan.costmodel.config import even_split
     from meshplan.costmodel.estimate import stage_terms
     from meshplan.planner.space import candidates
 
-    name, cluster_name, nodes, framework, batch, seq = case
-    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
-    space = search_module.framework_space(SearchSpace(global_batch_size=batch, seq_len=seq),
-                                          framework)
-    refiner = search_module._Refiner(model, cluster, space, framework=framework,
-                                     calibration=CAL)
+    model, cluster, space, refiner = _once_case(case)
+    framework = case[3]
     rng = random.Random(5)
     configs = [c for c in candidates(model, cluster, space) if c.dp * c.cp > 1]
     checked = tight = 0
@@ -277,28 +309,53 @@ def test_once_per_step_bound_is_below_every_member(case):
         choice = (config.zero_stage, config.offload, config.offload_device)
         want = refiner.once_bounds(degrees, config.micro_batch_size, config.sp,
                                    config.mesh_order, [choice])[choice]
-        p, total = config.pp, model.num_layers
-        lo = max(1, config.vpp)
-        for _ in range(3):
-            counts = list(even_split(total, p))
-            for _ in range(rng.randint(0, 4) if p > 1 else 0):  # move layers between stages
-                a, b = rng.randrange(p), rng.randrange(p)
-                if counts[a] > lo:
-                    counts[a] -= 1
-                    counts[b] += 1
-            modes = tuple(rng.choice(space.recompute_modes) for _ in range(p))
-            staged = config.with_split(tuple(counts), modes)
+        p = config.pp
+        for staged in _random_splits(model, config, space, rng, 3):
             terms = [stage_terms(model, cluster, staged, s, framework=framework,
                                  calibration=CAL) for s in range(p)]
             once = composition.once_per_step(
                 dp_exposed=max(t.dp_exposed_s for t in terms),
                 optimizer=max(t.optimizer_s for t in terms),
                 offload_step=max(t.offload_s for t in terms))
-            assert want <= once * (1 + 1e-9) + 1e-12, (config, counts, modes, want, once)
+            assert want <= once * (1 + 1e-9) + 1e-12, (staged, want, once)
             checked += 1
             tight += want > 0.5 * once
     assert checked >= 60
     assert tight >= checked // 4  # the bound is not vacuous
+
+
+@pytest.mark.parametrize("case", ONCE_CASES, ids=[c[0] + "-" + c[3] for c in ONCE_CASES])
+def test_traffic_floor_is_below_every_member(case):
+    """``_Refiner.traffic_floor`` (the summed raw ZeRO or offload traffic a layout's (ZeRO,
+    offload) choice adds to its bound, cached per degrees, sp and rank layout whichever
+    micro-batch asked first) is at most the summed time per micro-batch of every member: any
+    micro-batch, vpp, split and recompute mode per stage (``estimate.stage_terms``)."""
+    from meshplan.costmodel.estimate import stage_terms
+    from meshplan.planner.space import candidates
+
+    model, cluster, space, refiner = _once_case(case)
+    framework = case[3]
+    rng = random.Random(7)
+    configs = [c for c in candidates(model, cluster, space)
+               if c.zero_stage >= 2 or c.offload == "optimizer+params"]
+    checked = tight = 0
+    for config in rng.sample(configs, min(40, len(configs))):
+        degrees = (config.tp, config.cp, config.pp, config.dp, config.ep)
+        choice = (config.zero_stage, config.offload, config.offload_device)
+        # another micro-batch of the layout may have filled the cache first
+        sizes = [b for b, sp, order in refiner.layouts(degrees)
+                 if (sp, order) == (config.sp, config.mesh_order)]
+        first = rng.choice(sizes)
+        want = refiner.traffic_floor(degrees, first, config.sp, config.mesh_order, choice)
+        p = config.pp
+        for staged in _random_splits(model, config, space, rng, 2):
+            summed = sum(stage_terms(model, cluster, staged, s, framework=framework,
+                                     calibration=CAL).micro.total_s for s in range(p))
+            assert want <= summed * (1 + 1e-9), (staged, first, want, summed)
+            checked += 1
+            tight += want > 0.3 * summed
+    assert checked >= 40
+    assert tight >= 1  # the floor is not vacuous
 
 
 SHORTCUT_CASES = [  # model, cluster, nodes, framework, global batch, sequence length
