@@ -340,6 +340,24 @@ def autocast_weight_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     return config.bytes_per_activation * cast
 
 
+def recompute_cast_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
+    """What a recomputed block adds to its own backward under meshplan's runtime's
+    ``torch.autocast``: compute-dtype copies of its weights, cast again by the recomputation
+    (which runs in backward, outside the forward's cast cache) and saved by its matmuls until
+    the block's backward is done; one block's worth (its largest kind), 0 when no block of the
+    stage recomputes.
+
+    Measured with the runtime's live-tensor tracker (tiny Llama, pp 2, bf16 on the CPU, first
+    stage, peak inside a block's backward): 81,920 bytes of bf16 weight copies made by the
+    recomputation beside the forward's cast cache, under full recomputation and under the
+    per-op selective policy alike; one block's linear weights are 92,160 bytes."""
+    layers = stage_layer_range(model, config, stage)
+    if all(mode == "none" for mode in layer_modes(config, "meshplan", stage, len(layers))):
+        return 0.0
+    moe = model.is_moe and any(model.is_moe_layer(i) for i in layers)
+    return config.bytes_per_activation * layer_rank_params(model, config, moe=moe)
+
+
 def _per_layer(model: ModelSpec, config: ParallelConfig, tag: tuple, compute) -> float:
     """``compute()``, cached by the model, ``tag`` and the config's ``LAYER_FIELDS``."""
     key = (id(model), tag, _layer_fields(config.__dict__))
@@ -495,12 +513,15 @@ def _autocast_phases(model: ModelSpec, config: ParallelConfig, stage: int, param
 
 def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
     """What a block's backward adds once the loss's logits are freed: the backward workspace
-    (``activations.backward_workspace_bytes``) less the loss's logit copies on the last stage;
-    never negative (the sum with the loss phase is kept as the larger bound)."""
+    (``activations.backward_workspace_bytes``) and, under autocast, the recomputation's weight
+    casts (``recompute_cast_bytes``), less the loss's logit copies on the last stage; never
+    negative (the sum with the loss phase is kept as the larger bound)."""
     fp32 = config.dtype == "fp32"
     workspace = act.backward_workspace_bytes(model, config,
                                              weight_grad_bytes=_weight_grad_bytes(config),
                                              accumulating=config.grad_accum_steps > 1)
+    if runtime_autocast("meshplan", config):
+        workspace += recompute_cast_bytes(model, config, stage)
     if stage == config.pp - 1:
         workspace -= act.logit_bytes(model, config, copies=logit_copies("meshplan", fp32),
                                      vocab_parallel=vocab_parallel_loss("meshplan"))
