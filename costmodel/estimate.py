@@ -58,6 +58,9 @@ class TimeEstimate:
     dp_comm_total_s: float
     """Data-parallel traffic before overlap with compute."""
     bottleneck_stage: int
+    host_wait_s: float = 0.0
+    """Part of ``compute_s``: the device waiting for the host to issue kernels (host-bound
+    layers of eager frameworks on small micro-batches; ``timing.HOST_OP_EQUIVALENTS``)."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,7 @@ def compose_step(terms: list[StageTerms], *, micro_batches: int, vpp: int) -> Ti
                         dp_comm_s=dp_mb + dp_exposed, offload_s=offload, optimizer_s=optimizer,
                         exposed_comm_s=exposed,
                         dp_comm_total_s=max(t.dp_comm_s for t in terms) + dp_mb,
-                        bottleneck_stage=b)
+                        bottleneck_stage=b, host_wait_s=m * top.host_wait_s)
 
 
 def _time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, framework: str,
@@ -324,7 +327,7 @@ def estimate_to_dict(est: Estimate) -> dict[str, Any]:
                  "pp_bubble_s": t.pp_bubble_s, "dp_comm_s": t.dp_comm_s,
                  "offload_s": t.offload_s, "exposed_comm_s": t.exposed_comm_s,
                  "optimizer_s": t.optimizer_s, "dp_comm_total_s": t.dp_comm_total_s,
-                 "bottleneck_stage": t.bottleneck_stage},
+                 "bottleneck_stage": t.bottleneck_stage, "host_wait_s": t.host_wait_s},
         "throughput": {"tokens_per_s": th.tokens_per_s,
                        "model_flop_per_step": th.model_flop_per_step,
                        "model_flop_per_s_per_gpu": th.model_flop_per_s_per_gpu,

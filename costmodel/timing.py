@@ -104,6 +104,9 @@ class StageTime:
     zero_latency_s: float = 0.0
     """Network latency of the micro-batch's ZeRO-2/3 calls (``calls.zero_call_latency_s``):
     a latency-bound call waits on the network, not on bytes, so compute cannot hide it."""
+    host_wait_s: float = 0.0
+    """Part of ``compute_s``: the device waiting for the host to issue the layers' kernels
+    (host-bound layers of eager frameworks, ``HOST_OP_EQUIVALENTS``)."""
 
     @property
     def dp_comm_s(self) -> float:
@@ -409,10 +412,11 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         for index, layer_mode in zip(layer_range, modes):
             key = (model.is_moe_layer(index), layer_mode)
             groups[key] = groups.get(key, 0) + 1
-    compute = tp = cp = ep = 0.0
+    compute = tp = cp = ep = host_wait = 0.0
     for key, count in groups.items():
         layer = costs.layer(key)
         compute += count * layer.compute_s
+        host_wait += count * layer.host_wait_s
         tp += count * costs.tp_layer_s
         cp += count * layer.cp_s
         if key[0]:
@@ -423,7 +427,8 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
     tp *= 1 - calibration.tp_overlap
     return _stage_time(model, cluster, config, calibration, stage, params=params,
                        links=costs.links, framework=framework, compute=compute, tp=tp, cp=cp,
-                       ep=ep, pp=costs.pp_s, layers_compute=layers_compute)
+                       ep=ep, pp=costs.pp_s, layers_compute=layers_compute,
+                       host_wait=host_wait * factor)
 
 
 @dataclass(frozen=True)
@@ -432,6 +437,8 @@ class _LayerCost:
     """Forward, backward and recomputation of one layer (before ``compute_factor``)."""
     cp_s: float
     """Its exposed context-parallel ring exchange."""
+    host_wait_s: float = 0.0
+    """Part of ``compute_s``: waiting for the host to issue the kernels."""
 
 
 class _StageCosts:
@@ -484,12 +491,14 @@ class _StageCosts:
                                * config.bytes_per_activation)
         compute = (1 + BACKWARD_FACTOR) * parts.total_s + extra
         device = calibration.device(cluster.gpu.key)
+        host_wait = 0.0
         if device.host_op_s and eager_kernels(framework):
             # the host issues the layer's kernels while the device runs earlier ones: the
             # slower of the two sets the pace (``compute_factor`` scales kernels, not host)
             host = HOST_OP_EQUIVALENTS[layer_mode] * device.host_op_s
-            compute = max(compute, host / calibration.compute_factor(framework))
-        cost = _LayerCost(compute_s=compute,
+            host_wait = max(0.0, host / calibration.compute_factor(framework) - compute)
+            compute += host_wait
+        cost = _LayerCost(compute_s=compute, host_wait_s=host_wait,
                           cp_s=_cp_comm_per_layer_s(model, config, self.links.cp, calibration,
                                                     attention_fwd_s=parts.core_s))
         self._layers[key] = cost
@@ -541,10 +550,12 @@ def prefetches_blocks(framework: str, config: ParallelConfig) -> bool:
 def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                 calibration: Calibration, stage: int, *, params: StageParams, links: Links,
                 framework: str, compute: float, tp: float, cp: float, ep: float,
-                pp: float, layers_compute: float | None = None) -> StageTime:
+                pp: float, layers_compute: float | None = None,
+                host_wait: float = 0.0) -> StageTime:
     """A stage's ``StageTime`` from its compute and TP/CP/EP/PP traffic: adds the ZeRO and
     parameter-offload traffic (with the part compute hides) and every collective call's cost.
-    ``layers_compute``: the part of ``compute`` its transformer layers take (default all)."""
+    ``layers_compute``: the part of ``compute`` its transformer layers take (default all);
+    ``host_wait``: the part of ``compute`` spent waiting on the host."""
     mode = config.stage_recompute(stage)
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework, recompute=mode)
@@ -584,7 +595,7 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                      zero_hidden_s=hidden if zero else 0.0,
                      offload_raw_s=offload,
                      offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0,
-                     zero_latency_s=zero_latency)
+                     zero_latency_s=zero_latency, host_wait_s=host_wait)
 
 
 def traced_layer_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,

@@ -157,6 +157,9 @@ def time_table(est: Estimate) -> str:
     rows = [{"component": label, "seconds": getattr(t, attr),
              "% of step": 100 * getattr(t, attr) / t.step_s}
             for label, attr in _TIME_ROWS]
+    if t.host_wait_s > 0:  # part of compute: shown under it, not added to the step again
+        rows.insert(1, {"component": "  of which waiting on the host", "seconds": t.host_wait_s,
+                        "% of step": 100 * t.host_wait_s / t.step_s})
     rows.append({"component": "step", "seconds": t.step_s, "% of step": 100.0})
     return _table(rows, {"seconds": "{:.4f}", "% of step": "{:.1f}"})
 

@@ -75,3 +75,28 @@ def test_only_eager_frameworks_pay_host_time():
 
 def test_host_work_grows_with_what_the_layer_does_for_backward():
     assert HOST_OP_EQUIVALENTS["none"] < HOST_OP_EQUIVALENTS["full"] < HOST_OP_EQUIVALENTS["op"]
+
+
+def _estimate(fields: dict, calibration=None):
+    return estimate(load_model("llama3.2-1b"), load_cluster("dgx-h200", nodes=1, gpus_per_node=1),
+                    ParallelConfig(**{**COMMON, **fields}), framework="meshplan",
+                    calibration=calibration or default_calibration())
+
+
+def test_the_breakdown_shows_the_wait_on_the_host():
+    """``host_wait_s`` is the part of ``compute_s`` the host adds: compute less the kernels'
+    compute (the same plan priced without host work), in the estimate, its JSON and report."""
+    from meshplan.costmodel.estimate import estimate_to_dict
+    from meshplan.planner.report import estimate_report
+
+    fields = H200_STEPS["selective"][0]
+    est, kernels = _estimate(fields), _estimate(fields, _without_host(default_calibration()))
+    wait = est.time.host_wait_s
+    assert kernels.time.host_wait_s == 0.0
+    assert wait == pytest.approx(est.time.compute_s - kernels.time.compute_s, rel=1e-9)
+    assert 0.3 < wait / est.time.compute_s < 0.6  # 0.33 s of 0.75 s
+    assert estimate_to_dict(est)["time"]["host_wait_s"] == wait
+    assert "of which waiting on the host" in estimate_report(est)
+    plain = _estimate(H200_STEPS["none"][0])
+    assert plain.time.host_wait_s == 0.0
+    assert "waiting on the host" not in estimate_report(plain)
