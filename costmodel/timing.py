@@ -560,7 +560,7 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework, recompute=mode)
     offload = _param_offload_per_microbatch_s(config, cluster, params=params,
-                                              calibration=calibration)
+                                              calibration=calibration, framework=framework)
     calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
                                             recompute=mode)
     tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration,
@@ -786,16 +786,52 @@ def _bandwidth_s(op: str, link: coll.GroupLink, size_bytes: float, *, intra_eff:
                                    inter_eff=inter_eff) - coll.call_latency_s(op, link))
 
 
+FSDP2_HOST_PARAM_BYTES = 4
+"""Bytes per parameter FSDP2's CPU offload copies to the device for an all-gather: the host
+shard in its own dtype, the fp32 master, cast to the compute dtype only on the device
+(torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``all_gather_inputs``)."""
+FSDP2_HOST_GRAD_BYTES = 4
+"""Bytes per parameter of the reduce-scattered gradient FSDP2's CPU offload copies to the host
+each backward: the reduce dtype, fp32 for meshplan's runtime (runtime/parallelize.py) and
+torchtitan (``mixed_precision_reduce`` float32)."""
+HOST_GRAD_ADD_BYTES = 12
+"""Host memory traffic per parameter of adding a micro-batch's fp32 gradient shard to the
+earlier ones': both read, one written."""
+
+
+def fsdp2_cpu_offload(framework: str, config: ParallelConfig, cluster: ClusterSpec) -> bool:
+    """Whether parameter offload is FSDP2's ``CPUOffloadPolicy`` on a GPU: meshplan's runtime
+    and torchtitan. On the CPU device the host-device copies are no-ops."""
+    return (config.offload == "optimizer+params" and framework in ("meshplan", "torchtitan")
+            and cluster.gpu.key != CPU_DEVICE_KEY)
+
+
 def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec, *,
-                                    params: StageParams, calibration: Calibration) -> float:
+                                    params: StageParams, calibration: Calibration,
+                                    framework: str = "deepspeed") -> float:
     """Parameters offloaded under ZeRO-3 cross PCIe (and NVMe) for forward and backward each
     micro-batch, at the pinned host-copy rate (``PINNED_HOST_BUFFERS``);
-    up to ``offload_overlap`` of the compute can hide it."""
+    up to ``offload_overlap`` of the compute can hide it.
+
+    Under FSDP2's CPU offload (``fsdp2_cpu_offload``) the parameters cross as fp32
+    (``FSDP2_HOST_PARAM_BYTES``, forward and backward: resharded after forward), each backward
+    copies its fp32 gradient shard to the host (``FSDP2_HOST_GRAD_BYTES``) and, from a step's
+    second micro-batch on, adds it to the earlier ones' there, on the host's memory
+    bandwidth shared by the node's ranks (``HOST_GRAD_ADD_BYTES``; ``_fsdp_collectives.py``
+    ``foreach_reduce``: the copy blocks and the add runs on the host when gradients
+    accumulate), here averaged over the step's micro-batches."""
     if config.offload != "optimizer+params":
         return 0.0
     shard = (params.dense + params.expert) / (config.dp * config.cp)
     pcie = calibration.host_copy_rate(cluster.pcie_bytes_per_s, pinned=PINNED_HOST_BUFFERS)
-    transfer = 2 * shard * config.bytes_per_activation / pcie
+    if fsdp2_cpu_offload(framework, config, cluster):
+        m = config.grad_accum_steps
+        ranks = min(cluster.gpus_per_node, cluster.num_gpus)
+        transfer = (2 * FSDP2_HOST_PARAM_BYTES + FSDP2_HOST_GRAD_BYTES) * shard / pcie
+        transfer += calibration.host_memory_s(
+            cluster.gpu.key, HOST_GRAD_ADD_BYTES * shard * ranks) * (m - 1) / m
+    else:
+        transfer = 2 * shard * config.bytes_per_activation / pcie
     if config.offload_device == "nvme":
         transfer += 2 * shard * config.bytes_per_activation * cluster.gpus_per_node \
             / cluster.nvme_bytes_per_s
@@ -885,7 +921,10 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     per_node = local * min(cluster.gpus_per_node, cluster.num_gpus)
     rate = calibration.host_copy_rate(cluster.pcie_bytes_per_s,
                                       pinned=PINNED_HOST_BUFFERS)
-    pcie = local * (4 + config.bytes_per_activation) / rate
+    # FSDP2's CPU offload has the gradients on the host already and leaves the parameters
+    # there (``_param_offload_per_microbatch_s`` moves both)
+    pcie = 0.0 if fsdp2_cpu_offload(framework, config, cluster) \
+        else local * (4 + config.bytes_per_activation) / rate
     host = max(per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s,
                calibration.host_memory_s(cluster.gpu.key,
                                          per_node * calibration.host_adam_bytes_per_param))

@@ -1,0 +1,72 @@
+"""Parameter offload under FSDP2's ``CPUOffloadPolicy`` (meshplan's runtime, torchtitan) on a
+GPU: what crosses PCIe each micro-batch and what the host does, read from torch's FSDP2
+(``_fsdp_param.py`` ``all_gather_inputs``: the fp32 host shard is copied, then cast;
+``_fsdp_collectives.py`` ``foreach_reduce``: each backward copies its fp32 gradient shard to
+the host and, when gradients accumulate, adds it there).
+
+The numbers below are worked from the model's parameter count and the cluster's catalogue
+rates, not read back from the cost model's own terms."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.costmodel import ParallelConfig, default_calibration, estimate, load_cluster, load_model
+from meshplan.costmodel.estimate import stage_micro
+
+CAL = default_calibration()
+MODEL = load_model("llama3.2-1b")
+
+
+def _config(micro_batch: int, **fields) -> ParallelConfig:
+    return ParallelConfig(**{**dict(global_batch_size=8, micro_batch_size=micro_batch,
+                                    seq_len=2048, dtype="bf16", zero_stage=3,
+                                    offload="optimizer+params", recompute="full"), **fields})
+
+
+def _raw(framework: str, config: ParallelConfig, cluster) -> float:
+    return stage_micro(MODEL, cluster, config, 0, framework=framework,
+                       calibration=CAL).offload_raw_s
+
+
+@pytest.mark.parametrize("framework", ["meshplan", "torchtitan"])
+def test_fsdp2_moves_fp32_params_twice_and_fp32_grads_once_per_micro_batch(framework):
+    cluster = load_cluster("dgx-h200", nodes=1, gpus_per_node=1)
+    pcie = CAL.host_copy_rate(cluster.pcie_bytes_per_s, pinned=True)
+    params = MODEL.num_params  # one rank holds every parameter at dp 1
+    one = _raw(framework, _config(8), cluster)  # one micro-batch: nothing accumulates
+    # forward and backward gathers of the fp32 masters, one fp32 gradient shard back
+    assert one == pytest.approx((2 * 4 + 4) * params / pcie, rel=0.01)
+    # four micro-batches: three of them add their gradient to the earlier ones' on the host
+    # (read both, write one, fp32), at the host's memory bandwidth
+    four = _raw(framework, _config(2), cluster)
+    host = CAL.host_memory_bytes_per_s["h200"]
+    assert four - one == pytest.approx(12 * params / host * 3 / 4, rel=0.01)
+
+
+def test_deepspeed_and_the_cpu_device_keep_their_own_offload_path():
+    """DeepSpeed moves 16-bit parameters (its own offload, not FSDP2's); on the CPU device
+    FSDP2's host-device copies are no-ops, so the meshplan CPU plans keep the old term."""
+    gpu = load_cluster("dgx-h200", nodes=1, gpus_per_node=1)
+    pcie = CAL.host_copy_rate(gpu.pcie_bytes_per_s, pinned=True)
+    assert _raw("deepspeed", _config(2), gpu) == pytest.approx(
+        2 * 2 * MODEL.num_params / pcie, rel=0.01)
+    cpu = load_cluster("cpu", nodes=1, gpus_per_node=1)
+    config = _config(2, dtype="fp32")
+    assert _raw("meshplan", config, cpu) == _raw("deepspeed", config, cpu)
+
+
+def test_fsdp2_offload_has_no_once_per_step_pcie_and_costs_more_than_before():
+    """The optimizer step finds the gradients on the host and leaves the parameters there: its
+    offload term is the host AdamW alone (the same as an optimizer-only plan's host part)."""
+    from meshplan.costmodel.estimate import stage_once
+
+    cluster = load_cluster("dgx-h200", nodes=1, gpus_per_node=1)
+    config = _config(2)
+    _, _, _, step = stage_once(MODEL, cluster, config, 0, framework="meshplan",
+                               calibration=CAL, compute_s=1.0)
+    host = CAL.host_memory_s("h200", CAL.host_adam_bytes_per_param * MODEL.num_params)
+    flop = CAL.host_adam_flop_per_param * MODEL.num_params / cluster.host_flop_per_s
+    assert step == pytest.approx(max(host, flop), rel=0.01)
+    est = estimate(MODEL, cluster, config, framework="meshplan", calibration=CAL)
+    assert est.time.offload_s > 0.5  # 0.25 s with 16-bit transfers and no gradient copies
