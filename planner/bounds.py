@@ -29,8 +29,11 @@ from meshplan.costmodel.estimate import stage_micro
 from meshplan.costmodel.timing import link_period, stage_link_signature
 from meshplan.planner.tables import stage_config
 
-MIDDLE_SAMPLES = 6
-"""Middle stages whose capacity ``capacity_bound`` evaluates (all of them when fewer)."""
+MIDDLE_SAMPLES = 3
+"""Middle stages whose capacity ``capacity_bound`` evaluates (all of them when fewer). Fewer
+samples give a looser bound for fewer memory evaluations; on the 14 cases of
+``benchmarks/planner_scaling.py`` 3 made the least work (Python calls over all 14: 2: +5 %,
+and +43 % on 70B on 64 GPUs; 4: +1 %; 6: +4 %)."""
 
 Row = tuple[int, list[tuple[tuple[tuple[float, float], ...], int]]]
 """One stage: its ``lo`` and, per usable mode, its time as the largest of linear pieces
