@@ -235,7 +235,7 @@ def compose_step(terms: list[StageTerms], *, micro_batches: int, vpp: int) -> Ti
     dp_mb = m * top.dp_comm_s
     exposed = m * (top.tp_comm_s + top.cp_comm_s + top.ep_comm_s + top.pp_comm_s) \
         + dp_mb + dp_exposed
-    offload = m * top.offload_s + offload_step
+    offload = m * (top.offload_s + top.offload_wait_s) + offload_step
     return TimeEstimate(step_s=step, compute_s=m * top.compute_s, tp_comm_s=m * top.tp_comm_s,
                         cp_comm_s=m * top.cp_comm_s, ep_comm_s=m * top.ep_comm_s,
                         pp_comm_s=m * top.pp_comm_s, pp_bubble_s=bubble,

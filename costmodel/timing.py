@@ -107,6 +107,9 @@ class StageTime:
     host_wait_s: float = 0.0
     """Part of ``compute_s``: the device waiting for the host to issue the layers' kernels
     (host-bound layers of eager frameworks, ``HOST_OP_EQUIVALENTS``)."""
+    offload_wait_s: float = 0.0
+    """Parameter offload the device waits out: FSDP2's blocking gradient copies and host adds
+    while gradients accumulate (``_param_offload_per_microbatch_s``)."""
 
     @property
     def dp_comm_s(self) -> float:
@@ -122,7 +125,7 @@ class StageTime:
     def linear_s(self) -> float:
         """The terms that add up without overlap."""
         return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
-                + self.pp_comm_s + self.zero_latency_s)
+                + self.pp_comm_s + self.zero_latency_s + self.offload_wait_s)
 
     @property
     def total_s(self) -> float:
@@ -559,8 +562,9 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     mode = config.stage_recompute(stage)
     zero = _zero_per_microbatch_s(config, calibration, params=params, link=links.dp,
                                   framework=framework, recompute=mode)
-    offload = _param_offload_per_microbatch_s(config, cluster, params=params,
-                                              calibration=calibration, framework=framework)
+    offload, blocking = _param_offload_per_microbatch_s(config, cluster, params=params,
+                                                        calibration=calibration,
+                                                        framework=framework)
     calls = collective_calls_per_microbatch(model, config, stage, framework=framework,
                                             recompute=mode)
     tp_calls_s, pp_calls_s, zero_calls_s = call_overhead_s(calls, config, calibration,
@@ -595,7 +599,8 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                      zero_hidden_s=hidden if zero else 0.0,
                      offload_raw_s=offload,
                      offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0,
-                     zero_latency_s=zero_latency, host_wait_s=host_wait)
+                     zero_latency_s=zero_latency, host_wait_s=host_wait,
+                     offload_wait_s=blocking)
 
 
 def traced_layer_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
@@ -808,34 +813,39 @@ def fsdp2_cpu_offload(framework: str, config: ParallelConfig, cluster: ClusterSp
 
 def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec, *,
                                     params: StageParams, calibration: Calibration,
-                                    framework: str = "deepspeed") -> float:
-    """Parameters offloaded under ZeRO-3 cross PCIe (and NVMe) for forward and backward each
-    micro-batch, at the pinned host-copy rate (``PINNED_HOST_BUFFERS``);
-    up to ``offload_overlap`` of the compute can hide it.
+                                    framework: str = "deepspeed") -> tuple[float, float]:
+    """(overlappable, blocking) seconds of one micro-batch's ZeRO-3 parameter offload.
+
+    Parameters offloaded cross PCIe (and NVMe) for forward and backward each micro-batch, at
+    the pinned host-copy rate (``PINNED_HOST_BUFFERS``); up to ``offload_overlap`` of the
+    compute can hide them.
 
     Under FSDP2's CPU offload (``fsdp2_cpu_offload``) the parameters cross as fp32
-    (``FSDP2_HOST_PARAM_BYTES``, forward and backward: resharded after forward), each backward
-    copies its fp32 gradient shard to the host (``FSDP2_HOST_GRAD_BYTES``) and, from a step's
-    second micro-batch on, adds it to the earlier ones' there, on the host's memory
-    bandwidth shared by the node's ranks (``HOST_GRAD_ADD_BYTES``; ``_fsdp_collectives.py``
-    ``foreach_reduce``: the copy blocks and the add runs on the host when gradients
-    accumulate), here averaged over the step's micro-batches."""
+    (``FSDP2_HOST_PARAM_BYTES``, forward and backward: resharded after forward) and each
+    backward copies its fp32 gradient shard to the host (``FSDP2_HOST_GRAD_BYTES``). From a
+    step's second micro-batch on, the gradient is added to the earlier ones' on the host, on
+    its memory bandwidth shared by the node's ranks (``HOST_GRAD_ADD_BYTES``), and the copy
+    then blocks (``_fsdp_collectives.py`` ``foreach_reduce``: the add needs the copied
+    gradient, so the copy is not overlapped): that copy and the add are the blocking part,
+    here averaged over the step's micro-batches, which the device waits out."""
     if config.offload != "optimizer+params":
-        return 0.0
+        return 0.0, 0.0
     shard = (params.dense + params.expert) / (config.dp * config.cp)
     pcie = calibration.host_copy_rate(cluster.pcie_bytes_per_s, pinned=PINNED_HOST_BUFFERS)
+    blocking = 0.0
     if fsdp2_cpu_offload(framework, config, cluster):
-        m = config.grad_accum_steps
+        accumulating = (config.grad_accum_steps - 1) / config.grad_accum_steps
         ranks = min(cluster.gpus_per_node, cluster.num_gpus)
-        transfer = (2 * FSDP2_HOST_PARAM_BYTES + FSDP2_HOST_GRAD_BYTES) * shard / pcie
-        transfer += calibration.host_memory_s(
-            cluster.gpu.key, HOST_GRAD_ADD_BYTES * shard * ranks) * (m - 1) / m
+        grads = FSDP2_HOST_GRAD_BYTES * shard / pcie
+        transfer = 2 * FSDP2_HOST_PARAM_BYTES * shard / pcie + (1 - accumulating) * grads
+        blocking = accumulating * (grads + calibration.host_memory_s(
+            cluster.gpu.key, HOST_GRAD_ADD_BYTES * shard * ranks))
     else:
         transfer = 2 * shard * config.bytes_per_activation / pcie
     if config.offload_device == "nvme":
         transfer += 2 * shard * config.bytes_per_activation * cluster.gpus_per_node \
             / cluster.nvme_bytes_per_s
-    return transfer
+    return transfer, blocking
 
 
 def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: StageParams,

@@ -24,24 +24,34 @@ def _config(micro_batch: int, **fields) -> ParallelConfig:
                                     offload="optimizer+params", recompute="full"), **fields})
 
 
+def _micro(framework: str, config: ParallelConfig, cluster):
+    return stage_micro(MODEL, cluster, config, 0, framework=framework, calibration=CAL)
+
+
 def _raw(framework: str, config: ParallelConfig, cluster) -> float:
-    return stage_micro(MODEL, cluster, config, 0, framework=framework,
-                       calibration=CAL).offload_raw_s
+    return _micro(framework, config, cluster).offload_raw_s
 
 
 @pytest.mark.parametrize("framework", ["meshplan", "torchtitan"])
 def test_fsdp2_moves_fp32_params_twice_and_fp32_grads_once_per_micro_batch(framework):
     cluster = load_cluster("dgx-h200", nodes=1, gpus_per_node=1)
     pcie = CAL.host_copy_rate(cluster.pcie_bytes_per_s, pinned=True)
-    params = MODEL.num_params  # one rank holds every parameter at dp 1
-    one = _raw(framework, _config(8), cluster)  # one micro-batch: nothing accumulates
-    # forward and backward gathers of the fp32 masters, one fp32 gradient shard back
-    assert one == pytest.approx((2 * 4 + 4) * params / pcie, rel=0.01)
-    # four micro-batches: three of them add their gradient to the earlier ones' on the host
-    # (read both, write one, fp32), at the host's memory bandwidth
-    four = _raw(framework, _config(2), cluster)
     host = CAL.host_memory_bytes_per_s["h200"]
-    assert four - one == pytest.approx(12 * params / host * 3 / 4, rel=0.01)
+    params = MODEL.num_params  # one rank holds every parameter at dp 1
+    # one micro-batch: forward and backward gathers of the fp32 masters and one fp32
+    # gradient shard back, all of which compute may hide; nothing accumulates
+    one = _micro(framework, _config(8), cluster)
+    assert one.offload_raw_s == pytest.approx((2 * 4 + 4) * params / pcie, rel=0.01)
+    assert one.offload_wait_s == 0.0
+    # four micro-batches: three of them copy their gradient back blocking and add it to the
+    # earlier ones' on the host (read both, write one, fp32) while the device waits
+    four = _micro(framework, _config(2), cluster)
+    assert four.offload_raw_s == pytest.approx((2 * 4 + 4 / 4) * params / pcie, rel=0.01)
+    assert four.offload_wait_s == pytest.approx(
+        3 / 4 * (4 * params / pcie + 12 * params / host), rel=0.01)
+    # the wait adds to the work that does not overlap, and is all the offload adds there
+    plain = _micro(framework, _config(2, offload="none"), cluster)
+    assert four.linear_s == pytest.approx(plain.linear_s + four.offload_wait_s, rel=1e-9)
 
 
 def test_deepspeed_and_the_cpu_device_keep_their_own_offload_path():
