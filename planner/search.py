@@ -28,6 +28,7 @@ from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_once, stage_terms
 from meshplan.costmodel.frameworks import min_micro_batches
 from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
+from meshplan.costmodel.timing import stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
 from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, stage_classes,
@@ -928,7 +929,7 @@ class _Refiner:
         mbs = micro_batch_choices(space, per_replica, pp, core=self.core)
         sps = [tp > 1] if space.sp is None else [s for s in space.sp if tp > 1 or not s]
         orders = pick(space.mesh_order, list(MESH_ORDERS))
-        if space.mesh_order is None and (pp == 1 or dp == 1):
+        if space.mesh_order is None and (pp == 1 or dp == 1 or self.orders_alike(degrees)):
             orders = orders[:1]
         out = []
         for b in sorted(mbs, reverse=True):
@@ -937,6 +938,28 @@ class _Refiner:
                     if self.config(degrees, b, sp, order, 1, 0, "none", "cpu") is not None:
                         out.append((b, sp, order))
         return out
+
+    def orders_alike(self, degrees) -> bool:
+        """Whether every stage has the same communication groups and pipeline link
+        (``timing.stage_link_signature``) under both rank layouts of ``MESH_ORDERS``: the cost
+        model then prices both alike (memory does not depend on the rank layout), so only the
+        first is searched, the one ``distinct`` reports of two equivalent plans."""
+        key = ("orders alike", degrees)
+        hit = self.cache.get(key)
+        if hit is None:
+            tp, cp, pp, dp, ep = degrees
+            signatures = []
+            for order in MESH_ORDERS[:2]:
+                try:
+                    layout = ParallelConfig(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, mesh_order=order,
+                                            global_batch_size=dp, seq_len=cp)
+                except ValueError:
+                    signatures.append(order)  # never alike
+                    continue
+                signatures.append(tuple(stage_link_signature(self.cluster, layout, stage)
+                                        for stage in range(pp)))
+            hit = self.cache[key] = signatures[0] == signatures[1]
+        return hit
 
     def config(self, degrees, mb, sp, order, vpp, zero, offload, device) -> ParallelConfig | None:
         """The configuration of these choices, None if ``ParallelConfig`` refuses them

@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from meshplan.costmodel import ParallelConfig, default_calibration, load_cluster, load_model
+from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
+                                load_model)
 from meshplan.costmodel.memory import stage_memory
 from meshplan.planner import search as search_module
 from meshplan.planner.bounds import sampled_stages, split_bound, stage_caps
@@ -344,7 +345,7 @@ def test_traffic_floor_is_below_every_member(case):
         choice = (config.zero_stage, config.offload, config.offload_device)
         # another micro-batch of the layout may have filled the cache first
         sizes = [b for b, sp, order in refiner.layouts(degrees)
-                 if (sp, order) == (config.sp, config.mesh_order)]
+                 if (sp, order) == (config.sp, config.mesh_order)] or [config.micro_batch_size]
         first = rng.choice(sizes)
         want = refiner.traffic_floor(degrees, first, config.sp, config.mesh_order, choice)
         p = config.pp
@@ -399,3 +400,43 @@ def test_capacity_bound_over_none_alone_when_it_fits_everywhere(case, monkeypatc
         assert (got is None) == (want is None)
         assert got is None or got == pytest.approx(want, rel=1e-12)
     assert any(taken)
+
+
+ORDER_CASES = [  # model, cluster, nodes, framework, global batch, sequence length
+    ("llama3-405b", "dgx-h100", 64, "megatron", 1024, 8192),
+    ("mixtral-8x7b", "dgx-h100", 16, "torchtitan", 1024, 4096),
+    ("llama3-70b", "dgx-h100", 8, "meshplan", 512, 8192),
+    ("gpt3-175b", "dgx-a100-80gb", 16, "deepspeed", 1536, 2048),
+]
+
+
+@pytest.mark.parametrize("case", ORDER_CASES, ids=[c[0] + "-" + c[3] for c in ORDER_CASES])
+def test_rank_layouts_the_search_treats_as_alike_estimate_alike(case):
+    """``_Refiner.orders_alike`` (the search then keeps the first rank layout only): every
+    member of such a degree tuple, under the other layout, has the same estimate to the bit
+    (step, its terms, per-stage memory), whatever its micro-batch, vpp, ZeRO stage, offload
+    and recompute."""
+    from meshplan.planner.space import MESH_ORDERS, candidates
+
+    name, cluster_name, nodes, framework, batch, seq = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    space = search_module.framework_space(SearchSpace(global_batch_size=batch, seq_len=seq),
+                                          framework)
+    refiner = search_module._Refiner(model, cluster, space, framework=framework,
+                                     calibration=CAL)
+    configs = [c for c in candidates(model, cluster, space)
+               if c.pp > 1 and c.dp > 1 and c.mesh_order == MESH_ORDERS[0]]
+    alike = [c for c in configs if refiner.orders_alike((c.tp, c.cp, c.pp, c.dp, c.ep))]
+    rng = random.Random(13)
+    checked = 0
+    for config in rng.sample(alike, min(25, len(alike))):
+        mode = rng.choice(space.recompute_modes)
+        ests = [estimate(model, cluster, config.replace(mesh_order=order, recompute=mode),
+                         framework=framework, calibration=CAL) for order in MESH_ORDERS]
+        assert ests[0].time == ests[1].time, config
+        assert ests[0].memory.per_stage == ests[1].memory.per_stage
+        checked += 1
+    if name == "llama3-405b":  # the large cluster has such tuples; 70B on 8 nodes none
+        assert checked >= 10
+    # and the check is not trivially true: some tuples' layouts differ
+    assert len(alike) < len(configs)

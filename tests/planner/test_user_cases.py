@@ -7,6 +7,8 @@ from the problem's arithmetic, never from the planner's output.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 
@@ -296,12 +298,19 @@ def test_cost_objective_considers_every_node_count():
 
 def test_runner_ups_are_distinct_plans():
     """Inside one node both mesh orders put every group on NVLink: pp2 x dp4 in either order
-    has the same estimate. The top 5 holds each such pair once (the default order), though
-    the search solved both."""
+    has the same estimate. With both orders asked for, the search solves both, and the top 5
+    holds each such pair once (the default order); left to itself it searches the default
+    order alone (``_Refiner.orders_alike``) and finds the same plans."""
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
     space = SearchSpace(global_batch_size=64, seq_len=4096, pp=(2,))
-    result = search(model, cluster, space, framework="megatron", calibration=CAL, top_k=5,
+    alone = search(model, cluster, space, framework="megatron", calibration=CAL, top_k=5,
+                   deterministic=True)
+    assert {s.estimate.config.mesh_order for s in alone.explored} == {("tp", "cp", "dp", "pp")}
+    both = dataclasses.replace(space, mesh_order=(("tp", "cp", "dp", "pp"),
+                                                  ("tp", "cp", "pp", "dp")))
+    result = search(model, cluster, both, framework="megatron", calibration=CAL, top_k=5,
                     deterministic=True)
+    assert [s.estimate for s in result.ranked] == [s.estimate for s in alone.ranked]
 
     def key(solved):
         c, est = solved.estimate.config, solved.estimate
