@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -126,7 +127,10 @@ def main() -> int:
         row = {"plan": name, "gpu": device_name,
                "predicted_peak_bytes": plan.prediction.memory.peak_bytes,
                "predicted_reserved_bytes": plan.prediction.memory.peak_reserved_bytes,
-               "predicted_step_s": plan.prediction.step_s}
+               "predicted_step_s": plan.prediction.step_s,
+               # the step's optimizer and offload terms, beside the run's optimizer phase
+               "predicted_optimizer_s": plan.prediction.time.optimizer_s,
+               "predicted_offload_s": plan.prediction.time.offload_s}
         try:
             report = run_plan(plan, args.steps, args.timeout)
         except (subprocess.SubprocessError, OSError, ValueError) as error:
@@ -143,7 +147,11 @@ def main() -> int:
                          "measured_reserved_bytes": rank["peak_reserved_bytes"],
                          "predicted_peak_bytes": rank["predicted_peak_bytes"],
                          "measured_step_s": report["step_s_median"],
-                         "predicted_step_s": report["predicted"]["step_s"]})
+                         "predicted_step_s": report["predicted"]["step_s"],
+                         # clipping and the optimizer step (host copies included), the
+                         # first step left out
+                         "measured_optimizer_s": statistics.median(
+                             report["optimizer_s"][1:] or report["optimizer_s"])})
         print(f"{name}: done after {time.perf_counter() - start:.0f} s", file=sys.stderr)
         write_results(rows, args)
     return 1 if any("error" in row for row in rows) else 0

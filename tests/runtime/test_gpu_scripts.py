@@ -71,6 +71,8 @@ def test_runtime_dry_run_runs_the_plans_on_the_cpu(tmp_path):
     for row in rows:
         assert row["measured_peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0, row
         assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0, row
+        assert 0 < row["measured_optimizer_s"] < row["measured_step_s"], row
+        assert row["predicted_optimizer_s"] >= 0 and row["predicted_offload_s"] >= 0, row
 
 
 @pytest.mark.slow
