@@ -182,15 +182,25 @@ def test_host_offload_adamw_matches_adamw():
     b.load_state_dict(a.state_dict())
     opt_a = torch.optim.AdamW(a.parameters(), **Recipe().adamw_kwargs())
     opt_b = optim.HostOffloadAdamW(b.parameters(), **Recipe().adamw_kwargs())
-    for _ in range(3):
+    _step_alike(((a, opt_a), (b, opt_b)), steps=3)
+    _assert_fused_close(a, b)
+
+
+def _step_alike(pairs, *, steps: int) -> None:
+    """``steps`` steps of each (model, optimizer) pair on the same random inputs."""
+    for _ in range(steps):
         x = torch.randn(5, 8)
-        for model, opt in ((a, opt_a), (b, opt_b)):
+        for model, opt in pairs:
             opt.zero_grad()
             model(x).square().sum().backward()
             opt.step()
-    # torch's fused CPU kernel rounds differently from the single-tensor loop on some CPUs
-    # (AMD EPYC family 26: 1 of 32 elements 2 ulp apart after three steps); a wrong update
-    # (bias correction, decay, eps) is off by orders of magnitude more
+
+
+def _assert_fused_close(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """Parameters equal up to the rounding of torch's fused CPU AdamW: it rounds differently
+    from the single-tensor loop on some CPUs (AMD EPYC family 26: 1 of 32 elements 2 ulp apart
+    after three steps); a wrong update (bias correction, decay, eps) is off by orders of
+    magnitude more."""
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-8)
 
@@ -215,15 +225,9 @@ def test_host_threads_adamw_steps_on_its_threads_and_matches_adamw(monkeypatch):
 
     monkeypatch.setattr(torch.optim.AdamW, "step", recording)
     before = torch.get_num_threads()
-    for _ in range(2):
-        x = torch.randn(5, 8)
-        for model, opt in ((a, opt_a), (b, opt_b)):
-            opt.zero_grad()
-            model(x).square().sum().backward()
-            opt.step()
+    _step_alike(((a, opt_a), (b, opt_b)), steps=2)
     assert seen == [before, 3, before, 3] and torch.get_num_threads() == before
-    for pa, pb in zip(a.parameters(), b.parameters()):  # the fused kernel's rounding (above)
-        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-8)
+    _assert_fused_close(a, b)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert optim.HostThreadsAdamW(a.parameters()).threads == (os.cpu_count() or 1)
 
