@@ -813,7 +813,7 @@ def fsdp2_cpu_offload(framework: str, config: ParallelConfig, cluster: ClusterSp
 
 def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec, *,
                                     params: StageParams, calibration: Calibration,
-                                    framework: str = "deepspeed") -> tuple[float, float]:
+                                    framework: str) -> tuple[float, float]:
     """(overlappable, blocking) seconds of one micro-batch's ZeRO-3 parameter offload.
 
     Parameters offloaded cross PCIe (and NVMe) for forward and backward each micro-batch, at

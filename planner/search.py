@@ -1194,8 +1194,8 @@ class _Refiner:
         larger.
 
         A stage's time per micro-batch is at least each of its raw ZeRO and offload traffic
-        (compute hides at most itself, and linear work includes compute), neither grows less
-        under recomputation than without, and neither depends on the micro-batch (both are
+        (compute hides at most itself, and linear work includes compute), neither is smaller
+        under recomputation than without it, and neither depends on the micro-batch (both are
         parameter-sized): so the v = 1 member's terms without recomputation at this ``b``
         serve every micro-batch of the (degrees, sp, rank layout), and are cached as such
         (``tests/planner/test_bounds.py`` checks the three properties)."""
