@@ -454,15 +454,18 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                            if config.zero_stage >= 1 else 1))
     step_workspace = optimizer_workspace_bytes(framework, optimizer_params=optimizer_params)
     in_block = activations + buffers - persistent  # a block's backward: the loss is freed
-    phases = [activations + buffers - persistent]
+    # meshplan's runtime holds the loss only on the last stage, before any block there
+    # recomputes: its loss and head phases leave the recomputation workspace out
+    loss_stage = framework == "meshplan" and not model.is_traced and stage == config.pp - 1
+    before_blocks = activations + buffers - persistent - (workspace if loss_stage else 0.0)
+    phases = [before_blocks]
     # under a pipeline FSDP creates the sharded gradients only in the reduce-scatter after the
     # last micro-batch's backward, and the step sets them to None, so they are not allocated
     # through forward and backward (measured: ``pipelined_fsdp_reduce_scatter_bytes``)
     pipelined_fsdp = framework == "meshplan" and config.pp > 1 and config.zero_stage >= 2
     if framework == "meshplan" and not model.is_traced:
         in_block += _block_backward_bytes(model, config, stage)
-        phases.append(activations + buffers - persistent
-                      + _head_backward_bytes(model, config, stage, params))
+        phases.append(before_blocks + _head_backward_bytes(model, config, stage, params))
     phases.append(in_block)
     if runtime_autocast(framework, config) and not model.is_traced:
         phases = _autocast_phases(model, config, stage, params, phases,
@@ -514,18 +517,19 @@ def _autocast_phases(model: ModelSpec, config: ParallelConfig, stage: int, param
 def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
     """What a block's backward adds once the loss's logits are freed: the backward workspace
     (``activations.backward_workspace_bytes``) and, under autocast, the recomputation's weight
-    casts (``recompute_cast_bytes``), less the loss's logit copies on the last stage; never
-    negative (the sum with the loss phase is kept as the larger bound)."""
+    casts (``recompute_cast_bytes``), less the loss's logit copies on the last stage (whose
+    loss phase ``stage_memory`` counts on its own, without the recomputation workspace: the
+    loss is freed before a block of the stage recomputes)."""
     fp32 = config.dtype == "fp32"
     workspace = act.backward_workspace_bytes(model, config,
                                              weight_grad_bytes=_weight_grad_bytes(config),
                                              accumulating=config.grad_accum_steps > 1)
     if runtime_autocast("meshplan", config):
         workspace += recompute_cast_bytes(model, config, stage)
-    if stage == config.pp - 1:
-        workspace -= act.logit_bytes(model, config, copies=logit_copies("meshplan", fp32),
-                                     vocab_parallel=vocab_parallel_loss("meshplan"))
-    return max(0.0, workspace)
+    if stage == config.pp - 1:  # the loss phase is its own (``stage_memory``)
+        return workspace - act.logit_bytes(model, config, copies=logit_copies("meshplan", fp32),
+                                           vocab_parallel=vocab_parallel_loss("meshplan"))
+    return workspace
 
 
 def _head_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
