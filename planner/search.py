@@ -17,7 +17,9 @@ layer split and recompute modes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import heapq
 import math
 import time
@@ -481,6 +483,33 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     plans of other node counts, or a deadline); nodes whose bound reaches it are pruned, and
     ``NoPlanFits`` says so when no plan is faster.
     """
+    with _collector_paused():
+        return _search(model, cluster, space, framework=framework, calibration=calibration,
+                       top_k=top_k, time_limit_s=time_limit_s, seed=seed, workers=workers,
+                       deterministic=deterministic, max_nodes=max_nodes, ceiling_s=ceiling_s)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off for the duration (and back as it was after).
+
+    A search allocates hundreds of thousands of long-lived objects (configurations, nodes,
+    cached terms) and frees no cycles, so each collection the allocations trigger only
+    re-scans them: 5-9 % of a search's CPU time on 405B-parameter spaces, for nothing
+    collected. Reference counting still frees everything that is not a cycle."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framework: str,
+            calibration: Calibration, top_k: int, time_limit_s: float, seed: int, workers: int,
+            deterministic: bool, max_nodes: int | None, ceiling_s: float | None
+            ) -> SearchResult:
     start = time.perf_counter()
     space = framework_space(space, framework)
     refiner = _Refiner(model, cluster, space, framework=framework, calibration=calibration)
