@@ -186,7 +186,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
                core: bool = False, framework: str = "meshplan") -> list[ParallelConfig]:
     """Every global configuration of the space; layer split and recompute left at defaults.
 
-    ``core``: only the core space, which the search solves first for a strong incumbent
+    ``core``: only the core space, from which the search takes its first plan
     (``search.py``): tp within a node, cp 1 or a power of two up to ``CORE_MAX_CP`` for
     sequences of at least ``CORE_MIN_CP_SEQ_LEN`` tokens, ZeRO 1-3 with several replicas,
     micro-batches up to ``CORE_MAX_MICRO_BATCH``, vpp up to ``CORE_MAX_VPP``. Pinned choices

@@ -18,7 +18,7 @@ from meshplan.costmodel import ParallelConfig, default_calibration, estimate, lo
 from meshplan.planner import export
 from meshplan.planner.plan import read_plan
 from meshplan.planner.report import layers_summary
-from meshplan.planner.search import search
+from meshplan.planner.search import EmptySpace, search
 from meshplan.planner.space import MESHPLAN_ONE_REPLICA_ZERO, ONE_REPLICA_ZERO
 from meshplan.planner.space import SearchSpace
 from meshplan.testing import run_cli
@@ -235,10 +235,17 @@ def test_pipelines_get_at_least_pp_micro_batches_where_the_schedules_need_them(f
     result = search(model, cluster, space, framework=framework, calibration=CAL, top_k=10,
                     deterministic=True)
     counts = {s.estimate.config.grad_accum_steps for s in result.explored}
-    if framework == "megatron":
-        assert min(counts) < 4
-    else:
+    if framework != "megatron":
         assert min(counts) >= 4
+    fewer = dataclasses.replace(space, micro_batch_size=(2,))  # 2 micro-batches
+    if framework == "megatron":
+        got = search(model, cluster, fewer, framework=framework, calibration=CAL,
+                     deterministic=True)
+        assert got.ranked[0].estimate.config.grad_accum_steps == 2
+    else:
+        with pytest.raises(EmptySpace, match="at least pp micro-batches"):
+            search(model, cluster, fewer, framework=framework, calibration=CAL,
+                   deterministic=True)
     pinned = ParallelConfig(tp=2, pp=4, dp=1, micro_batch_size=2, global_batch_size=4,
                             seq_len=2048)
     est = estimate(model, cluster, pinned, framework=framework, calibration=CAL)
