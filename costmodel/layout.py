@@ -107,4 +107,6 @@ def dp_cp_ranks(config: ParallelConfig, *, stage: int = 0) -> tuple[int, ...]:
 
 def ep_group(config: ParallelConfig) -> tuple[int, ...]:
     """The expert-parallel group of rank 0: the first ``ep`` ranks of its dp x cp group."""
+    if config.ep == 1:
+        return (0,)  # rank 0 alone (its dp x cp group is not built)
     return dp_cp_ranks(config)[:config.ep]

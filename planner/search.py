@@ -472,11 +472,11 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
        memory-aware bounds, a greedy split (an incumbent at once) and, if the bound leaves
        room, a CP-SAT solve.
 
-    Solving the core space to completion first, as this search once did, gives better plans
-    at a 1 s time limit on some 405B-parameter spaces; but where the optimum lies outside the
-    core space (cp 8 on 8,000 H100s: 9.75 s against the core's 12.33 s) it spends up to a third
-    of the search proving the core's own optimum, which one order of bounds over both trees
-    prunes.
+    Under a wall-clock limit below ``CORE_FIRST_BELOW_S`` the core space is solved to
+    completion before the rest is opened, which gives better plans when the limit ends the
+    search early. Longer limits do not: where the optimum lies outside the core space (cp 8
+    on 8,000 H100s: 9.75 s against the core's 12.33 s), proving the core's own optimum first
+    took up to a third of the search, work one order of bounds over both trees prunes.
 
     ``status`` is ``OPTIMAL`` when the heap empties: no configuration of the whole space is
     faster, within the cost model. When the budget runs out it is ``FEASIBLE`` and
@@ -534,6 +534,8 @@ def _search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, frame
                         space=space, framework=framework, calibration=calibration, seed=seed,
                         workers=workers)
     search_pass.dive()  # the core space's first plan
+    if not deterministic and time_limit_s < CORE_FIRST_BELOW_S:
+        search_pass.run()  # a short budget: the core space's best plan before the rest
     refiner.core = False
     refiner.skip = set(core)
     rest = refiner.roots()
@@ -577,6 +579,12 @@ def _search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, frame
                "evaluated": refiner.evaluated})
 
 
+CORE_FIRST_BELOW_S = 5.0
+"""Under a wall-clock limit shorter than this, the core space is solved to completion before
+the rest of the space is opened: the limit may end the search before one order of bounds
+over both trees reaches the plans the core holds (at 1 s, plans 1.2-1.6x slower than the
+core's best on five of the fourteen ``benchmarks/planner_scaling.py`` cases). Longer limits
+and deterministic budgets search both trees in one order, which completes in less work."""
 NO_PLAN_GRACE_S = 5.0
 NO_PLAN_NODES = 8000
 """Nodes a wall-clock search refines before it may give up without a plan (``past_grace``)."""
