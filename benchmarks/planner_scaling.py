@@ -113,8 +113,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"planner-scaling-a100-h100-{dt.date.today().isoformat()}"
     (args.out / f"{stem}.md").write_text(
-        f"# Planner CPU time (median of {runs} cold searches, 1 CP-SAT worker, time limit "
-        f"{args.time_limit:g} s)\n\n"
+        f"# Planner CPU time (median of {runs} searches, each in a fresh process, 1 CP-SAT "
+        f"worker, time limit {args.time_limit:g} s)\n\n"
         + table.to_markdown(index=False, floatfmt=".3f") + "\n")
     (args.out / f"{stem}.json").write_text(json.dumps(table.to_dict(orient="records"),
                                                       indent=2))
