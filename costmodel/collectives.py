@@ -108,6 +108,85 @@ def _group_link_cached(cluster: ClusterSpec, ranks: tuple[int, ...]) -> GroupLin
         return GroupLink(size=1, nodes=1, intra_bytes_per_s=math.inf,
                          inter_bytes_per_s=math.inf, per_node=1, latency_s=0.0)
     nodes, kinds = _ring_kinds(ranks, cluster.gpus_per_node, cluster.nodes_per_leaf)
+    return _link_of_kinds(cluster, n, nodes, kinds)
+
+
+def lattice_link(cluster: ClusterSpec, base: int, axes: tuple[tuple[int, int], ...]
+                 ) -> GroupLink:
+    """``group_link`` of the ranks ``base + sum_k i_k * stride_k`` (``axes``: (stride, size)
+    pairs, ``0 <= i_k < size``) of a mesh layout: the group of one or two mesh axes, whose
+    strides nest (each axis's stride is at least the one below times its size, as mixed-radix
+    strides are), read without listing its ranks (``_lattice_kinds``); cached."""
+    axes = tuple(sorted((a for a in axes if a[1] > 1), reverse=True))
+    if not axes:
+        return group_link(cluster, (base,))
+    if len(axes) > 2:
+        raise ValueError(f"lattice_link takes one or two axes, got {axes}")
+    leaf = cluster.gpus_per_node * cluster.nodes_per_leaf
+    return _lattice_link_cached(cluster, base % leaf, axes)
+
+
+@functools.lru_cache(maxsize=65536)
+def _lattice_link_cached(cluster: ClusterSpec, base: int,
+                         axes: tuple[tuple[int, int], ...]) -> GroupLink:
+    (outer, n_outer), (inner, n_inner) = axes if len(axes) == 2 else ((axes[0]), (1, 1))
+    nodes, kinds = _lattice_kinds(base, outer, n_outer, inner, n_inner,
+                                  cluster.gpus_per_node, cluster.nodes_per_leaf)
+    return _link_of_kinds(cluster, n_outer * n_inner, nodes, kinds)
+
+
+def _lattice_kinds(base: int, outer: int, n_outer: int, inner: int, n_inner: int, gpn: int,
+                   npl: int) -> tuple[int, set[tuple]]:
+    """``_ring_kinds`` of the sorted ranks ``base + i * outer + j * inner`` (``i < n_outer``,
+    ``j < n_inner``, ``outer >= inner * n_inner``), from residues instead of ranks.
+
+    A forward ring pair (r, r + d) has the kind (same node, r mod g, (r + d) mod g, same leaf)
+    with same node iff ``r mod g + d < g`` and same leaf iff ``r mod l + d < l`` (g GPUs per
+    node, l per leaf): it depends on r only through r mod l, and ``i * stride mod l`` repeats
+    with period ``l / gcd(stride, l)``, so a period of each index gives every kind. The pairs
+    are the inner steps (d = inner), the steps between runs of the inner axis (d = outer -
+    (n_inner - 1) inner) and the ring's closing pair (last, first). The ranks ascend, so the
+    nodes they span are one more than the forward pairs that change node, counted per residue
+    class of i and j modulo g with each class's multiplicity."""
+    leaf = gpn * npl
+    kinds: set[tuple] = set()
+    crossings = 0
+
+    def kind(r: int, d: int) -> tuple:
+        local = r % gpn
+        return (local + d < gpn, local, (r + d) % gpn, r % leaf + d < leaf)
+
+    def residues(stride: int, count: int, modulus: int) -> list[int]:
+        return [(i * stride) % modulus for i in range(min(count, modulus // math.gcd(
+            stride, modulus)))]
+
+    def classes(stride: int, count: int) -> list[tuple[int, int]]:
+        """(i * stride mod g, how many i < count have it), per class of i modulo the period."""
+        period = gpn // math.gcd(stride, gpn)
+        return [((k * stride) % gpn, count // period + (k < count % period))
+                for k in range(min(count, period))]
+
+    if n_inner > 1:  # steps inside a run of the inner axis
+        offsets = residues(outer, n_outer, leaf)
+        kinds.update(kind(base + a + b, inner) for a in offsets
+                     for b in residues(inner, n_inner - 1, leaf))
+        crossings += sum(ca * cb for a, ca in classes(outer, n_outer)
+                         for b, cb in classes(inner, n_inner - 1)
+                         if (base + a + b) % gpn + inner >= gpn)
+    if n_outer > 1:  # steps from the end of one run to the start of the next
+        step = outer - (n_inner - 1) * inner
+        end = base + (n_inner - 1) * inner
+        kinds.update(kind(end + a, step) for a in residues(outer, n_outer - 1, leaf))
+        crossings += sum(ca for a, ca in classes(outer, n_outer - 1)
+                         if (end + a) % gpn + step >= gpn)
+    last = base + (n_outer - 1) * outer + (n_inner - 1) * inner  # the ring closes
+    kinds.add((last // gpn == base // gpn, last % gpn, base % gpn, last // leaf == base // leaf))
+    return 1 + crossings, kinds
+
+
+def _link_of_kinds(cluster: ClusterSpec, n: int, nodes: int, kinds: set[tuple]) -> GroupLink:
+    """The ``GroupLink`` of an ``n``-rank group over ``nodes`` nodes whose ring-neighbour pairs
+    have ``kinds`` (``_ring_kinds``)."""
     per_node = max(1, n // nodes)
     intra, inter, latency, intra_latency = math.inf, math.inf, 0.0, 0.0
     for kind in kinds:

@@ -38,8 +38,7 @@ from meshplan.costmodel.calls import (DDP_BUCKET_BYTES, LOSS_REDUCTION_CALLS, bu
                                       zero3_gather_passes, zero_call_latency_s)
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import eager_kernels
-from meshplan.costmodel.layout import (axis_group, dp_cp_ranks, ep_group, order_strides,
-                                       rank_of)
+from meshplan.costmodel.layout import ep_group, order_strides, rank_of, strides
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import (StageParams, layer_modes, layer_rank_params,
@@ -206,9 +205,14 @@ def direct_stage_links(cluster: ClusterSpec, layout: ParallelConfig, stage: int)
     if stage + 1 < pp:
         pp_next = coll.group_link(cluster, (rank_of(layout, {"pp": stage}),
                                             rank_of(layout, {"pp": stage + 1})))
-    return Links(tp=coll.group_link(cluster, axis_group(layout, "tp", stage=stage)),
-                 cp=coll.group_link(cluster, axis_group(layout, "cp", stage=stage)),
-                 dp=coll.group_link(cluster, dp_cp_ranks(layout, stage=stage)),
+    # the groups of the stage's first rank (``layout.axis_group``, ``layout.dp_cp_ranks``),
+    # read as lattices of ranks (``collectives.lattice_link``)
+    stride = strides(layout)
+    base = stage * stride["pp"]
+    return Links(tp=coll.lattice_link(cluster, base, ((stride["tp"], layout.tp),)),
+                 cp=coll.lattice_link(cluster, base, ((stride["cp"], layout.cp),)),
+                 dp=coll.lattice_link(cluster, base, ((stride["dp"], layout.dp),
+                                                      (stride["cp"], layout.cp))),
                  ep=coll.group_link(cluster, ep_group(layout)),
                  pp_next=pp_next)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 from importlib import resources
 
 import pytest
@@ -21,7 +22,7 @@ from meshplan.costmodel import collectives as coll
 from meshplan.costmodel import fitting
 from meshplan.costmodel.calibration import default_calibration
 from meshplan.costmodel.config import ParallelConfig
-from meshplan.costmodel.layout import axis_group
+from meshplan.costmodel.layout import axis_group, dp_cp_ranks
 from meshplan.costmodel.estimate import estimate
 from meshplan.costmodel.hardware import load_cluster
 from meshplan.costmodel.models import load_model
@@ -400,7 +401,7 @@ def test_group_links_match_every_pair_and_stages_shift_by_whole_leaves(cluster_n
         for stage in range(pp):
             got = timing.stage_links(cluster, layout, stage)
             assert got == timing.direct_stage_links(cluster, layout, stage)
-            for link, ranks in ((got.dp, timing.dp_cp_ranks(layout, stage=stage)),
+            for link, ranks in ((got.dp, dp_cp_ranks(layout, stage=stage)),
                                 (got.tp, axis_group(layout, "tp", stage=stage))):
                 if len(ranks) > 1:
                     assert (link.nodes, link.intra_bytes_per_s, link.inter_bytes_per_s,
@@ -455,3 +456,38 @@ def test_ring_kinds_agree_in_python_and_numpy(monkeypatch):
             in_python = coll._ring_kinds(ranks, gpn, npl)
             monkeypatch.setattr(coll, "NUMPY_RING", 1)
             assert coll._ring_kinds(ranks, gpn, npl) == in_python, (len(ranks), gpn, npl)
+
+
+@pytest.mark.parametrize("name,nodes,changes", [
+    ("dgx-h100", 12, {}),
+    ("dgx-a100-80gb", 7, {"nodes_per_leaf": 3}),
+    ("dgx-h100", 10, {"gpus_per_node": 4, "nodes_per_leaf": 2}),
+    ("dgx-h100", 6, {"nodes_per_leaf": 1}),
+])
+def test_lattice_links_equal_the_links_of_their_listed_ranks(name, nodes, changes):
+    """``lattice_link`` (a mesh group read from its strides) gives the ``group_link`` of the
+    same ranks listed and sorted, for random nested lattices of one and two axes at random
+    offsets: strides that divide the node or the leaf, or neither, groups inside a node and
+    across leaves, runs that end mid-node."""
+    cluster = dataclasses.replace(load_cluster(name, nodes=nodes), **changes)
+    n = cluster.num_gpus
+    rng = random.Random(7)
+    checked = 0
+    while checked < 300:
+        inner, n_inner = rng.randint(1, 12), rng.randint(1, 9)
+        outer = inner * n_inner * rng.randint(1, 5) + rng.choice([0, 0, 1, 3])
+        n_outer = rng.randint(1, 9)
+        span = (n_outer - 1) * outer + (n_inner - 1) * inner
+        if span >= n:
+            continue
+        base = rng.randint(0, n - 1 - span)
+        ranks = tuple(sorted(base + i * outer + j * inner
+                             for i in range(n_outer) for j in range(n_inner)))
+        if len(set(ranks)) != len(ranks):
+            continue
+        axes = ((outer, n_outer), (inner, n_inner))
+        assert coll.lattice_link(cluster, base, axes) == coll.group_link(cluster, ranks), \
+            (base, axes)
+        assert coll.lattice_link(cluster, base, ((inner, n_inner),)) == coll.group_link(
+            cluster, tuple(base + j * inner for j in range(n_inner)))
+        checked += 1
