@@ -1308,6 +1308,9 @@ class _Refiner:
         parameter-sized): so the v = 1 member's terms without recomputation at this ``b``
         serve every micro-batch of the (degrees, sp, rank layout), and are cached as such
         (``tests/planner/test_bounds.py`` checks the three properties)."""
+        zero, offload, _ = choice
+        if zero < 2 and offload != "optimizer+params":
+            return 0.0  # no ZeRO-2/3 or parameter-offload traffic per micro-batch to read
         key = ("traffic floor", degrees, sp, order, choice)
         hit = self.cache.get(key)
         if hit is not None:
