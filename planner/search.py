@@ -35,9 +35,9 @@ from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
 from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, stage_classes,
                                      stage_micro_terms, uniform_layers)
-from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, degree_tuples,
-                                    micro_batch_choices, offload_choices, pick, vpp_choices,
-                                    zero_choices)
+from meshplan.planner.space import (CORE_MIN_CP_SEQ_LEN, MESH_ORDERS, SearchSpace, candidates,
+                                    degree_tuples, micro_batch_choices, offload_choices, pick,
+                                    vpp_choices, zero_choices)
 from meshplan.planner.tables import (CandidateTables, TracedTables, build_tables,
                                      build_traced_tables, layer_bounds, mixed_layers,
                                      stage_config,
@@ -523,7 +523,10 @@ def _search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, frame
     start = time.perf_counter()
     space = framework_space(space, framework)
     refiner = _Refiner(model, cluster, space, framework=framework, calibration=calibration)
-    core = candidates(model, cluster, space, core=True, framework=framework)
+    short = not deterministic and time_limit_s < CORE_FIRST_BELOW_S
+    refiner.core_cp_seq_len = SHORT_LIMIT_CORE_CP_SEQ_LEN if short else CORE_MIN_CP_SEQ_LEN
+    core = candidates(model, cluster, space, core=True, framework=framework,
+                      core_cp_seq_len=refiner.core_cp_seq_len)
     best = _Best(top_k, ceiling=ceiling_s)
     if deterministic and max_nodes is None:
         max_nodes = DETERMINISTIC_NODES
@@ -534,7 +537,7 @@ def _search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, frame
                         space=space, framework=framework, calibration=calibration, seed=seed,
                         workers=workers)
     search_pass.dive()  # the core space's first plan
-    if not deterministic and time_limit_s < CORE_FIRST_BELOW_S:
+    if short:
         search_pass.run()  # a short budget: the core space's best plan before the rest
     refiner.core = False
     refiner.skip = set(core)
@@ -579,6 +582,12 @@ def _search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, frame
                "evaluated": refiner.evaluated})
 
 
+SHORT_LIMIT_CORE_CP_SEQ_LEN = 8192
+"""Under such a limit the core space also holds cp > 1 from this many tokens on (the core's
+rule for longer searches, ``space.CORE_MIN_CP_SEQ_LEN``, starts at 16,384): at 8,192 tokens
+the fastest plans of 405B-parameter models use cp 4-16, and a core without them gave plans
+1.26-1.36x slower than the optimum at a 1 s limit. Longer searches only dive in the core, and
+a wider core made them 5-18 % slower there."""
 CORE_FIRST_BELOW_S = 5.0
 """Under a wall-clock limit shorter than this, the core space is solved to completion before
 the rest of the space is opened: the limit may end the search before one order of bounds
@@ -892,7 +901,8 @@ class _Refiner:
         first, capacities after (``layout_late_caps``, which creates the ``kind`` nodes).
     ``kind`` (+ ZeRO stage, offload)
         created with the layout's capacities, its own traffic floor and its once-per-step
-        bound (``once_bounds``; 0 where the rest already reaches the k-th best plan); dropped if its v = 1 member cannot hold its heaviest stage (``heavy_infeasible``;
+        bound (``once_bounds``; 0 where the rest already reaches the k-th best plan);
+        dropped if its v = 1 member cannot hold its heaviest stage (``heavy_infeasible``;
         2, 5); else that member's every term (``bound``: exposed ZeRO and offload traffic
         too) over every v (2), then its own capacities (``kind_fit``).
     ``member`` (+ vpp) and ``candidate``
@@ -920,6 +930,8 @@ class _Refiner:
         self.linear_of: dict[tuple, _Family] = {}
         """Each layout's linear work over every v (``layout``), by (degrees, b, sp, order)."""
         self.skip: set[ParallelConfig] = set()
+        self.core_cp_seq_len = CORE_MIN_CP_SEQ_LEN
+        """The core space's ``space.degree_tuples`` rule for cp (``search``)."""
         self.core = False
         """While True, the tree spans the core space only (``space.candidates(core=True)``);
         ``refine`` sets it to the refined node's own, as both trees share one heap. The
@@ -959,11 +971,13 @@ class _Refiner:
         """Roots of the whole space (of the core space while ``core``), less ``skip``."""
         if self.flat:
             configs = [c for c in candidates(self.model, self.cluster, self.space,
-                                             core=self.core, framework=self.framework)
+                                             core=self.core, framework=self.framework,
+                                             core_cp_seq_len=self.core_cp_seq_len)
                        if c not in self.skip]
             return self.flat_roots(configs)
         out = []
-        for degrees in degree_tuples(self.model, self.cluster, self.space, core=self.core):
+        for degrees in degree_tuples(self.model, self.cluster, self.space, core=self.core,
+                                     core_cp_seq_len=self.core_cp_seq_len):
             layouts = self.layouts(degrees)
             if not layouts:
                 continue

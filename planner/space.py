@@ -150,7 +150,8 @@ CORE_MIN_CP_SEQ_LEN = 16384
 
 
 def degree_tuples(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
-                  core: bool = False) -> list[tuple[int, int, int, int, int]]:
+                  core: bool = False, core_cp_seq_len: int = CORE_MIN_CP_SEQ_LEN
+                  ) -> list[tuple[int, int, int, int, int]]:
     """Valid (tp, cp, pp, dp, ep) for ``model`` on all GPUs of ``cluster`` (``core``: of the
     core space, see ``candidates``)."""
     n = cluster.num_gpus
@@ -162,7 +163,7 @@ def degree_tuples(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
         cps = [c for c in divisors(n // tp) if space.seq_len % c == 0]
         if core and space.cp is None:
             cps = [c for c in cps if c == 1 or (c <= CORE_MAX_CP and c & (c - 1) == 0
-                                                and space.seq_len >= CORE_MIN_CP_SEQ_LEN)]
+                                                and space.seq_len >= core_cp_seq_len)]
         cps = pick(space.cp, cps)
         if model.is_traced:  # no tensor-parallel layout known (costmodel/traced.py)
             cps = [c for c in cps if c == 1]
@@ -183,7 +184,8 @@ def degree_tuples(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
 
 
 def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
-               core: bool = False, framework: str = "meshplan") -> list[ParallelConfig]:
+               core: bool = False, framework: str = "meshplan",
+               core_cp_seq_len: int = CORE_MIN_CP_SEQ_LEN) -> list[ParallelConfig]:
     """Every global configuration of the space; layer split and recompute left at defaults.
 
     ``core``: only the core space, from which the search takes its first plan
@@ -191,10 +193,13 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
     sequences of at least ``CORE_MIN_CP_SEQ_LEN`` tokens, ZeRO 1-3 with several replicas,
     micro-batches up to ``CORE_MAX_MICRO_BATCH``, vpp up to ``CORE_MAX_VPP``. Pinned choices
     are used as given in both spaces. ``framework``: whose ZeRO stages one replica searches
-    (``zero_choices``; the default, ``meshplan``, searches the most).
+    (``zero_choices``; the default, ``meshplan``, searches the most). ``core_cp_seq_len``: the
+    sequence length from which the core space has cp > 1 (the search's short-limit core,
+    ``search.SHORT_LIMIT_CORE_CP_SEQ_LEN``, starts lower).
     """
     out = []
-    for tp, cp, pp, dp, ep in degree_tuples(model, cluster, space, core=core):
+    for tp, cp, pp, dp, ep in degree_tuples(model, cluster, space, core=core,
+                                            core_cp_seq_len=core_cp_seq_len):
         per_replica = space.global_batch_size // dp
         mbs = micro_batch_choices(space, per_replica, pp, core=core)
         sps = [tp > 1] if space.sp is None else [s for s in space.sp if tp > 1 or not s]

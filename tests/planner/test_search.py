@@ -644,3 +644,26 @@ def test_either_order_of_a_layouts_bounds_finds_the_same_plans(monkeypatch, name
         plans[first] = [(s.step_s, s.estimate.config) for s in got.ranked]
     assert plans[False] == plans[True] == [(s.step_s, s.estimate.config) for s in default.ranked]
     assert set(picks) == {False, True}
+
+
+@pytest.mark.parametrize("name, nodes, batch, seq", [
+    ("llama3-8b", 2, 64, 8192),
+    ("llama3-70b", 2, 32, 8192),
+])
+def test_the_short_limit_order_finds_the_same_plans(monkeypatch, name, nodes, batch, seq):
+    """Under a short wall-clock limit the search solves a wider core space (cp from 8,192
+    tokens) to completion before the rest; when it completes, its plans are those of the
+    one-order search (here every limit counts as short, and the limit is never reached)."""
+    model, cluster = load_model(name), load_cluster("dgx-h100", nodes=nodes)
+    space = SearchSpace(global_batch_size=batch, seq_len=seq)
+    whole = search(model, cluster, space, framework="megatron", calibration=CAL, top_k=3,
+                   deterministic=True)
+    wide = search_module.candidates(model, cluster, space, core=True, framework="megatron",
+                                    core_cp_seq_len=search_module.SHORT_LIMIT_CORE_CP_SEQ_LEN)
+    assert any(c.cp > 1 for c in wide)
+    monkeypatch.setattr(search_module, "CORE_FIRST_BELOW_S", math.inf)
+    short = search(model, cluster, space, framework="megatron", calibration=CAL, top_k=3,
+                   time_limit_s=600)
+    assert short.status == whole.status == "OPTIMAL"
+    assert ([(s.step_s, s.estimate.config) for s in short.ranked]
+            == [(s.step_s, s.estimate.config) for s in whole.ranked])
