@@ -1275,31 +1275,15 @@ class _Refiner:
     def once_first(self, degrees, b, sp, order) -> bool:
         """Whether a layout's traffic floors and once-per-step bounds are computed before its
         capacities (``layout_caps``): when its leanest member holds ceil(L / p) layers on
-        every stage without recomputation (stages 0, p - 2 and p - 1, as
-        ``heavy_infeasible``), memory forces no recomputation and no uneven split, so the
-        capacities add little to the linear work, while the floors and once-per-step terms
-        are what prunes (405B-parameter spaces: three to one in cost). Otherwise capacities
+        every stage without recomputation (``heavy_reserved``), memory forces no
+        recomputation and no uneven split, so the capacities add little to the linear work,
+        while the floors and once-per-step terms are what prunes (405B-parameter spaces: three to one in cost). Otherwise capacities
         first, which is what prunes 70B-parameter layouts on a few nodes. Either order gives
         the same bound in the end; this only decides which is computed for layouts the first
         already prunes (a few stage memories per layout, cached)."""
         lean = self.leanest(degrees, b, sp, order, 1)
-        if lean is None:
-            return False
-        p, total = lean.pp, self.model.num_layers
-        heavy = -(-total // p)
-        if "none" not in self.space.recompute_modes:
-            return False
-        stages = {0, max(0, p - 2), p - 1} if uniform_layers(self.model) else set(range(p))
-        if lean.mesh_order != MESH_ORDERS[0]:
-            lean = self._first_order(lean)
-        for stage in sorted(stages):
-            key = ("roomy", lean, stage, heavy)
-            if key not in self.cache:
-                self.cache[key] = _reserved(self.model, self.cluster, lean, stage, heavy,
-                                            "none", self.framework, self.calibration)
-            if self.cache[key] > self.capacity:
-                return False
-        return True
+        return (lean is not None and "none" in self.space.recompute_modes
+                and all(r <= self.capacity for r in self.heavy_reserved(lean, "none")))
 
     def kind_choices(self, degrees) -> list[tuple]:
         """The (ZeRO stage, offload, offload device) choices of a degree tuple."""
@@ -1389,20 +1373,23 @@ class _Refiner:
         memory-saving mode allowed. A middle stage needs at least what stage p - 2 needs
         (``bounds``: memory does not fall as the stage index falls), so stages 0, p - 2 and
         p - 1 are evaluated; every stage for models with two kinds of layer."""
-        p, total = config.pp, self.model.num_layers
-        heavy = -(-total // p)
         saving = [m for m in ("full", "selective", "none") if m in self.space.recompute_modes][0]
+        return all(r > self.capacity for r in self.heavy_reserved(config, saving))
+
+    def heavy_reserved(self, config: ParallelConfig, mode: str):
+        """Reserved bytes under ``mode`` of stages 0, p - 2 and p - 1 (every stage for models
+        with two kinds of layer), each holding ceil(L/p) layers, one at a time (cached)."""
+        p = config.pp
+        heavy = -(-self.model.num_layers // p)
         stages = {0, max(0, p - 2), p - 1} if uniform_layers(self.model) else set(range(p))
         if config.mesh_order != MESH_ORDERS[0]:  # memory does not depend on rank layout
             config = self._first_order(config)
         for stage in sorted(stages):
-            key = ("heavy", config, stage, heavy, saving)
+            key = ("heavy", config, stage, heavy, mode)
             if key not in self.cache:
-                self.cache[key] = _reserved(self.model, self.cluster, config, stage, heavy,
-                                            saving, self.framework, self.calibration)
-            if self.cache[key] <= self.capacity:
-                return False
-        return True
+                self.cache[key] = _reserved(self.model, self.cluster, config, stage, heavy, mode,
+                                            self.framework, self.calibration)
+            yield self.cache[key]
 
     def leanest(self, degrees, b, sp, order, v) -> ParallelConfig | None:
         """The member of a (degrees, micro-batch, sp, layout, vpp) family that holds the least
