@@ -1277,10 +1277,10 @@ class _Refiner:
         capacities (``layout_caps``): when its leanest member holds ceil(L / p) layers on
         every stage without recomputation (``heavy_reserved``), memory forces no
         recomputation and no uneven split, so the capacities add little to the linear work,
-        while the floors and once-per-step terms are what prunes (405B-parameter spaces: three to one in cost). Otherwise capacities
-        first, which is what prunes 70B-parameter layouts on a few nodes. Either order gives
-        the same bound in the end; this only decides which is computed for layouts the first
-        already prunes (a few stage memories per layout, cached)."""
+        while the floors and once-per-step terms are what prunes (405B-parameter spaces:
+        three to one in cost). Otherwise capacities first, which is what prunes 70B-parameter
+        layouts on a few nodes. Either order gives the same bound in the end; this only
+        decides which is computed for layouts the first already prunes (a few stage memories per layout, cached)."""
         lean = self.leanest(degrees, b, sp, order, 1)
         return (lean is not None and "none" in self.space.recompute_modes
                 and all(r <= self.capacity for r in self.heavy_reserved(lean, "none")))
