@@ -1280,7 +1280,8 @@ class _Refiner:
         while the floors and once-per-step terms are what prunes (405B-parameter spaces:
         three to one in cost). Otherwise capacities first, which is what prunes 70B-parameter
         layouts on a few nodes. Either order gives the same bound in the end; this only
-        decides which is computed for layouts the first already prunes (a few stage memories per layout, cached)."""
+        decides which is computed for layouts the first already prunes (a few stage memories
+        per layout, cached)."""
         lean = self.leanest(degrees, b, sp, order, 1)
         return (lean is not None and "none" in self.space.recompute_modes
                 and all(r <= self.capacity for r in self.heavy_reserved(lean, "none")))
