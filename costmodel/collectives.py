@@ -129,7 +129,7 @@ def lattice_link(cluster: ClusterSpec, base: int, axes: tuple[tuple[int, int], .
 @functools.lru_cache(maxsize=65536)
 def _lattice_link_cached(cluster: ClusterSpec, base: int,
                          axes: tuple[tuple[int, int], ...]) -> GroupLink:
-    (outer, n_outer), (inner, n_inner) = axes if len(axes) == 2 else ((axes[0]), (1, 1))
+    (outer, n_outer), (inner, n_inner) = axes if len(axes) == 2 else (axes[0], (1, 1))
     nodes, kinds = _lattice_kinds(base, outer, n_outer, inner, n_inner,
                                   cluster.gpus_per_node, cluster.nodes_per_leaf)
     return _link_of_kinds(cluster, n_outer * n_inner, nodes, kinds)

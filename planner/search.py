@@ -522,11 +522,12 @@ def _search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, frame
             ) -> SearchResult:
     start = time.perf_counter()
     space = framework_space(space, framework)
-    refiner = _Refiner(model, cluster, space, framework=framework, calibration=calibration)
     short = not deterministic and time_limit_s < CORE_FIRST_BELOW_S
-    refiner.core_cp_seq_len = SHORT_LIMIT_CORE_CP_SEQ_LEN if short else CORE_MIN_CP_SEQ_LEN
+    core_cp_seq_len = SHORT_LIMIT_CORE_CP_SEQ_LEN if short else CORE_MIN_CP_SEQ_LEN
+    refiner = _Refiner(model, cluster, space, framework=framework, calibration=calibration,
+                       core_cp_seq_len=core_cp_seq_len)
     core = candidates(model, cluster, space, core=True, framework=framework,
-                      core_cp_seq_len=refiner.core_cp_seq_len)
+                      core_cp_seq_len=core_cp_seq_len)
     best = _Best(top_k, ceiling=ceiling_s)
     if deterministic and max_nodes is None:
         max_nodes = DETERMINISTIC_NODES
@@ -917,7 +918,8 @@ class _Refiner:
     """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
-                 framework: str, calibration: Calibration):
+                 framework: str, calibration: Calibration,
+                 core_cp_seq_len: int = CORE_MIN_CP_SEQ_LEN):
         self.model, self.cluster, self.space = model, cluster, space
         self.framework, self.calibration = framework, calibration
         self.capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
@@ -930,7 +932,7 @@ class _Refiner:
         self.linear_of: dict[tuple, _Family] = {}
         """Each layout's linear work over every v (``layout``), by (degrees, b, sp, order)."""
         self.skip: set[ParallelConfig] = set()
-        self.core_cp_seq_len = CORE_MIN_CP_SEQ_LEN
+        self.core_cp_seq_len = core_cp_seq_len
         """The core space's ``space.degree_tuples`` rule for cp (``search``)."""
         self.core = False
         """While True, the tree spans the core space only (``space.candidates(core=True)``);
