@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -132,6 +133,28 @@ class ParallelConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be bf16, fp16 or fp32, got {self.dtype!r}")
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: configurations key the planner's caches, which
+        one search reads hundreds of thousands of times."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(_field_values(self.__dict__))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, as the generated one, read in one call (dictionary lookups of
+        equal but distinct configurations compare them)."""
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return _field_values(self.__dict__) == _field_values(other.__dict__)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields only: string hashes differ between processes."""
+        return dict(zip(_FIELD_NAMES, _field_values(self.__dict__)))
+
     # ----- derived ---------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
@@ -172,9 +195,14 @@ class ParallelConfig:
                 or (not isinstance(recompute, str) and len(recompute) != self.pp)):
             return self.replace(layers_per_stage=layers_per_stage, recompute=recompute)
         copy = object.__new__(ParallelConfig)
-        copy.__dict__.update(self.__dict__)  # the fields (the class caches nothing else)
+        copy.__dict__.update(self.__dict__)  # the fields, and the hash dropped below
         copy.__dict__.update(layers_per_stage=layers_per_stage, recompute=recompute)
+        copy.__dict__.pop("_hash", None)
         return copy
+
+
+_FIELD_NAMES = tuple(ParallelConfig.__dataclass_fields__)
+_field_values = operator.itemgetter(*_FIELD_NAMES)
 
 
 def _known_modes(modes) -> bool:

@@ -42,7 +42,7 @@ from meshplan.costmodel.layout import ep_group, order_strides, rank_of, strides
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import (StageParams, layer_modes, layer_rank_params,
-                                       stage_layer_range)
+                                       stage_layer_range, stage_params)
 from meshplan.costmodel.model import ModelSpec
 
 BACKWARD_FACTOR = 2.0
@@ -410,8 +410,38 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
                                                               cluster.gpu.key),
                                        pp_link=pp_link, framework=framework)
     costs = _stage_costs(model, cluster, config, calibration, stage, links, framework)
+    compute, host_wait, tp, cp, ep = _layer_totals(model, config, costs, stage, framework)
+    factor = calibration.compute_factor(framework)
+    layers_compute = compute * factor
+    compute = (compute + costs.head_s + costs.embedding_s) * factor
+    tp *= 1 - calibration.tp_overlap
+    return _stage_time(model, cluster, config, calibration, stage, params=params,
+                       links=costs.links, framework=framework, compute=compute, tp=tp, cp=cp,
+                       ep=ep, pp=costs.pp_s, layers_compute=layers_compute,
+                       host_wait=host_wait * factor)
+
+
+def stage_compute_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                    calibration: Calibration, stage: int, *, framework: str) -> float:
+    """``stage_microbatch_time(...).compute_s`` (the same number) without the traffic terms:
+    what the planner's bounds of the once-per-step terms read."""
+    if model.is_traced:
+        return stage_microbatch_time(model, cluster, config, calibration, stage,
+                                     params=stage_params(model, config, stage),
+                                     links=stage_links(cluster, config, stage),
+                                     framework=framework).compute_s
+    costs = _stage_costs(model, cluster, config, calibration, stage, None, framework)
+    compute = _layer_totals(model, config, costs, stage, framework)[0]
+    return (compute + costs.head_s + costs.embedding_s) * calibration.compute_factor(framework)
+
+
+def _layer_totals(model: ModelSpec, config: ParallelConfig, costs: "_StageCosts", stage: int,
+                  framework: str) -> tuple[float, float, float, float, float]:
+    """(compute, host wait, TP, CP, EP traffic) of the stage's transformer layers per
+    micro-batch, before ``compute_factor`` and TP overlap."""
     layer_range = stage_layer_range(model, config, stage)
     modes = layer_modes(config, framework, stage, len(layer_range))
+    tp_layer_s = costs.tp_layer_s(config.stage_recompute(stage))
     groups: dict[tuple[bool, str], int] = {}
     if not model.is_moe and len(set(modes)) == 1:  # layers alike: one group
         groups[False, modes[0]] = len(modes)
@@ -424,18 +454,11 @@ def stage_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Parall
         layer = costs.layer(key)
         compute += count * layer.compute_s
         host_wait += count * layer.host_wait_s
-        tp += count * costs.tp_layer_s
+        tp += count * tp_layer_s
         cp += count * layer.cp_s
         if key[0]:
             ep += count * costs.ep_layer_s
-    factor = calibration.compute_factor(framework)
-    layers_compute = compute * factor
-    compute = (compute + costs.head_s + costs.embedding_s) * factor
-    tp *= 1 - calibration.tp_overlap
-    return _stage_time(model, cluster, config, calibration, stage, params=params,
-                       links=costs.links, framework=framework, compute=compute, tp=tp, cp=cp,
-                       ep=ep, pp=costs.pp_s, layers_compute=layers_compute,
-                       host_wait=host_wait * factor)
+    return compute, host_wait, tp, cp, ep
 
 
 @dataclass(frozen=True)
@@ -451,20 +474,18 @@ class _LayerCost:
 class _StageCosts:
     """What a stage's micro-batch costs per layer of each kind (MoE or dense, recompute mode)
     and once (the LM head, pipeline sends), with its calibrated links. None of it depends on
-    how many or which layers the stage holds, on the ZeRO stage or on offload, so one instance
-    serves every split, ZeRO and offload choice of a layout (``_stage_costs``)."""
+    how many or which layers the stage holds, on its recompute mode (the per-layer costs are
+    kept by mode), on the ZeRO stage or on offload, so one instance serves every split,
+    recompute, ZeRO and offload choice of a layout (``_stage_costs``)."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                  calibration: Calibration, stage: int, links: Links, framework: str):
         self._args = (model, cluster, config, calibration, framework)
-        mode = config.stage_recompute(stage)
         # point-to-point sends keep the path latency (the library's ring-step latencies are
         # for collectives), so a pipeline hop across the spine still costs more than one
         # under a leaf
         pp_link = calibrated_link(_pp_link(cluster, config, stage, links), calibration)
         self.links = calibrated_links(links, calibration, cluster.gpu.key)
-        self.tp_layer_s = _tp_comm_per_layer_s(model, config, self.links.tp, calibration,
-                                               recompute=mode)
         self.ep_layer_s = _ep_comm_per_layer_s(model, config, self.links.ep, calibration)
         self.head_s = (_lm_head_s(model, cluster, config, calibration, framework=framework)
                        if stage == config.pp - 1 else 0.0)
@@ -476,6 +497,16 @@ class _StageCosts:
                             if stage == 0 else 0.0)
         self._forward: dict[bool, LayerForward] = {}
         self._layers: dict[tuple[bool, str], _LayerCost] = {}
+        self._tp: dict[str, float] = {}
+
+    def tp_layer_s(self, mode: str) -> float:
+        """TP/SP traffic of one layer of a stage recomputing under ``mode``."""
+        hit = self._tp.get(mode)
+        if hit is None:
+            model, _, config, calibration, _ = self._args
+            hit = self._tp[mode] = _tp_comm_per_layer_s(model, config, self.links.tp,
+                                                        calibration, recompute=mode)
+        return hit
 
     def layer(self, key: tuple[bool, str]) -> _LayerCost:
         hit = self._layers.get(key)
@@ -514,31 +545,32 @@ class _StageCosts:
 
 _SPLIT_FREE = frozenset({"layers_per_stage", "recompute", "zero_stage", "offload",
                          "offload_device"})
-"""``ParallelConfig`` fields a ``_StageCosts`` does not depend on (the stage's own recompute
-mode is part of its key instead)."""
+"""``ParallelConfig`` fields a ``_StageCosts`` does not depend on."""
 _COST_FIELDS: tuple[str, ...] = tuple(f for f in ParallelConfig.__dataclass_fields__
                                       if f not in _SPLIT_FREE)
 _cost_fields = operator.itemgetter(*_COST_FIELDS)
 _STAGE_COSTS: dict[tuple, tuple[tuple, _StageCosts]] = {}
-"""``_StageCosts`` by (ids of model, cluster and calibration, framework, stage, its recompute
-mode, the other fields of the config); each entry keeps those three objects alive so that
+"""``_StageCosts`` by (ids of model, cluster and calibration, framework, stage, the fields of
+the config it depends on); each entry keeps those three objects alive so that
 their ids are not reused while it exists."""
 
 
 def _stage_costs(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
-                 calibration: Calibration, stage: int, links: Links,
+                 calibration: Calibration, stage: int, links: Links | None,
                  framework: str) -> _StageCosts:
     """The cached ``_StageCosts`` of ``stage`` under ``config`` (models, clusters and
-    calibrations are not changed after they are made)."""
+    calibrations are not changed after they are made); ``links``: the stage's
+    (``stage_links``), found here if None and needed."""
     fields = config.__dict__
-    key = (id(model), id(cluster), id(calibration), framework, stage,
-           config.stage_recompute(stage), _cost_fields(fields))
+    key = (id(model), id(cluster), id(calibration), framework, stage, _cost_fields(fields))
     hit = _STAGE_COSTS.get(key)
     if hit is not None and hit[0][0] is model and hit[0][1] is cluster \
             and hit[0][2] is calibration:
         return hit[1]
     if len(_STAGE_COSTS) > 65536:
         _STAGE_COSTS.clear()
+    if links is None:
+        links = stage_links(cluster, config, stage)
     costs = _StageCosts(model, cluster, config, calibration, stage, links, framework)
     _STAGE_COSTS[key] = ((model, cluster, calibration), costs)
     return costs

@@ -30,7 +30,7 @@ from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_once, stage_terms
 from meshplan.costmodel.frameworks import min_micro_batches
 from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
-from meshplan.costmodel.timing import stage_link_signature
+from meshplan.costmodel.timing import stage_compute_s, stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
 from meshplan.planner import solver as cpsat
 from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, stage_classes,
@@ -688,22 +688,26 @@ class _Pass:
             self.solve(node)
 
     def dive(self, leave: float | None = None) -> None:
-        """Depth first from the lowest bound until a plan is held and the path has reached
-        its candidate's CP-SAT solve (at most ``DIVE_NODES`` nodes): the refined node's lowest
+        """Depth first from the lowest bound until a plan is held (at most ``DIVE_NODES``
+        nodes), stopping short of a CP-SAT solve once one is: the refined node's lowest
         child is refined next, its siblings go to the heap, and a path whose priced bound
         rises above ``leave`` times the heap's lowest is left for a new dive from there
         (``DIVE_LEAVE``; ``run`` makes a last dive with none when the budget ends without a
         plan).
         Best-first order reaches its first plan only after refining every node whose bound is
         below that plan's, which on a large space is more than a short time limit; the dive
-        usually holds a plan within a few dozen refinements. It only changes the order in
+        usually holds a plan within a few dozen refinements. The plan is usually a
+        candidate's greedy split (``_greedy_incumbent``); that candidate's solve then waits
+        in the heap for its bound's turn, which the plans found meanwhile often prune (on
+        405B-parameter spaces it was one 45 ms CP-SAT proof that the greedy split was
+        already the candidate's best). It only changes the order in
         which nodes are refined: every node still ends refined or pruned, so a search that
         completes gives the best-first answer."""
         heap, best = self.heap, self.best
         leave = DIVE_LEAVE if leave is None else leave
         node = None
         for _ in range(DIVE_NODES):
-            if best and (node is None or self.budget.spent()):
+            if best and (node is None or node.kind == "solve" or self.budget.spent()):
                 break
             if node is None:
                 if not heap:
@@ -1337,9 +1341,11 @@ class _Refiner:
         Some stage holds at least ceil(L/p) layers, and each term grows with the count, so
         the smallest value over the kinds of stage at that count bounds the largest below.
         The terms depend on the compute only through the part of the data-parallel traffic
-        the last backward hides, which grows with the compute; the most compute any allowed
-        recompute mode gives (at v = 1 and ZeRO-0, as compute depends on neither:
-        ``estimate.stage_once``) makes the bound hold for every mode."""
+        the last backward hides, which is proportional to the compute; the most compute any
+        allowed recompute mode gives (at v = 1 and ZeRO-0, as compute depends on neither:
+        ``estimate.stage_once``) makes the bound hold for every mode. The rest of the terms
+        do not depend on the micro-batch, so they are shared by the layouts of a (degrees,
+        sp, rank layout) (``once_terms``)."""
         base = self.config(degrees, b, sp, order, 1, 0, "none", "cpu")
         if base is None:
             return {choice: 0.0 for choice in choices}
@@ -1351,9 +1357,8 @@ class _Refiner:
             key = ("once compute", base, stage, heavy)
             if key not in self.cache:
                 self.cache[key] = max(
-                    stage_micro_terms(model, cluster, base, stage, heavy, mode,
-                                      framework=self.framework, calibration=self.calibration,
-                                      cache=self.cache).compute_s
+                    stage_compute_s(model, cluster, stage_config(base, model, stage, heavy, mode),
+                                    self.calibration, stage, framework=self.framework)
                     for mode in self.space.recompute_modes)
             compute[stage] = self.cache[key]
         out = {}
@@ -1362,14 +1367,29 @@ class _Refiner:
             if member is None:
                 out[choice] = 0.0
                 continue
-            terms = [stage_once(model, cluster, stage_config(member, model, stage, heavy,
-                                                              "none"), stage,
-                                framework=self.framework, calibration=self.calibration,
-                                compute_s=compute[stage]) for stage in classes]
+            terms = [self.once_terms(member, (degrees, sp, order, choice), stage, heavy)
+                     for stage in classes]
+            # the hidden part a hair larger than exact: products rounded either way stay below
             out[choice] = composition.once_per_step(
-                dp_exposed=min(composition.exposed(t[0], t[1]) for t in terms),
+                dp_exposed=min(composition.exposed(comm, hides * compute[s] * (1 + 1e-12))
+                               for (comm, hides, _, _), s in zip(terms, classes)),
                 optimizer=min(t[2] for t in terms), offload_step=min(t[3] for t in terms))
         return out
+
+    def once_terms(self, member: ParallelConfig, family: tuple, stage: int, heavy: int
+                   ) -> tuple[float, float, float, float]:
+        """``estimate.stage_once`` of ``stage`` holding ``heavy`` layers without
+        recomputation at 1 s of compute: (dp traffic, the part each second of compute hides,
+        optimizer, offload step). Cached by ``family`` (degrees, sp, rank layout, choice):
+        none of them depends on the micro-batch (``tests/planner/test_bounds.py`` checks
+        both)."""
+        key = ("once terms", family, stage, heavy)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = stage_once(
+                self.model, self.cluster, stage_config(member, self.model, stage, heavy, "none"),
+                stage, framework=self.framework, calibration=self.calibration, compute_s=1.0)
+        return hit
 
     def heavy_infeasible(self, config: ParallelConfig) -> bool:
         """True when no stage can hold ceil(L/p) layers (some stage must) under the most

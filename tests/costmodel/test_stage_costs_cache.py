@@ -10,7 +10,8 @@ import itertools
 
 import pytest
 
-from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
+from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
+                                load_model)
 
 timing = importlib.import_module("meshplan.costmodel.timing")
 
@@ -64,3 +65,56 @@ def test_a_warm_cache_gives_the_cold_answer(name, cluster_name, nodes, config, f
     timing._STAGE_COSTS.clear()
     _time(model, cluster, config, framework)
     assert _time(model, cluster, bigger, framework) == cold
+
+
+
+@pytest.mark.parametrize("name,cluster_name,nodes,config,framework", CASES,
+                         ids=[c[0] for c in CASES])
+def test_compute_alone_is_the_stage_times_compute(name, cluster_name, nodes, config,
+                                                  framework):
+    """``timing.stage_compute_s`` (what the planner's once-per-step bounds read) is the very
+    ``compute_s`` of the stage's full time terms, for every stage, recompute mode and layer
+    count, whether it or the full terms filled the cache."""
+    from meshplan.costmodel.estimate import stage_micro
+
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    p, cal = config.pp, default_calibration()
+    checked = 0
+    for stage, mode, layers in itertools.product(range(p), ("none", "selective", "full"),
+                                                 (1, 3)):
+        rest = model.num_layers - layers  # shared evenly by the other stages
+        others = [rest // (p - 1) + (k < rest % (p - 1)) for k in range(p - 1)]
+        split = tuple(others[:stage] + [layers] + others[stage:])
+        staged = config.replace(layers_per_stage=split,
+                                recompute=tuple(mode if s == stage else "none"
+                                                for s in range(p)))
+        for first in ("compute", "full"):
+            timing._STAGE_COSTS.clear()
+            if first == "full":
+                full = stage_micro(model, cluster, staged, stage, framework=framework,
+                                   calibration=cal).compute_s
+                alone = timing.stage_compute_s(model, cluster, staged, cal, stage,
+                                               framework=framework)
+            else:
+                alone = timing.stage_compute_s(model, cluster, staged, cal, stage,
+                                               framework=framework)
+                full = stage_micro(model, cluster, staged, stage, framework=framework,
+                                   calibration=cal).compute_s
+            assert alone == full > 0
+            checked += 1
+    assert checked == 12 * p
+
+
+def test_compute_alone_of_a_traced_model():
+    """The traced path (``timing.stage_compute_s`` of a module traced without weights)."""
+    from meshplan.costmodel.estimate import stage_micro
+
+    model = load_model("meshplan.runtime.examples:hybrid")
+    cluster, cal = load_cluster("cpu", nodes=1, gpus_per_node=2), default_calibration()
+    config = ParallelConfig(pp=2, global_batch_size=4, seq_len=model.seq_len, dtype="fp32",
+                            recompute=("full", "none"))
+    for stage in range(2):
+        full = stage_micro(model, cluster, config, stage, framework="meshplan",
+                           calibration=cal).compute_s
+        assert timing.stage_compute_s(model, cluster, config, cal, stage,
+                                      framework="meshplan") == full > 0

@@ -217,6 +217,36 @@ def test_the_invariants_the_search_bounds_rest_on(case):
     assert terms(4, "none")[0].zero_comm_s > 0 or kwargs["zero_stage"] < 2
 
 
+
+@pytest.mark.parametrize("case", INVARIANT_CASES, ids=[c[0] + "-" + c[4] for c in INVARIANT_CASES])
+def test_once_per_step_terms_given_the_compute(case):
+    """What ``search._Refiner.once_terms`` rests on: given a stage's compute, its
+    once-per-step terms (``estimate.stage_once``) do not depend on the micro-batch, and the
+    part of the data-parallel traffic it hides is proportional to the compute."""
+    from meshplan.costmodel.estimate import stage_once
+
+    name, cluster_name, nodes, kwargs, framework = case
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    batch = 8 * kwargs["dp"] * kwargs["pp"]
+    hiding = 0
+    for zero, offload in ((0, "none"), (1, "none"), (1, "optimizer"), (2, "none"),
+                          (kwargs["zero_stage"], kwargs.get("offload", "none"))):
+        seen = set()
+        for b, compute in itertools.product((1, 2, 4), (0.25, 1.0, 3.0)):
+            config = ParallelConfig(**dict(kwargs, global_batch_size=batch, zero_stage=zero,
+                                           offload=offload, micro_batch_size=b))
+            staged = stage_config(config, model, 1, 4, "none")
+            comm, hidden, opt, off = stage_once(model, cluster, staged, 1, framework=framework,
+                                                calibration=CAL, compute_s=compute)
+            _, per_second, _, _ = stage_once(model, cluster, staged, 1, framework=framework,
+                                             calibration=CAL, compute_s=1.0)
+            assert hidden == pytest.approx(compute * per_second, rel=1e-12, abs=0.0)
+            seen.add((comm, opt, off))
+            hiding += hidden > 0
+        assert len(seen) == 1, (zero, offload, seen)
+    assert hiding  # the proportionality has something to check
+
+
 PER_MICRO_CASES = [  # model, cluster, nodes, framework (a MoE model with dense layers too)
     ("mt-nlg-530b", "dgx-a100-80gb", 280, "megatron"),
     ("llama3-70b", "dgx-h100", 5, "meshplan"),
