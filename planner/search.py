@@ -1263,7 +1263,7 @@ class _Refiner:
         degrees, b, sp, order, vpps, choice, terms, member = node.data
         if member.pp == 1:  # ``family`` read its one stage exactly
             return [self.node(node.bound, "kind_caps", (*node.data[:6], terms))], 0
-        split = self.capacity_split(member, member)
+        split = self.capacity_split(member, member, roomy=self.roomy(member))
         if split is None:
             return [], 1
         terms = self.member_terms(member, max(split[0], terms.top), max(split[1], terms.total),
@@ -1289,8 +1289,14 @@ class _Refiner:
         decides which is computed for layouts the first already prunes (a few stage memories
         per layout, cached)."""
         lean = self.leanest(degrees, b, sp, order, 1)
-        return (lean is not None and "none" in self.space.recompute_modes
-                and all(r <= self.capacity for r in self.heavy_reserved(lean, "none")))
+        return lean is not None and self.roomy(lean)
+
+    def roomy(self, config: ParallelConfig) -> bool:
+        """Whether ``config`` holds ceil(L / p) layers on every stage without recomputation
+        (``heavy_reserved``): memory then forces neither recomputation nor an uneven split
+        on it, nor on any member that needs no more memory."""
+        return ("none" in self.space.recompute_modes
+                and all(r <= self.capacity for r in self.heavy_reserved(config, "none")))
 
     def kind_choices(self, degrees) -> list[tuple]:
         """The (ZeRO stage, offload, offload device) choices of a degree tuple."""
@@ -1456,7 +1462,7 @@ class _Refiner:
                 return None
             total = piece.per_micro_s + extra
             return _Family(top=total, total=total, micro_batches=piece.micro_batches)
-        split = self.capacity_split(lean, base)
+        split = self.capacity_split(lean, base, roomy=self.roomy(lean))
         if split is None:
             return None
         total = max(split[1], piece.per_micro_s)
@@ -1464,10 +1470,17 @@ class _Refiner:
                        micro_batches=piece.micro_batches)
 
     def capacity_split(self, memory_config: ParallelConfig, time_config: ParallelConfig,
-                       time_scale: float = 1.0, relaxed: bool = False
+                       time_scale: float = 1.0, relaxed: bool = False, roomy: bool = False
                        ) -> tuple[float, float] | None:
         """``bounds.capacity_bound`` of a candidate or family (one stage: at its layer
-        count, exactly)."""
+        count, exactly).
+
+        ``roomy``: ``memory_config`` is ``roomy``, so its capacities are left out: every stage
+        may take any layer count of the split's range without recomputation. That bounds
+        every split below whatever the memory (recomputation only adds time), and where
+        memory binds no stage it is what the capacities give, without evaluating memory:
+        on 405B-parameter spaces most layouts are roomy, and their capacities cost 15 % of a
+        search."""
         lows, highs = layer_bounds(self.model, time_config, None)
         lo, hi = lows[0], max(highs[0], lows[0])
         if time_config.pp == 1:
@@ -1485,12 +1498,14 @@ class _Refiner:
             return cache[key]
 
         self.evaluated += 1
+        modes, most_layers = self.space.recompute_modes, most
+        if roomy:
+            modes, most_layers = ("none",), lambda config, stage, mode, lo, hi: hi
         return capacity_bound(self.model, self.cluster, memory_config=memory_config,
                               time_config=time_config, framework=self.framework,
                               calibration=self.calibration, capacity=self.capacity,
-                              modes=self.space.recompute_modes, lo=lo, hi=hi,
-                              most_layers=most, cache=cache, time_scale=time_scale,
-                              relaxed=relaxed)
+                              modes=modes, lo=lo, hi=hi, most_layers=most_layers, cache=cache,
+                              time_scale=time_scale, relaxed=relaxed)
 
     def _first_order(self, config: ParallelConfig) -> ParallelConfig:
         key = ("first order", config)
@@ -1520,7 +1535,7 @@ class _Refiner:
             if timing is None or lean is None:
                 continue
             split = self.capacity_split(lean, timing, time_scale=1.0 / max(bs),
-                                        relaxed=True)
+                                        relaxed=True, roomy=self.roomy(lean))
             if split is not None:
                 out[sp, order] = split
         return out

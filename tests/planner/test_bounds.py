@@ -154,6 +154,11 @@ def test_capacity_bound_is_below_the_tables_bound(case):
     relaxed = refiner.capacity_split(config, config, relaxed=True)  # the degree level's
     assert relaxed is not None
     assert relaxed[0] <= split[0] * (1 + 1e-9) and relaxed[1] <= split[1] * (1 + 1e-9)
+    # without capacities (what ``roomy`` layouts read): below both, whatever the memory
+    for level in (False, True):
+        free = refiner.capacity_split(config, config, relaxed=level, roomy=True)
+        assert free is not None
+        assert free[0] <= relaxed[0] * (1 + 1e-9) and free[1] <= relaxed[1] * (1 + 1e-9)
 
 
 INVARIANT_CASES = [  # model, cluster, nodes, degrees and knobs, framework
