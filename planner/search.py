@@ -1317,11 +1317,15 @@ class _Refiner:
         (compute hides at most itself, and linear work includes compute), neither is smaller
         under recomputation than without it, and neither depends on the micro-batch (both are
         parameter-sized): so the v = 1 member's terms without recomputation at this ``b``
-        serve every micro-batch of the (degrees, sp, rank layout), and are cached as such
-        (``tests/planner/test_bounds.py`` checks the three properties)."""
+        serve every micro-batch of the (degrees, sp, rank layout), and are cached as such.
+        Nor do they depend on where the optimizer runs: the choices that offload only the
+        optimizer share their ZeRO stage's floor (``tests/planner/test_bounds.py`` checks
+        the four properties)."""
         zero, offload, _ = choice
         if zero < 2 and offload != "optimizer+params":
             return 0.0  # no ZeRO-2/3 or parameter-offload traffic per micro-batch to read
+        if offload != "optimizer+params":  # the optimizer's place changes no per-micro term
+            choice = (zero, "none", "cpu")
         key = ("traffic floor", degrees, sp, order, choice)
         hit = self.cache.get(key)
         if hit is not None:

@@ -215,6 +215,12 @@ def test_the_invariants_the_search_bounds_rest_on(case):
             for t in (t1, t2, a, b):
                 assert t.total_s >= max(t.zero_comm_s, t.offload_raw_s) * (1 - 1e-12)
             assert (a.zero_comm_s, a.offload_raw_s) == (b.zero_comm_s, b.offload_raw_s)
+            # (8) nor on where the optimizer runs (the optimizer-offload choices share it)
+            if kwargs.get("offload", "none") != "optimizer+params":
+                for device in ("cpu", "nvme"):
+                    moved = terms(n, mode, offload="optimizer", offload_device=device)[0]
+                    assert (moved.zero_comm_s, moved.offload_raw_s) == (t1.zero_comm_s,
+                                                                        t1.offload_raw_s)
             none = terms(n, "none")[0]
             assert t1.zero_comm_s >= none.zero_comm_s * (1 - 1e-12)
             assert t1.offload_raw_s >= none.offload_raw_s * (1 - 1e-12)
