@@ -41,8 +41,8 @@ from meshplan.costmodel.frameworks import eager_kernels
 from meshplan.costmodel.layout import ep_group, order_strides, rank_of, strides
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
-from meshplan.costmodel.memory import (StageParams, layer_modes, layer_rank_params,
-                                       stage_layer_range, stage_params)
+from meshplan.costmodel.memory import (LAYER_FIELDS, StageParams, layer_modes,
+                                       layer_rank_params, stage_layer_range, stage_params)
 from meshplan.costmodel.model import ModelSpec
 
 BACKWARD_FACTOR = 2.0
@@ -495,7 +495,6 @@ class _StageCosts:
                                           model.vocab_rows * model.hidden_size / config.tp
                                           * config.bytes_per_activation)
                             if stage == 0 else 0.0)
-        self._forward: dict[bool, LayerForward] = {}
         self._layers: dict[tuple[bool, str], _LayerCost] = {}
         self._tp: dict[str, float] = {}
 
@@ -514,33 +513,63 @@ class _StageCosts:
             return hit
         model, cluster, config, calibration, framework = self._args
         moe, layer_mode = key
-        if moe not in self._forward:
-            self._forward[moe] = layer_forward(model, cluster, config, calibration, moe=moe,
-                                               framework=framework)
-        parts = self._forward[moe]
-        saves_attention = framework != "torchtitan" or cluster.gpu.key != CPU_DEVICE_KEY
-        extra = recompute.recompute_s(parts, layer_mode, framework=framework,
-                                      saves_attention=saves_attention,
-                                      early_stop=recompute.stops_early(framework, config))
-        if config.flash_attention:
-            extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * parts.core_s
-        # the backward writes the layer's weight gradients into fresh tensors
-        extra += fresh_pages_s(cluster, calibration, layer_rank_params(model, config, moe=moe)
-                               * config.bytes_per_activation)
-        compute = (1 + BACKWARD_FACTOR) * parts.total_s + extra
-        device = calibration.device(cluster.gpu.key)
-        host_wait = 0.0
-        if device.host_op_s and eager_kernels(framework):
-            # the host issues the layer's kernels while the device runs earlier ones: the
-            # slower of the two sets the pace (``compute_factor`` scales kernels, not host)
-            host = HOST_OP_EQUIVALENTS[layer_mode] * device.host_op_s
-            host_wait = max(0.0, host / calibration.compute_factor(framework) - compute)
-            compute += host_wait
+        compute, host_wait, core = _layer_compute(model, cluster, config, calibration,
+                                                  framework, moe, layer_mode)
         cost = _LayerCost(compute_s=compute, host_wait_s=host_wait,
                           cp_s=_cp_comm_per_layer_s(model, config, self.links.cp, calibration,
-                                                    attention_fwd_s=parts.core_s))
+                                                    attention_fwd_s=core))
         self._layers[key] = cost
         return cost
+
+
+LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop")
+"""The ``ParallelConfig`` fields one layer's compute (``_layer_compute``) depends on: its
+activations' (``memory.LAYER_FIELDS``), the expert split of its weight gradients and whether
+full recomputation stops early (tests/costmodel/test_stage_costs_cache.py checks that no other
+field changes it)."""
+_layer_compute_fields = operator.itemgetter(*LAYER_COMPUTE_FIELDS)
+_LAYER_COMPUTE: dict[tuple, tuple[tuple, tuple[float, float, float]]] = {}
+"""``_layer_compute`` by (ids of model, cluster and calibration, framework, moe, mode,
+``LAYER_COMPUTE_FIELDS``); each entry keeps those three objects alive so that their ids are not
+reused while it exists."""
+
+
+def _layer_compute(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                   calibration: Calibration, framework: str, moe: bool,
+                   mode: str) -> tuple[float, float, float]:
+    """(compute, host wait, attention core forward) seconds of one layer and micro-batch under
+    recompute ``mode``, before ``compute_factor``; cached: every stage and layout with the
+    same per-layer fields shares them."""
+    key = (id(model), id(cluster), id(calibration), framework, moe, mode,
+           _layer_compute_fields(config.__dict__))
+    hit = _LAYER_COMPUTE.get(key)
+    if hit is not None and hit[0][0] is model and hit[0][1] is cluster \
+            and hit[0][2] is calibration:
+        return hit[1]
+    if len(_LAYER_COMPUTE) > 65536:
+        _LAYER_COMPUTE.clear()
+    parts = layer_forward(model, cluster, config, calibration, moe=moe, framework=framework)
+    saves_attention = framework != "torchtitan" or cluster.gpu.key != CPU_DEVICE_KEY
+    extra = recompute.recompute_s(parts, mode, framework=framework,
+                                  saves_attention=saves_attention,
+                                  early_stop=recompute.stops_early(framework, config))
+    if config.flash_attention:
+        extra += (FLASH_BACKWARD_FACTOR - BACKWARD_FACTOR) * parts.core_s
+    # the backward writes the layer's weight gradients into fresh tensors
+    extra += fresh_pages_s(cluster, calibration, layer_rank_params(model, config, moe=moe)
+                           * config.bytes_per_activation)
+    compute = (1 + BACKWARD_FACTOR) * parts.total_s + extra
+    device = calibration.device(cluster.gpu.key)
+    host_wait = 0.0
+    if device.host_op_s and eager_kernels(framework):
+        # the host issues the layer's kernels while the device runs earlier ones: the
+        # slower of the two sets the pace (``compute_factor`` scales kernels, not host)
+        host = HOST_OP_EQUIVALENTS[mode] * device.host_op_s
+        host_wait = max(0.0, host / calibration.compute_factor(framework) - compute)
+        compute += host_wait
+    value = (compute, host_wait, parts.core_s)
+    _LAYER_COMPUTE[key] = ((model, cluster, calibration), value)
+    return value
 
 
 _SPLIT_FREE = frozenset({"layers_per_stage", "recompute", "zero_stage", "offload",

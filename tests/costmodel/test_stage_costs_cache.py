@@ -118,3 +118,47 @@ def test_compute_alone_of_a_traced_model():
                            calibration=cal).compute_s
         assert timing.stage_compute_s(model, cluster, config, cal, stage,
                                       framework="meshplan") == full > 0
+
+
+OTHER_VALUES = {  # a second value of each field outside timing.LAYER_COMPUTE_FIELDS
+    "pp": 4, "dp": 4, "vpp": 2, "global_batch_size": 128, "zero_stage": 3,
+    "offload": "optimizer", "offload_device": "nvme", "recompute": "full", "selective_ac": "2",
+    "layers_per_stage": (9, 7, 8, 8), "mesh_order": ("tp", "cp", "pp", "dp"),
+}
+
+
+@pytest.mark.parametrize("name,cluster_name,nodes,config,framework", CASES,
+                         ids=[c[0] for c in CASES])
+def test_the_layer_compute_key_holds_every_field_it_reads(name, cluster_name, nodes, config,
+                                                          framework):
+    """``timing._layer_compute`` is shared by every configuration with the same
+    ``LAYER_COMPUTE_FIELDS``: computed cold, it is the same for a configuration that differs in
+    any other field, for every mode and kind of layer."""
+    assert set(OTHER_VALUES) | set(timing.LAYER_COMPUTE_FIELDS) >= set(
+        ParallelConfig.__dataclass_fields__), "a field is neither in the key nor checked here"
+    model, cluster, cal = load_model(name), load_cluster(cluster_name, nodes=nodes), \
+        default_calibration()
+    base = config.replace(layers_per_stage=None, recompute="none", vpp=1, pp=4, dp=2,
+                          global_batch_size=64)
+
+    selective = "op" if framework in ("torchtitan", "meshplan") else "selective"  # layer_modes
+
+    def compute(cfg):
+        timing._LAYER_COMPUTE.clear()
+        return [timing._layer_compute(model, cluster, cfg, cal, framework, moe, mode)
+                for moe in {False, model.is_moe} for mode in ("none", selective, "full")]
+
+    want = compute(base)
+    checked = 0
+    for field, value in OTHER_VALUES.items():
+        if field == "layers_per_stage" and model.num_layers != 32:
+            continue
+        try:
+            other = base.replace(**{field: value})
+        except ValueError:
+            continue
+        assert compute(other) == want, field
+        checked += 1
+    assert checked >= 9
+    # and the key is what tells layers apart: a field inside it does change the compute
+    assert compute(base.replace(micro_batch_size=2 * base.micro_batch_size)) != want
