@@ -540,14 +540,12 @@ def _layer_compute(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
     """(compute, host wait, attention core forward) seconds of one layer and micro-batch under
     recompute ``mode``, before ``compute_factor``; cached: every stage and layout with the
     same per-layer fields shares them."""
+    owners = (model, cluster, calibration)
     key = (id(model), id(cluster), id(calibration), framework, moe, mode,
            _layer_compute_fields(config.__dict__))
-    hit = _LAYER_COMPUTE.get(key)
-    if hit is not None and hit[0][0] is model and hit[0][1] is cluster \
-            and hit[0][2] is calibration:
-        return hit[1]
-    if len(_LAYER_COMPUTE) > 65536:
-        _LAYER_COMPUTE.clear()
+    hit = _held(_LAYER_COMPUTE, key, owners)
+    if hit is not None:
+        return hit
     parts = layer_forward(model, cluster, config, calibration, moe=moe, framework=framework)
     saves_attention = framework != "torchtitan" or cluster.gpu.key != CPU_DEVICE_KEY
     extra = recompute.recompute_s(parts, mode, framework=framework,
@@ -567,8 +565,22 @@ def _layer_compute(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
         host = HOST_OP_EQUIVALENTS[mode] * device.host_op_s
         host_wait = max(0.0, host / calibration.compute_factor(framework) - compute)
         compute += host_wait
-    value = (compute, host_wait, parts.core_s)
-    _LAYER_COMPUTE[key] = ((model, cluster, calibration), value)
+    return _hold(_LAYER_COMPUTE, key, owners, (compute, host_wait, parts.core_s))
+
+
+def _held(cache: dict, key: tuple, owners: tuple):
+    """The value ``_hold`` keeps under ``key`` (which holds the ids of ``owners``), or None."""
+    hit = cache.get(key)
+    return hit[1] if hit is not None and hit[0] == owners else None
+
+
+def _hold(cache: dict, key: tuple, owners: tuple, value):
+    """Keeps ``value`` under ``key`` with ``owners`` alive, so that their ids are not reused
+    while the entry exists (models, clusters and calibrations are not changed after they are
+    made); empties ``cache`` past 65,536 entries. Returns ``value``."""
+    if len(cache) > 65536:
+        cache.clear()
+    cache[key] = (owners, value)
     return value
 
 
@@ -590,19 +602,16 @@ def _stage_costs(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     """The cached ``_StageCosts`` of ``stage`` under ``config`` (models, clusters and
     calibrations are not changed after they are made); ``links``: the stage's
     (``stage_links``), found here if None and needed."""
-    fields = config.__dict__
-    key = (id(model), id(cluster), id(calibration), framework, stage, _cost_fields(fields))
-    hit = _STAGE_COSTS.get(key)
-    if hit is not None and hit[0][0] is model and hit[0][1] is cluster \
-            and hit[0][2] is calibration:
-        return hit[1]
-    if len(_STAGE_COSTS) > 65536:
-        _STAGE_COSTS.clear()
+    owners = (model, cluster, calibration)
+    key = (id(model), id(cluster), id(calibration), framework, stage,
+           _cost_fields(config.__dict__))
+    hit = _held(_STAGE_COSTS, key, owners)
+    if hit is not None:
+        return hit
     if links is None:
         links = stage_links(cluster, config, stage)
-    costs = _StageCosts(model, cluster, config, calibration, stage, links, framework)
-    _STAGE_COSTS[key] = ((model, cluster, calibration), costs)
-    return costs
+    return _hold(_STAGE_COSTS, key, owners,
+                 _StageCosts(model, cluster, config, calibration, stage, links, framework))
 
 
 def prefetches_blocks(framework: str, config: ParallelConfig) -> bool:
