@@ -1481,10 +1481,11 @@ class _Refiner:
 
         ``roomy``: ``memory_config`` is ``roomy``, so its capacities are left out: every stage
         may take any layer count of the split's range without recomputation. That bounds
-        every split below whatever the memory (recomputation only adds time), and where
-        memory binds no stage it is what the capacities give, without evaluating memory:
-        on 405B-parameter spaces most layouts are roomy, and their capacities cost 15 % of a
-        search."""
+        every split below whatever the memory (recomputation only adds time); where every
+        stage holds ceil(L/p) layers unrecomputed, memory can only bind the uneven splits
+        above that, so the bound gives up little, and it evaluates no memory: on
+        405B-parameter spaces most layouts are roomy, and their capacities had cost about a
+        tenth of a search."""
         lows, highs = layer_bounds(self.model, time_config, None)
         lo, hi = lows[0], max(highs[0], lows[0])
         if time_config.pp == 1:
