@@ -584,17 +584,36 @@ def test_search_is_deterministic():
 def test_a_spent_budget_still_dives_to_a_plan_in_a_few_dozen_nodes():
     """A work budget of 30 nodes on Llama-3-70B over 8 H100 nodes: best-first order would
     refine hundreds of nodes before its first plan (and give up: SearchTimeout); the dive
-    (``_Pass.dive``) holds a plan whose split CP-SAT solved, within the budget."""
+    (``_Pass.dive``) holds a plan within the budget, whose split is proven its candidate's
+    best (by CP-SAT, or by a greedy split that meets the candidate's bound)."""
     model, cluster = load_model("llama3-70b"), load_cluster("dgx-h100", nodes=8)
     space = SearchSpace(global_batch_size=512, seq_len=8192)
     quick = search(model, cluster, space, framework="megatron", calibration=CAL, top_k=1,
                    deterministic=True, max_nodes=30)
     assert quick.status == "FEASIBLE"
     assert quick.stats["nodes"] <= 30
-    assert quick.ranked[0].status == "OPTIMAL"  # its own split solved, not a greedy one
+    assert quick.ranked[0].status == "OPTIMAL"  # its split proven, not merely feasible
     assert quick.ranked[0].estimate.fits
     assert 0.0 <= quick.stats["gap"] < 1.0
 
+
+@pytest.mark.parametrize("name,cluster_name,nodes,batch,seq,most", [
+    ("llama3-405b", "dgx-h100", 2048, 2048, 8192, 2000),
+    ("mt-nlg-530b", "dgx-a100-80gb", 280, 1920, 2048, 500),
+])
+def test_the_headline_spaces_complete_within_their_node_budgets(name, cluster_name, nodes, batch,
+                                                                 seq, most):
+    """A guard on the bounds' strength, which sets the planner's speed, without timing it:
+    the two headline spaces of ``benchmarks/planner_scaling.py`` (405B on 16,384 H100s, 530B
+    on 2,240 A100s) complete to OPTIMAL refining at most about 1.5x the nodes they took on
+    2026-12-05 (1,310 and 327): a change that loosens a bound fails here before it shows up
+    as CPU seconds."""
+    model, cluster = load_model(name), load_cluster(cluster_name, nodes=nodes)
+    space = SearchSpace(global_batch_size=batch, seq_len=seq)
+    result = search(model, cluster, space, framework="megatron", calibration=CAL, top_k=1,
+                    deterministic=True)
+    assert result.status == "OPTIMAL"
+    assert result.stats["nodes"] <= most, result.stats["nodes"]
 
 def test_the_dive_leaves_paths_priced_far_above_the_rest():
     """Llama-3-405B on 32,768 H100s under the runtime's framework (its core space is empty):
