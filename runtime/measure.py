@@ -102,8 +102,14 @@ class ProfileSizes:
     """Bytes of each pinned host-device copy (CUDA only)."""
     collective_bytes: tuple[int, ...]
     """Buffer sizes of the collectives (see ``Measurements.collectives``)."""
-    host_adam_params: int = 8 * 2 ** 20
-    """Parameters of the timed host AdamW step (``time_host_adam``)."""
+    host_adam_params: int = 64 * 2 ** 20
+    """Parameters of the timed host AdamW step (``time_host_adam``). The full profiles step
+    64 M parameters: 1 GiB of fp32 parameters, gradients and Adam moments, beyond any host's
+    last-level cache, as the billions of parameters an offloaded optimizer steps are. On the
+    H200 machine's host (16 threads) 8 M parameters stepped at 7.8 G parameters/s against 3.9
+    at 64 M (benchmarks/README.md, 2026-12-04): the smaller size had priced the host step at
+    half its time. On the 2-core test machine (32 MiB of L3) both sizes step at 2.2 G/s on one
+    thread."""
     rounds: int
     """Interleaved passes over all cases."""
     calls: int
