@@ -18,6 +18,7 @@ from meshplan.costmodel.jsonio import (EFFICIENCY, FRACTION, NON_NEGATIVE, POSIT
 
 
 LINK_KINDS = frozenset({"intra", "inter"})
+"""Keys of ``Calibration.link_latency_s``: in-node and cross-node links."""
 HOST_BUFFER_KINDS = ("pageable", "pinned")
 """Keys of ``Calibration.host_copy_bytes_per_s``."""
 LIBRARY_HOP_KINDS = ("inter", "intra", "intra_multi_node")
@@ -27,8 +28,15 @@ PAGEABLE_FRACTION = 0.5
 pageable buffer through a pinned staging buffer, one more pass over host memory, so they
 reach about half the pinned rate (NVIDIA, "How to Optimize Data Transfers in CUDA C/C++",
 Harris 2012: 5.7 against 3.2 GB/s on PCIe 2; CUDA C++ Best Practices Guide, "Pinned
-Memory")."""
-"""Keys of ``Calibration.link_latency_s``: in-node and cross-node links."""
+Memory"), and no more than the staging copy itself (``PAGEABLE_STAGING_BYTES_PER_S``)."""
+PAGEABLE_STAGING_BYTES_PER_S = 1.35e10
+"""Ceiling of a pageable copy when only the pinned rate is known: the driver's copy through
+its staging buffer runs on the host, whatever the link. Measured on the lent H200 machine
+(PCIe 5, pinned 55.3 GB/s each way): 256 MiB device-to-host 13.5 GB/s, host-to-device 8.1
+(``benchmarks/gpu_kernels.py``, results/gpu-kernels-h200-2026-12-04.md). The device-to-host
+rate, the direction of the only pageable copies modelled (FSDP2's gradient copies while
+gradients accumulate, ``timing._param_offload_per_microbatch_s``); half of a PCIe 4 link's
+25 GB/s stays below it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,10 +221,11 @@ class Calibration:
     host_copy_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
     """Host-device copy bandwidth per GPU by host buffer kind: ``pinned`` (page-locked:
     DeepSpeed's offload buffers, FSDP2's ``CPUOffloadPolicy(pin_memory=True)``) and
-    ``pageable`` (staged through a driver bounce buffer: meshplan's runtime offloads with
-    ``pin_memory=False``). Absent: the cluster's ``pcie_bytes_per_s`` for pinned and
-    ``PAGEABLE_FRACTION`` of it for pageable. ``meshplan profile`` on a GPU writes
-    ``pinned`` (the slower of its measured host-to-device and device-to-host rates)."""
+    ``pageable`` (staged through a driver bounce buffer: the gradient copies FSDP2 makes while
+    gradients accumulate). Absent: the cluster's ``pcie_bytes_per_s`` for pinned and
+    ``PAGEABLE_FRACTION`` of it, at most ``PAGEABLE_STAGING_BYTES_PER_S``, for pageable.
+    ``meshplan profile`` on a GPU writes ``pinned`` (the slower of its measured host-to-device
+    and device-to-host rates)."""
     zero3_path_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
     """Per framework: bytes per second one GPU's ZeRO-3 parameter gather (and gradient
     reduce-scatter) path moves, whatever its links carry. A framework's own gather code can be
@@ -245,9 +254,10 @@ class Calibration:
         """Host-device bytes per second per GPU for a pinned or pageable host buffer."""
         if pinned:
             return self.host_copy_bytes_per_s.get("pinned", cluster_pcie_bytes_per_s)
-        return self.host_copy_bytes_per_s.get(
-            "pageable", PAGEABLE_FRACTION * self.host_copy_bytes_per_s.get(
-                "pinned", cluster_pcie_bytes_per_s))
+        if "pageable" in self.host_copy_bytes_per_s:
+            return self.host_copy_bytes_per_s["pageable"]
+        pinned_rate = self.host_copy_bytes_per_s.get("pinned", cluster_pcie_bytes_per_s)
+        return min(PAGEABLE_FRACTION * pinned_rate, PAGEABLE_STAGING_BYTES_PER_S)
 
     def device(self, gpu_key: str) -> DeviceCalibration:
         return self.devices.get(gpu_key) or self.devices["default"]

@@ -79,7 +79,8 @@ PINNED_HOST_BUFFERS = True
 """Host-device copies of offload buffers run at the pinned rate for every framework modelled:
 DeepSpeed's offload buffers and torchtitan's FSDP2 ``CPUOffloadPolicy()`` (``pin_memory=True``)
 are page-locked, and so are meshplan's on CUDA (runtime/optim.py ``HostOffloadAdamW``,
-runtime/parallelize.py ``CPUOffloadPolicy``); on the CPU device there is nothing to pin, since
+runtime/parallelize.py ``CPUOffloadPolicy``), except the gradient copies FSDP2 makes while
+gradients accumulate (``_param_offload_per_microbatch_s``); on the CPU device there is nothing to pin, since
 the "device" is host memory too and a copy is one memcpy with no staging buffer.
 ``Calibration.host_copy_rate`` keeps the pageable rate for buffers that are not pinned."""
 
@@ -900,8 +901,10 @@ def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec
     step's second micro-batch on, the gradient is added to the earlier ones' on the host, on
     its memory bandwidth shared by the node's ranks (``HOST_GRAD_ADD_BYTES``), and the copy
     then blocks (``_fsdp_collectives.py`` ``foreach_reduce``: the add needs the copied
-    gradient, so the copy is not overlapped): that copy and the add are the blocking part,
-    here averaged over the step's micro-batches, which the device waits out."""
+    gradient, so the copy is not overlapped) and lands in pageable memory, at the pageable
+    rate (there ``non_blocking`` is False, and ``Tensor.to("cpu")`` allocates its output
+    pinned only for a non-blocking copy): that copy and the add are the blocking part, here
+    averaged over the step's micro-batches, which the device waits out."""
     if config.offload != "optimizer+params":
         return 0.0, 0.0
     shard = (params.dense + params.expert) / (config.dp * config.cp)
@@ -910,9 +913,11 @@ def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec
     if fsdp2_cpu_offload(framework, config, cluster):
         accumulating = (config.grad_accum_steps - 1) / config.grad_accum_steps
         ranks = min(cluster.gpus_per_node, cluster.num_gpus)
-        grads = FSDP2_HOST_GRAD_BYTES * shard / pcie
-        transfer = 2 * FSDP2_HOST_PARAM_BYTES * shard / pcie + (1 - accumulating) * grads
-        blocking = accumulating * (grads + calibration.host_memory_s(
+        grad_bytes = FSDP2_HOST_GRAD_BYTES * shard
+        pageable = calibration.host_copy_rate(cluster.pcie_bytes_per_s, pinned=False)
+        transfer = (2 * FSDP2_HOST_PARAM_BYTES * shard / pcie
+                    + (1 - accumulating) * grad_bytes / pcie)
+        blocking = accumulating * (grad_bytes / pageable + calibration.host_memory_s(
             cluster.gpu.key, HOST_GRAD_ADD_BYTES * shard * ranks))
     else:
         transfer = 2 * shard * config.bytes_per_activation / pcie

@@ -328,6 +328,21 @@ def test_pageable_host_copies_are_slower_and_a_profile_overrides_pinned():
     assert profiled.host_copy_bytes_per_s["pinned"] == pytest.approx(20e9)
 
 
+def test_pageable_copies_are_half_the_link_up_to_the_hosts_staging_copy():
+    """A pageable copy goes through the driver's staging buffer: half the pinned rate on a
+    PCIe 4 link (25 GB/s), and on PCIe 5 no more than the 13.5 GB/s device-to-host the lent
+    H200 machine's host measured with a 55 GB/s pinned link; a calibrated pageable rate
+    stands as given."""
+    cal = default_calibration()
+    assert cal.host_copy_rate(25e9, pinned=False) == pytest.approx(12.5e9)
+    assert cal.host_copy_rate(50e9, pinned=False) == pytest.approx(13.5e9)
+    profiled = dataclasses.replace(cal, host_copy_bytes_per_s={"pinned": 55.3e9})
+    assert profiled.host_copy_rate(50e9, pinned=False) == pytest.approx(13.5e9)
+    measured = dataclasses.replace(cal, host_copy_bytes_per_s={"pinned": 55e9,
+                                                               "pageable": 20e9})
+    assert measured.host_copy_rate(50e9, pinned=False) == 20e9
+
+
 def test_library_hop_latencies_replace_path_latencies_on_gpus_only():
     """On DGX A100 NCCL's Simple ring charges 3.4 us per NVLink step, 14 us per network step
     and, in a ring over several nodes, at least 3 network posts (2 us each on AMD hosts) per
