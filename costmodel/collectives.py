@@ -340,7 +340,11 @@ def algorithms(op: str, n: int, nodes: int = 1) -> tuple[Algorithm, ...]:
       reduce-scatter then all-gather), ``2 (N-1)`` of them across nodes; double binary tree,
       ``2`` bytes in ``2 ((n/N - 1) + log2 N)`` steps, ``2 log2 N`` across nodes (Sanders,
       Speck and Traeff 2009; NCCL's tree: a chain inside each node, a tree over the nodes).
-      On one node (or one rank per node) the tree takes ``2 log2 n`` steps.
+      On one node (or one rank per node) the tree takes ``2 log2 n`` steps. Not modelled:
+      NCCL's NVLS all-reduce (NVLink SHARP, in-switch reduction on H100/H200/B200 NVSwitch
+      nodes), which its tuning model puts at ``2 * nvlsEfficiency`` (0.85 Hopper, 0.74
+      Blackwell) of the ring's bus bandwidth with one 25 us step; an all-reduce inside such a
+      node is charged as ring or tree here, up to about 1.6x slow.
     * all-gather, reduce-scatter (``S`` the full buffer): the ring only, ``(n-1)/n`` bytes in
       ``n - 1`` steps, ``N - 1`` across nodes. NCCL runs them as rings (its NVLS and PAT
       variants need NVLink SHARP or one rank per node), gloo too: the latency grows with n.
