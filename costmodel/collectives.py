@@ -67,6 +67,9 @@ class GroupLink:
     """Largest in-node hop latency between ring neighbours of a group that spans nodes (its
     in-node steps pay this, its cross-node steps ``latency_s``); None: every step pays
     ``latency_s`` (a group inside one tier)."""
+    nvls_efficiency: float = 0.0
+    """The GPU's ``GpuSpec.nvls_efficiency`` for a group of two or more ranks inside one
+    node, where NCCL can all-reduce through the NVSwitch (NVLS); 0 otherwise."""
 
     def step_latencies(self) -> tuple[float, float]:
         """(in-node, cross-node) one-hop latency of the group's steps."""
@@ -200,7 +203,8 @@ def _link_of_kinds(cluster: ClusterSpec, n: int, nodes: int, kinds: set[tuple]) 
     spans = nodes > 1
     return GroupLink(size=n, nodes=nodes, intra_bytes_per_s=intra,
                      inter_bytes_per_s=inter, per_node=per_node, latency_s=latency,
-                     intra_latency_s=(intra_latency if spans and intra_latency > 0 else None))
+                     intra_latency_s=(intra_latency if spans and intra_latency > 0 else None),
+                     nvls_efficiency=0.0 if spans else cluster.gpu.nvls_efficiency)
 
 
 NUMPY_RING = 256
@@ -326,25 +330,34 @@ class Algorithm:
     inter_steps: float = 0.0
     """How many of ``latency_steps`` cross nodes (the rest are in-node steps), for a group
     over several nodes with several ranks each (``algorithms``' ``nodes``)."""
+    fixed_latency_s: float = 0.0
+    """Latency charged once, whatever the hops' (NVLS: ``NVLS_LATENCY_S``)."""
+
+
+NVLS_LATENCY_S = 25e-6
+"""One NVLS all-reduce's latency: NCCL's tuning model charges NVLS no base latency and one
+in-node step of 25 us (``hwLatencies[NVLINK][NVLS][SIMPLE]``, src/graph/tuning.cc)."""
 
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
 @functools.lru_cache(maxsize=4096)
-def algorithms(op: str, n: int, nodes: int = 1) -> tuple[Algorithm, ...]:
+def algorithms(op: str, n: int, nodes: int = 1, nvls: float = 0.0) -> tuple[Algorithm, ...]:
     """The candidate algorithms of ``op`` over ``n`` >= 2 ranks on ``nodes`` nodes, as the
-    estimator charges them.
+    estimator charges them (``nvls``: the group's ``GroupLink.nvls_efficiency``).
 
     * all-reduce: ring, ``2 (n-1)/n`` bytes in ``2 (n-1)`` steps (Thakur et al. 2005 Sec. 4.4,
       reduce-scatter then all-gather), ``2 (N-1)`` of them across nodes; double binary tree,
       ``2`` bytes in ``2 ((n/N - 1) + log2 N)`` steps, ``2 log2 N`` across nodes (Sanders,
       Speck and Traeff 2009; NCCL's tree: a chain inside each node, a tree over the nodes).
-      On one node (or one rank per node) the tree takes ``2 log2 n`` steps. Not modelled:
-      NCCL's NVLS all-reduce (NVLink SHARP, in-switch reduction on H100/H200/B200 NVSwitch
-      nodes), which its tuning model puts at ``2 * nvlsEfficiency`` (0.85 Hopper, 0.74
-      Blackwell) of the ring's bus bandwidth with one 25 us step; an all-reduce inside such a
-      node is charged as ring or tree here, up to about 1.6x slow.
+      On one node (or one rank per node) the tree takes ``2 log2 n`` steps. Inside one node
+      whose NVSwitch reduces (``nvls`` > 0: NVLink SHARP, H100/H200/B200), NCCL's NVLS too:
+      its tuning model gives NVLS ``2 * nvls`` times the ring's bus bandwidth (the switch
+      reduces, and two operations pipeline) and one ``NVLS_LATENCY_S``, so it moves
+      ``2 (n-1)/n / (2 nvls)`` bytes per byte of ``S`` (the model's ``(nChannels - 1) /
+      nChannels`` factor, 15/16 or more, is left out). Not modelled: NVLS across nodes
+      (NVLS tree) and NVLS for all-gather and reduce-scatter (NCCL 2.19 on).
     * all-gather, reduce-scatter (``S`` the full buffer): the ring only, ``(n-1)/n`` bytes in
       ``n - 1`` steps, ``N - 1`` across nodes. NCCL runs them as rings (its NVLS and PAT
       variants need NVLink SHARP or one rank per node), gloo too: the latency grows with n.
@@ -367,8 +380,12 @@ def algorithms(op: str, n: int, nodes: int = 1) -> tuple[Algorithm, ...]:
                              inter_steps=tree_inter)
         else:
             tree = Algorithm("double_binary_tree", 2.0, 2 * math.log2(n))
-        return (Algorithm("ring", 2 * (n - 1) / n, 2.0 * (n - 1),
-                          inter_steps=2.0 * (nodes - 1) if spans else 0.0), tree)
+        ring = Algorithm("ring", 2 * (n - 1) / n, 2.0 * (n - 1),
+                         inter_steps=2.0 * (nodes - 1) if spans else 0.0)
+        if nvls > 0 and nodes == 1:
+            return ring, tree, Algorithm("nvls", 2 * (n - 1) / n / (2 * nvls), 0.0,
+                                         fixed_latency_s=NVLS_LATENCY_S)
+        return ring, tree
     if op in ("all_gather", "reduce_scatter"):
         return (Algorithm("ring", (n - 1) / n, n - 1.0,
                           inter_steps=nodes - 1.0 if spans else 0.0),)
@@ -387,30 +404,32 @@ def algorithm_s(algorithm: Algorithm, size_bytes: float, *, bytes_per_s: float,
     intra = latency_s if intra_latency_s is None else intra_latency_s
     return (algorithm.bytes_factor * size_bytes / bytes_per_s
             + algorithm.inter_steps * latency_s
-            + (algorithm.latency_steps - algorithm.inter_steps) * intra)
+            + (algorithm.latency_steps - algorithm.inter_steps) * intra
+            + algorithm.fixed_latency_s)
 
 
 def fastest(op: str, n: int, size_bytes: float, *, bytes_per_s: float,
             latency_s: float, nodes: int = 1,
-            intra_latency_s: float | None = None) -> Algorithm:
+            intra_latency_s: float | None = None, nvls: float = 0.0) -> Algorithm:
     """The algorithm of ``op`` over ``n`` ranks on ``nodes`` nodes that takes least time on
     ``size_bytes`` at ``bytes_per_s`` and one-hop ``latency_s`` (cross-node steps) and
     ``intra_latency_s`` (in-node steps; default the same), the first listed on a tie."""
-    return min(algorithms(op, n, nodes), key=lambda a: algorithm_s(
+    return min(algorithms(op, n, nodes, nvls), key=lambda a: algorithm_s(
         a, size_bytes, bytes_per_s=bytes_per_s, latency_s=latency_s,
         intra_latency_s=intra_latency_s))
 
 
 def collective_s(op: str, n: int, size_bytes: float, *, bytes_per_s: float,
                  latency_s: float, nodes: int = 1,
-                 intra_latency_s: float | None = None) -> float:
+                 intra_latency_s: float | None = None, nvls: float = 0.0) -> float:
     """Seconds of ``op`` on ``size_bytes`` over ``n`` ranks: its ``fastest`` algorithm's time;
     0 for one rank or no bytes."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
     # the least time over the algorithms: ``fastest``'s time, without a second evaluation
     return min(algorithm_s(a, size_bytes, bytes_per_s=bytes_per_s, latency_s=latency_s,
-                           intra_latency_s=intra_latency_s) for a in algorithms(op, n, nodes))
+                           intra_latency_s=intra_latency_s)
+               for a in algorithms(op, n, nodes, nvls))
 
 
 def link_collective_s(op: str, link: GroupLink, size_bytes: float, *, intra_eff: float,
@@ -418,7 +437,7 @@ def link_collective_s(op: str, link: GroupLink, size_bytes: float, *, intra_eff:
     """Seconds of ``op`` on ``size_bytes`` over the group ``link`` (hierarchical latency)."""
     intra, inter = link.step_latencies()
     return collective_s(op, link.size, size_bytes, nodes=link.nodes, latency_s=inter,
-                        intra_latency_s=intra,
+                        intra_latency_s=intra, nvls=link.nvls_efficiency,
                         bytes_per_s=effective_bytes_per_s(link, intra_eff=intra_eff,
                                                           inter_eff=inter_eff))
 
@@ -430,7 +449,7 @@ def call_latency_s(op: str, link: GroupLink) -> float:
         return 0.0
     intra, inter = link.step_latencies()
     return min(algorithm_s(a, 0.0, bytes_per_s=1.0, latency_s=inter, intra_latency_s=intra)
-               for a in algorithms(op, link.size, link.nodes))
+               for a in algorithms(op, link.size, link.nodes, link.nvls_efficiency))
 
 
 def effective_bytes_per_s(link: GroupLink, *, intra_eff: float, inter_eff: float) -> float:

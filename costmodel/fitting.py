@@ -166,8 +166,11 @@ def collective_coefficients(op: str, n: int, size_bytes: float | None = None, *,
                      "depending on the message size; give size_bytes, bytes_per_s and latency_s")
 
 
-def fit_alpha_beta(samples: Sequence[tuple[str, int, float, float]]) -> tuple[float, float]:
+def fit_alpha_beta(samples: Sequence[tuple[str, int, float, float]], *,
+                   nvls: float = 0.0) -> tuple[float, float]:
     """(bytes_per_s, latency_s) of one link from ``(op, n, size_bytes, seconds)`` samples.
+    ``nvls``: the GPU's NVLS efficiency for groups inside one node (``GpuSpec``), whose
+    all-reduces the estimator may charge as NVLS (``collectives.algorithms``).
 
     Charges each sample as the estimator does (the algorithm ``collectives.fastest`` picks),
     which needs the very ``B`` and ``alpha`` being fitted, so it iterates: start every sample
@@ -178,16 +181,17 @@ def fit_alpha_beta(samples: Sequence[tuple[str, int, float, float]]) -> tuple[fl
     have the smallest relative residual is returned. On samples the estimator itself made,
     the true link is a fixed point: its choice reproduces every sample exactly.
     """
-    chosen = [min(coll.algorithms(op, n), key=lambda a: (a.bytes_factor, a.latency_steps))
-              for op, n, _, _ in samples]
+    chosen = [min(coll.algorithms(op, n, 1, nvls),
+                  key=lambda a: (a.bytes_factor, a.latency_steps)) for op, n, _, _ in samples]
     best: tuple[float, float, float] | None = None
     for _ in range(FIT_CHOICE_ROUNDS):
         bytes_per_s, latency_s = _fit_with(samples, chosen)
-        again = [coll.fastest(op, n, size, bytes_per_s=bytes_per_s, latency_s=latency_s)
-                 for op, n, size, _ in samples]
+        again = [coll.fastest(op, n, size, bytes_per_s=bytes_per_s, latency_s=latency_s,
+                              nvls=nvls) for op, n, size, _ in samples]
         if again == chosen:
             return bytes_per_s, latency_s
-        residual = _relative_residual(samples, bytes_per_s=bytes_per_s, latency_s=latency_s)
+        residual = _relative_residual(samples, bytes_per_s=bytes_per_s, latency_s=latency_s,
+                                      nvls=nvls)
         if best is None or residual < best[0]:
             best = (residual, bytes_per_s, latency_s)
         chosen = again
@@ -195,10 +199,10 @@ def fit_alpha_beta(samples: Sequence[tuple[str, int, float, float]]) -> tuple[fl
 
 
 def _relative_residual(samples: Sequence[tuple[str, int, float, float]], *,
-                       bytes_per_s: float, latency_s: float) -> float:
+                       bytes_per_s: float, latency_s: float, nvls: float = 0.0) -> float:
     """Sum of squared relative errors of the estimator's times (``collectives.collective_s``)."""
-    return sum((coll.collective_s(op, n, size, bytes_per_s=bytes_per_s, latency_s=latency_s)
-                / t - 1) ** 2 for op, n, size, t in samples)
+    return sum((coll.collective_s(op, n, size, bytes_per_s=bytes_per_s, latency_s=latency_s,
+                                  nvls=nvls) / t - 1) ** 2 for op, n, size, t in samples)
 
 
 def _fit_with(samples: Sequence[tuple[str, int, float, float]],
@@ -206,14 +210,15 @@ def _fit_with(samples: Sequence[tuple[str, int, float, float]],
     """(bytes_per_s, latency_s) with each sample charged by its ``chosen`` algorithm.
 
     Relative least squares (``relative_weights``) of ``t = x1 * (c_bw S) + x2 * c_lat`` over
-    two unknowns (``x1 = 1 / B``, ``x2 = alpha``), solved by the 2x2 normal equations: the
+    two unknowns (``x1 = 1 / B``, ``x2 = alpha``), ``t`` less the algorithm's fixed latency
+    (``Algorithm.fixed_latency_s``), solved by the 2x2 normal equations: the
     small messages pin the latency, the large ones the bandwidth. Negative parts are clamped
     (a negative latency becomes 0 and the bandwidth is refitted through the origin; a
     non-positive ``1 / B``, from noise, falls back to the smallest per-sample ``t / (c_bw S)``).
     """
-    rows = [(a.bytes_factor * size, a.latency_steps, t)
+    rows = [(a.bytes_factor * size, a.latency_steps, t - a.fixed_latency_s)
             for (_, _, size, t), a in zip(samples, chosen)]
-    weights = relative_weights([t for _, _, t in rows])
+    weights = relative_weights([t for _, _, _, t in samples])  # of the measured times
     a11 = sum(w * u * u for w, (u, _, _) in zip(weights, rows))
     a12 = sum(w * u * v for w, (u, v, _) in zip(weights, rows))
     a22 = sum(w * v * v for w, (_, v, _) in zip(weights, rows))
@@ -226,8 +231,10 @@ def _fit_with(samples: Sequence[tuple[str, int, float, float]],
     if alpha < 0:
         inv_bw, alpha = b1 / a11, 0.0
     if inv_bw <= 0:  # noise hid the size dependence: the tightest bound from any one sample
-        inv_bw = min(t / u for u, _, t in rows)
-        alpha = max(0.0, sum((t - u * inv_bw) / v for u, v, t in rows) / len(rows))
+        inv_bw = min(t / u for u, _, t in rows if t > 0)
+        stepped = [(u, v, t) for u, v, t in rows if v > 0]  # NVLS rows have no steps
+        alpha = max(0.0, sum((t - u * inv_bw) / v for u, v, t in stepped)
+                    / max(1, len(stepped)))
     return 1.0 / inv_bw, alpha
 
 
@@ -354,18 +361,19 @@ def fit_profile(*, gemm: Sequence[tuple[float, float]], copy: tuple[float, float
                 host_adam: Sequence[tuple[int, int, float]] = (),
                 thin_gemm: Sequence[tuple[float, float, float]] = (),
                 fresh_pages: Sequence[float] = (),
-                asynchronous: bool = False) -> ProfileFit:
+                asynchronous: bool = False, nvls: float = 0.0) -> ProfileFit:
     """Fit raw ``(flop, s)`` GEMM, ``(bytes, s)`` copy, ``(link, op, n, size_bytes, s)``
     collective and ``(direction, bytes, s)`` host-copy samples; one alpha-beta fit per link
     kind present; ``(rows, flop, s)`` thin GEMMs (``fit_half_rows``) and the ``(bytes, s)``
     of zeroing fresh pages where timed. ``asynchronous``: the device queues kernels (a GPU;
-    ``fit_gemm_rate``)."""
+    ``fit_gemm_rate``). ``nvls``: the GPU's NVLS efficiency, for the ``intra`` link's groups
+    (``fit_alpha_beta``)."""
     flop_per_s, overhead_s = fit_gemm_rate([f for f, _ in gemm], [s for _, s in gemm],
                                            asynchronous=asynchronous)
     links = {}
     for link in sorted({row[0] for row in collectives}):
         rows = [(op, n, size, s) for kind, op, n, size, s in collectives if kind == link]
-        bytes_per_s, latency_s = fit_alpha_beta(rows)
+        bytes_per_s, latency_s = fit_alpha_beta(rows, nvls=nvls if link == "intra" else 0.0)
         links[link] = LinkFit(bytes_per_s=bytes_per_s, latency_s=latency_s,
                               group_sizes=tuple(sorted({n for _, n, _, _ in rows})))
     return ProfileFit(matmul_flop_per_s=flop_per_s, matmul_overhead_s=overhead_s,

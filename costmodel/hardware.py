@@ -56,6 +56,11 @@ class GpuSpec:
     """Device memory bandwidth."""
     nvlink_bytes_per_s: float
     """GPU-to-GPU bandwidth inside a node, per direction."""
+    nvls_efficiency: float = 0.0
+    """NCCL's NVLS efficiency for this GPU generation (``nvlsEfficiency`` in NCCL's
+    ``src/graph/tuning.cc``: 0.85 Hopper, 0.74 Blackwell) where its NVSwitch node reduces in
+    the switch (NVLink SHARP: HGX/DGX H100, H200, B200); 0: no NVLS, all-reduces run as ring
+    or tree (``collectives.algorithms``)."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -253,7 +258,8 @@ def topology(cluster: ClusterSpec) -> tuple[dict[tuple, dict[str, Any]], list[tu
 
 GPU_SCHEMA = schema_of(
     GpuSpec, limits={"peak_flop_per_s": POSITIVE, "hbm_bytes": POSITIVE,
-                     "hbm_bytes_per_s": POSITIVE, "nvlink_bytes_per_s": POSITIVE},
+                     "hbm_bytes_per_s": POSITIVE, "nvlink_bytes_per_s": POSITIVE,
+                     "nvls_efficiency": Limit(minimum=0, maximum=1)},
     required=("name", "peak_flop_per_s", "hbm_bytes", "hbm_bytes_per_s", "nvlink_bytes_per_s"))
 """A GPU object (``gpus.json`` entry, a cluster's ``gpu`` object): ``key`` is optional (the
 catalog's key, ``custom`` in a cluster file)."""

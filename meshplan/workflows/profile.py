@@ -94,7 +94,7 @@ def profile(*, out: str = "calibration.json", measurements: str | None = None,
                               collectives=measured.collectives, host_copy=measured.host_copy,
                               host_adam=measured.host_adam, thin_gemm=measured.thin_gemm,
                               fresh_pages=measured.fresh_pages,
-                              asynchronous=key != CPU_DEVICE_KEY)
+                              asynchronous=key != CPU_DEVICE_KEY, nvls=gpu.nvls_efficiency)
     catalog = fitting.CatalogRates(peak_flop_per_s=gpu.peak(dtype),
                                    hbm_bytes_per_s=gpu.hbm_bytes_per_s,
                                    link_bytes_per_s=gpu.nvlink_bytes_per_s,

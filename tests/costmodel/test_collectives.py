@@ -297,6 +297,75 @@ def test_fit_profile_of_a_node_recovers_its_link_from_groups_of_two_four_and_eig
     assert fit.links["intra"].latency_s == pytest.approx(FIT_LATENCY_S, rel=FIT_REL)
 
 
+# ----- NVLS: NCCL's in-switch all-reduce on NVSwitch nodes that reduce -----------------------------
+NCCL_NVLS_EFFICIENCY = {"h100-sxm": 0.85, "h200": 0.85, "b200": 0.74}
+"""NVIDIA/nccl src/graph/tuning.cc ``nvlsEfficiency``: Hopper 0.85, Blackwell 0.74 (Ampere 0)."""
+NCCL_NVLS_LATENCY_S = 25e-6
+"""tuning.cc: NVLS base latency 0, ``hwLatencies[NVLINK][NVLS][SIMPLE]`` 25 us."""
+
+
+def test_catalog_gpus_carry_nccls_nvls_efficiency():
+    gpus = _catalog_json("gpus.json")["gpus"]
+    assert {key: gpu["nvls_efficiency"] for key, gpu in gpus.items()
+            if "nvls_efficiency" in gpu} == NCCL_NVLS_EFFICIENCY
+
+
+@pytest.mark.parametrize("cluster_name,gpu", [("dgx-h100", "h100-sxm"), ("dgx-b200", "b200")])
+def test_all_reduce_inside_an_nvls_node_runs_nvls_at_nccls_bandwidth(cluster_name, gpu):
+    """NCCL's tuning model: NVLS bus bandwidth = 2 x efficiency x the ring's (the switch
+    reduces; two operations pipeline), algorithm bandwidth = bus x n / (2 (n - 1)), plus 25 us.
+    A large all-reduce of the node's 8 GPUs takes that; a small one the tree or NVLS,
+    whichever is less."""
+    cluster = load_cluster(cluster_name, nodes=2)
+    link = coll.group_link(cluster, tuple(range(8)))
+    assert link.nodes == 1 and link.nvls_efficiency == NCCL_NVLS_EFFICIENCY[gpu]
+    n, size = 8, 1e9
+    bus = 2 * NCCL_NVLS_EFFICIENCY[gpu] * link.intra_bytes_per_s
+    nvls = size / (bus * n / (2 * (n - 1))) + NCCL_NVLS_LATENCY_S
+    ring = 2 * (n - 1) / n * size / link.intra_bytes_per_s + 2 * (n - 1) * link.latency_s
+    assert nvls < ring
+    assert coll.all_reduce_s(link, size, intra_eff=RAW, inter_eff=RAW) == pytest.approx(
+        nvls, rel=EXACT)
+    tree_latency = 2 * math.log2(n) * link.latency_s
+    assert coll.call_latency_s("all_reduce", link) == pytest.approx(
+        min(tree_latency, NCCL_NVLS_LATENCY_S), rel=EXACT)
+    # the ring ops are unchanged: all-gather of the same node
+    assert coll.all_gather_s(link, size, intra_eff=RAW, inter_eff=RAW) == pytest.approx(
+        (n - 1) / n * size / link.intra_bytes_per_s + (n - 1) * link.latency_s, rel=EXACT)
+
+
+def test_no_nvls_across_nodes_or_without_a_reducing_switch():
+    """NVLS tree (across nodes) is not modelled, and an A100 node's NVSwitch does not
+    reduce: both keep ring and tree."""
+    spanning = coll.group_link(load_cluster("dgx-h100", nodes=2), tuple(range(16)))
+    a100 = coll.group_link(load_cluster(CLUSTER, nodes=1), tuple(range(8)))
+    for link in (spanning, a100):
+        assert link.nvls_efficiency == 0.0
+        assert "nvls" not in {a.name for a in coll.algorithms(
+            "all_reduce", link.size, link.nodes, link.nvls_efficiency)}
+
+
+def test_profile_fit_of_an_nvls_node_recovers_its_link():
+    """On an NVLS node the estimator charges large in-node all-reduces as NVLS; the profile
+    fit, told the GPU's efficiency, gives back the link behind such samples, where a fit that
+    assumed ring and tree would not."""
+    nvls = NCCL_NVLS_EFFICIENCY["h100-sxm"]
+    samples = []
+    for n in (2, 4, 8):
+        link = dataclasses.replace(
+            _node_link(n, bytes_per_s=FIT_BYTES_PER_S, latency_s=FIT_LATENCY_S),
+            nvls_efficiency=nvls)
+        samples += [(op, n, size, ESTIMATOR_OPS[op](link, size, intra_eff=RAW, inter_eff=RAW))
+                    for op in ("all_reduce", "all_gather", "reduce_scatter")
+                    for size in FIT_SIZES_BYTES]
+    fit = fitting.fit_profile(gemm=[(1e6, 1e-5), (1e9, 1e-2)], copy=(2e9, 0.05),
+                              collectives=[("intra", *s) for s in samples], nvls=nvls)
+    assert fit.links["intra"].bytes_per_s == pytest.approx(FIT_BYTES_PER_S, rel=FIT_REL)
+    assert fit.links["intra"].latency_s == pytest.approx(FIT_LATENCY_S, rel=FIT_REL)
+    blind = fitting.fit_alpha_beta(samples)
+    assert blind[0] > 1.1 * FIT_BYTES_PER_S
+
+
 # ----- offload: host memory bandwidth and host-copy buffers ----------------------------------------
 def test_host_adam_is_bound_by_host_memory_bandwidth():
     """7B parameters offloaded from one DGX A100 node: the host step moves 28 bytes per

@@ -257,7 +257,7 @@ CLUSTER_CASES = {
     "gpu-unknown-key": (edited(CLUSTER, gpu={**GPU, "fast": True}),
                         "unknown GpuSpec key(s) ['fast'] in gpu; accepted keys: key, name, "
                         "peak_flop_per_s, hbm_bytes, hbm_bytes_per_s, nvlink_bytes_per_s, "
-                        "source"),
+                        "nvls_efficiency, source"),
     "gpu-missing-key": (edited(CLUSTER, gpu=without(GPU, "hbm_bytes")),
                         "missing required GpuSpec key(s) ['hbm_bytes'] in gpu; required: name, "
                         "peak_flop_per_s, hbm_bytes, hbm_bytes_per_s, nvlink_bytes_per_s"),
