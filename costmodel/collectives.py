@@ -15,7 +15,8 @@ functions below and by the profile fit (``fitting.fit_alpha_beta``): ``algorithm
 operation's candidates and ``fastest`` picks the one that takes least time for the message
 size, bandwidth and latency at hand. Ring all-reduce moves ``2 (n-1)/n * S`` in ``2 (n-1)``
 steps, a double binary tree ``2 S`` in ``2 log2 n`` (Sanders et al. 2009), so small
-all-reduces take the tree; all-gather and reduce-scatter move half the ring all-reduce's bytes
+all-reduces take the tree (and, inside an NVSwitch node that reduces, NCCL's NVLS may beat
+both: ``algorithms``); all-gather and reduce-scatter move half the ring all-reduce's bytes
 and only run as a ring, so their latency grows with the ring (NCCL and gloo both run them as
 rings), which is what makes sharded data parallelism over hundreds of ranks latency-bound.
 
