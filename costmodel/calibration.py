@@ -225,7 +225,8 @@ class Calibration:
     gradients accumulate). Absent: the cluster's ``pcie_bytes_per_s`` for pinned and
     ``PAGEABLE_FRACTION`` of it, at most ``PAGEABLE_STAGING_BYTES_PER_S``, for pageable.
     ``meshplan profile`` on a GPU writes ``pinned`` (the slower of its measured host-to-device
-    and device-to-host rates)."""
+    and device-to-host rates) and ``pageable`` (a blocking device-to-host copy into a fresh
+    pageable tensor, as FSDP2 makes them)."""
     zero3_path_bytes_per_s: dict[str, float] = field(default_factory=dict, hash=False)
     """Per framework: bytes per second one GPU's ZeRO-3 parameter gather (and gradient
     reduce-scatter) path moves, whatever its links carry. A framework's own gather code can be

@@ -398,13 +398,21 @@ class CatalogRates:
     """One NIC of the reference cluster (the ``inter`` link, one rank per node)."""
 
 
+PINNED_COPY_WAYS = ("h2d", "d2h")
+"""``ProfileFit.host_copy_bytes_per_s`` keys of pinned host-device copies."""
+PAGEABLE_COPY_WAY = "d2h_pageable"
+"""The key of the blocking device-to-host copy into fresh pageable memory
+(``measure.time_host_copies``): the calibration's ``pageable`` rate."""
+
+
 def profiled_calibration(base: Calibration, fit: ProfileFit, *, gpu_key: str,
                          catalog: CatalogRates, note: str) -> Calibration:
     """``base`` with the device entry ``gpu_key`` and, per measured link, its efficiency
     (``intra``: ``nvlink_efficiency``, ``inter``: ``network_efficiency``) and
     ``link_latency_s`` taken from ``fit``, against ``catalog`` (clamped to 1 where the
     measurement beats the catalog), and the measured pinned host-device rate as
-    ``host_copy_bytes_per_s["pinned"]``, and the host AdamW rate on the node's cores as
+    ``host_copy_bytes_per_s["pinned"]`` (the pageable device-to-host rate, where measured, as
+    ``["pageable"]``), and the host AdamW rate on the node's cores as
     ``host_memory_bytes_per_s[gpu_key]`` (that rate times ``host_adam_bytes_per_param``: the
     cost model's offloaded optimizer step is that traffic over that bandwidth), and the thin
     GEMMs' ``gemm_half_rows`` and the ``fresh_page_bytes_per_s`` where measured (the CPU).
@@ -421,8 +429,12 @@ def profiled_calibration(base: Calibration, fit: ProfileFit, *, gpu_key: str,
     links = {efficiency[k][0]: clamp_efficiency(v.bytes_per_s / efficiency[k][1])
              for k, v in fit.links.items()}
     host_copy = dict(base.host_copy_bytes_per_s)
-    if fit.host_copy_bytes_per_s:  # pinned buffers, both directions: the slower binds
-        host_copy["pinned"] = min(fit.host_copy_bytes_per_s.values())
+    pinned = [rate for way, rate in fit.host_copy_bytes_per_s.items()
+              if way in PINNED_COPY_WAYS]
+    if pinned:  # pinned buffers, both directions: the slower binds
+        host_copy["pinned"] = min(pinned)
+    if PAGEABLE_COPY_WAY in fit.host_copy_bytes_per_s:
+        host_copy["pageable"] = fit.host_copy_bytes_per_s[PAGEABLE_COPY_WAY]
     host_memory = dict(base.host_memory_bytes_per_s)
     if fit.host_adam_params_per_s:  # the node's cores: the host step of optimizer offload
         rate = fit.host_adam_params_per_s[max(fit.host_adam_params_per_s)]

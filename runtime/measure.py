@@ -160,7 +160,9 @@ class Measurements:
     all_gather / reduce_scatter size is the full (gathered / input) buffer, all_reduce and
     send_recv the buffer each rank holds, all_to_all what each rank sends in total."""
     host_copy: tuple[tuple[str, float, float], ...] = ()
-    """(``h2d`` or ``d2h``, bytes, seconds) of pinned host-device copies; empty without CUDA."""
+    """(``h2d`` or ``d2h``, bytes, seconds) of pinned host-device copies, and
+    (``d2h_pageable``, bytes, seconds) of a blocking copy into fresh pageable memory
+    (``time_host_copies``); empty without CUDA."""
     host_adam: tuple[tuple[int, int, float], ...] = ()
     """(threads, parameters, seconds) of one host AdamW step as the offloading runtime runs
     it (``time_host_adam``): on one thread and on every core of the node."""
@@ -301,14 +303,18 @@ def time_compute(*, dtype: torch.dtype, sizes: ProfileSizes, device: torch.devic
 
 def time_host_copies(nbytes: int, *, rounds: int, calls: int
                      ) -> tuple[tuple[str, float, float], ...]:
-    """(``h2d`` / ``d2h``, bytes, s) of ``nbytes`` between pinned host memory and the GPU;
+    """(``h2d`` / ``d2h``, bytes, s) of ``nbytes`` between pinned host memory and the GPU,
+    and (``d2h_pageable``, bytes, s) of ``Tensor.to("cpu")``: a blocking copy into a fresh
+    pageable tensor, the copy FSDP2's CPU offload makes of each gradient shard while
+    gradients accumulate (``timing._param_offload_per_microbatch_s``), page faults included;
     () without CUDA."""
     if not torch.cuda.is_available():
         return ()
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     cases = {"h2d": lambda: gpu.copy_(host, non_blocking=True),
-             "d2h": lambda: host.copy_(gpu, non_blocking=True)}
+             "d2h": lambda: host.copy_(gpu, non_blocking=True),
+             "d2h_pageable": lambda: gpu.to("cpu")}
     seconds = time_interleaved(cases, rounds=rounds, calls=calls, device=gpu.device)
     return tuple((way, float(nbytes), seconds[way]) for way in cases)
 

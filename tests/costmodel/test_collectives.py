@@ -397,6 +397,22 @@ def test_pageable_host_copies_are_slower_and_a_profile_overrides_pinned():
     assert profiled.host_copy_bytes_per_s["pinned"] == pytest.approx(20e9)
 
 
+def test_a_profile_writes_the_pageable_rate_apart_from_the_pinned_one():
+    """``meshplan profile`` on a GPU times pinned copies each way and a blocking copy into a
+    fresh pageable tensor: the slower pinned way becomes ``pinned``, the pageable copy
+    ``pageable`` (slower still, it must not pull ``pinned`` down)."""
+    cal = default_calibration()
+    fit = fitting.fit_profile(gemm=[(1e6, 1e-5), (1e9, 1e-2)], copy=(2e9, 0.05),
+                              host_copy=[("h2d", 2e9, 0.1), ("d2h", 2e9, 0.08),
+                                         ("d2h_pageable", 2e9, 0.5)])
+    rates = fitting.CatalogRates(peak_flop_per_s=1e14, hbm_bytes_per_s=1e12,
+                                 link_bytes_per_s=1e11, nic_bytes_per_s=1e10)
+    profiled = fitting.profiled_calibration(cal, fit, gpu_key="h200", catalog=rates,
+                                            note="test")
+    assert profiled.host_copy_rate(50e9, pinned=True) == pytest.approx(20e9)
+    assert profiled.host_copy_rate(50e9, pinned=False) == pytest.approx(4e9)
+
+
 def test_pageable_copies_are_half_the_link_up_to_the_hosts_staging_copy():
     """A pageable copy goes through the driver's staging buffer: half the pinned rate on a
     PCIe 4 link (25 GB/s), and on PCIe 5 no more than the 13.5 GB/s device-to-host the lent
