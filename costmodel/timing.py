@@ -879,6 +879,14 @@ HOST_GRAD_ADD_BYTES = 12
 earlier ones': both read, one written."""
 
 
+HOST_CLIP_BYTES_PER_PARAM = {"meshplan": 16, "torchtitan": 12}
+"""Host memory traffic per parameter of global-norm gradient clipping where FSDP2's CPU
+offload leaves the fp32 gradients in host memory: the norm reads them (4 bytes), the scaling
+reads and writes them (8); meshplan's runtime then reads them once more for the norm it logs
+after clipping (runtime/recipe.py ``global_grad_norm``, ``clip_grads``; runtime/train.py),
+torchtitan does not (``clip_grad_norm_``, ``max_norm`` 1.0 by default)."""
+
+
 def fsdp2_cpu_offload(framework: str, config: ParallelConfig, cluster: ClusterSpec) -> bool:
     """Whether parameter offload is FSDP2's ``CPUOffloadPolicy`` on a GPU: meshplan's runtime
     and torchtitan. On the CPU device the host-device copies are no-ops."""
@@ -994,7 +1002,8 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     node at the slower of ``host_adam_flop_per_param`` FLOPs and ``host_adam_bytes_per_param``
     bytes of host memory traffic per parameter (the second binds: ~28 bytes per parameter at
     a few hundred GB/s is ~10 G parameters/s per node), and NVMe offload reads and writes the
-    optimizer state once.
+    optimizer state once. Under FSDP2's CPU offload the gradients are clipped in host memory
+    as well (``HOST_CLIP_BYTES_PER_PARAM``; both frameworks clip by default).
     """
     shard = config.dp * config.cp if config.zero_stage >= 1 else 1
     # expert weights are sharded over the replicas of their expert group, as in memory
@@ -1017,6 +1026,9 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     host = max(per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s,
                calibration.host_memory_s(cluster.gpu.key,
                                          per_node * calibration.host_adam_bytes_per_param))
+    if fsdp2_cpu_offload(framework, config, cluster):  # the gradients are clipped there too
+        host += calibration.host_memory_s(
+            cluster.gpu.key, per_node * HOST_CLIP_BYTES_PER_PARAM[framework])
     nvme = 2 * per_node * 12 / cluster.nvme_bytes_per_s if config.offload_device == "nvme" \
         else 0.0
     return loss_s, pcie + host + nvme

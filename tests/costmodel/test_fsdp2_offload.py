@@ -71,15 +71,21 @@ def test_deepspeed_and_the_cpu_device_keep_their_own_offload_path():
 
 def test_fsdp2_offload_has_no_once_per_step_pcie_and_costs_more_than_before():
     """The optimizer step finds the gradients on the host and leaves the parameters there: its
-    offload term is the host AdamW alone (the same as an optimizer-only plan's host part)."""
+    offload term is the host AdamW (the same as an optimizer-only plan's host part) and the
+    gradient clipping, in host memory too: meshplan's runtime reads the fp32 gradients for the
+    global norm, reads and writes them to scale them, and reads them again for the norm it
+    logs after clipping (runtime/recipe.py, runtime/train.py): 16 bytes per parameter;
+    torchtitan's clip_grad_norm_ the first two, 12."""
     from meshplan.costmodel.estimate import stage_once
 
     cluster = load_cluster("dgx-h200", nodes=1, gpus_per_node=1)
     config = _config(2)
-    _, _, _, step = stage_once(MODEL, cluster, config, 0, framework="meshplan",
-                               calibration=CAL, compute_s=1.0)
-    host = CAL.host_memory_s("h200", CAL.host_adam_bytes_per_param * MODEL.num_params)
     flop = CAL.host_adam_flop_per_param * MODEL.num_params / cluster.host_flop_per_s
-    assert step == pytest.approx(max(host, flop), rel=0.01)
+    adam = CAL.host_memory_s("h200", CAL.host_adam_bytes_per_param * MODEL.num_params)
+    for framework, clip_bytes in (("meshplan", 4 + 8 + 4), ("torchtitan", 4 + 8)):
+        _, _, _, step = stage_once(MODEL, cluster, config, 0, framework=framework,
+                                   calibration=CAL, compute_s=1.0)
+        clip = CAL.host_memory_s("h200", clip_bytes * MODEL.num_params)
+        assert step == pytest.approx(max(adam, flop) + clip, rel=0.01)
     est = estimate(MODEL, cluster, config, framework="meshplan", calibration=CAL)
     assert est.time.offload_s > 0.5  # 0.25 s with 16-bit transfers and no gradient copies
