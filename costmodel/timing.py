@@ -80,8 +80,9 @@ PINNED_HOST_BUFFERS = True
 DeepSpeed's offload buffers and torchtitan's FSDP2 ``CPUOffloadPolicy()`` (``pin_memory=True``)
 are page-locked, and so are meshplan's on CUDA (runtime/optim.py ``HostOffloadAdamW``,
 runtime/parallelize.py ``CPUOffloadPolicy``), except the gradient copies FSDP2 makes while
-gradients accumulate (``_param_offload_per_microbatch_s``); on the CPU device there is nothing to pin, since
-the "device" is host memory too and a copy is one memcpy with no staging buffer.
+gradients accumulate (``_param_offload_per_microbatch_s``); on the CPU device there is nothing
+to pin, since the "device" is host memory too and a copy is one memcpy with no staging
+buffer.
 ``Calibration.host_copy_rate`` keeps the pageable rate for buffers that are not pinned."""
 
 

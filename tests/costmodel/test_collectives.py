@@ -297,7 +297,7 @@ def test_fit_profile_of_a_node_recovers_its_link_from_groups_of_two_four_and_eig
     assert fit.links["intra"].latency_s == pytest.approx(FIT_LATENCY_S, rel=FIT_REL)
 
 
-# ----- NVLS: NCCL's in-switch all-reduce on NVSwitch nodes that reduce -----------------------------
+# ----- NVLS: NCCL's in-switch all-reduce on NVSwitch nodes that reduce ----------------------------
 NCCL_NVLS_EFFICIENCY = {"h100-sxm": 0.85, "h200": 0.85, "b200": 0.74}
 """NVIDIA/nccl src/graph/tuning.cc ``nvlsEfficiency``: Hopper 0.85, Blackwell 0.74 (Ampere 0)."""
 NCCL_NVLS_LATENCY_S = 25e-6
