@@ -14,6 +14,11 @@ Sized to finish in under 8 minutes on one H200 (about 20 s start-up and 8 steps 
     python benchmarks/gpu_runtime.py [--cluster dgx-h200] [--steps 8] [--plans none,full,...]
     python benchmarks/gpu_runtime.py --dry-run   # CPU: cluster cpu, the tiny model, fp32
 
+``--calibration FILE`` predicts with a calibration JSON (``meshplan profile --out FILE`` on
+the same machine first: its host AdamW rate, pinned and pageable copies and GEMM rate replace
+the built-in node-level values, which matters for the offload plans on a machine that is a
+slice of a node) instead of the built-in one.
+
 On a machine without CUDA (and without ``--dry-run``) it stops with a one-line message
 (exit 2). ``--dry-run`` runs every plan the same way on this machine's ``cpu`` cluster with the
 ``tiny`` model in fp32 (the CPU has no fast bf16), so the script's whole path, from plans to
@@ -35,7 +40,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from meshplan.costmodel import ParallelConfig, default_calibration, estimate, load_cluster, load_model
+from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
+from meshplan.costmodel.calibration import Calibration, default_calibration, load_calibration
 from meshplan.planner.plan import Plan, write_plan
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,13 +60,15 @@ PLANS = {
 }
 
 
-def make_plan(cluster_name: str, fields: dict, *, dry_run: bool = False) -> Plan:
+def make_plan(cluster_name: str, fields: dict, *, dry_run: bool = False,
+              calibration: Calibration | None = None, calibration_name: str = "built-in"
+              ) -> Plan:
     model = load_model(DRY_MODEL if dry_run else MODEL)
     cluster = load_cluster(cluster_name, nodes=1, gpus_per_node=1)
     config = ParallelConfig(**{**(DRY_COMMON if dry_run else COMMON), **fields})
     est = estimate(model, cluster, config, framework="meshplan",
-                   calibration=default_calibration())
-    return Plan.from_estimate(est, provenance={"calibration": "built-in",
+                   calibration=calibration or default_calibration())
+    return Plan.from_estimate(est, provenance={"calibration": calibration_name,
                                                "source": "benchmarks/gpu_runtime.py"})
 
 
@@ -105,9 +113,16 @@ def main() -> int:
                         help=f"comma-separated subset of {', '.join(PLANS)}")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per plan")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="calibration JSON to predict with (default: the built-in one)")
     parser.add_argument("--dry-run", action="store_true",
                         help="run every plan on this machine's CPU (tiny model, fp32)")
     args = parser.parse_args()
+    try:
+        calibration = load_calibration(args.calibration)
+    except (OSError, ValueError) as error:
+        print(f"gpu_runtime.py: --calibration: {error}", file=sys.stderr)
+        return 2
     import torch
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_runtime.py: no CUDA device here; run it on a GPU machine (or pass "
@@ -123,7 +138,9 @@ def main() -> int:
     device_name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
     rows, start = [], time.perf_counter()
     for name in names:
-        plan = make_plan(cluster_name, PLANS[name], dry_run=args.dry_run)
+        plan = make_plan(cluster_name, PLANS[name], dry_run=args.dry_run,
+                         calibration=calibration,
+                         calibration_name=args.calibration or "built-in")
         row = {"plan": name, "gpu": device_name,
                "predicted_peak_bytes": plan.prediction.memory.peak_bytes,
                "predicted_reserved_bytes": plan.prediction.memory.peak_reserved_bytes,

@@ -40,6 +40,37 @@ def test_runtime_unknown_plan_is_one_line(tmp_path):
     assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.timeout(60)
+def test_runtime_bad_calibration_is_one_line(tmp_path):
+    bad = tmp_path / "calibration.json"
+    bad.write_text('{"nvlink_efficiency": 7}')
+    done = run_benchmark("gpu_runtime.py", "--dry-run", "--calibration", str(bad), "--out",
+                         str(tmp_path / "out"), timeout_s=50)
+    assert done.returncode == 2 and done.stderr.startswith("gpu_runtime.py: --calibration:")
+    assert done.stderr.strip().count("\n") == 0 and not (tmp_path / "out").exists()
+
+
+def test_runtime_plans_predict_with_the_given_calibration():
+    """A profile of a machine whose host memory is half as fast (a slice of a node) slows
+    the predicted host work of the parameter-offload plan, and the plan records which
+    calibration it was made with."""
+    import dataclasses
+
+    from meshplan.costmodel.calibration import default_calibration
+
+    script = _runtime_script()
+    base = default_calibration()
+    slow = dataclasses.replace(base, host_memory_bytes_per_s={
+        key: rate / 2 for key, rate in base.host_memory_bytes_per_s.items()})
+    fields = script.PLANS["zero3-offload-params"]
+    built_in = script.make_plan("dgx-h200", fields)
+    profiled = script.make_plan("dgx-h200", fields, calibration=slow,
+                                calibration_name="profile.json")
+    assert profiled.prediction.time.offload_s > built_in.prediction.time.offload_s
+    assert profiled.provenance["calibration"] == "profile.json"
+    assert built_in.provenance["calibration"] == "built-in"
+
+
 LONG_TESTS = "MESHPLAN_LONG_TESTS"
 ALL_PLANS = ["none", "zero1", "selective", "full", "offload-optimizer", "zero3-offload-params"]
 SCRIPT_PLANS = ALL_PLANS if os.environ.get(LONG_TESTS) else ["none", "zero3-offload-params"]
