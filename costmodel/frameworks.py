@@ -98,6 +98,11 @@ def model_state_bytes(framework: str, *, params: float, shard: int, zero_stage: 
     """
     p, g, o = (params * x for x in _per_param(framework, zero_stage, shard, fp32))
     offloaded = 0.0
+    if offload == "optimizer" and framework == "meshplan":
+        # HostOffloadAdamW (runtime/optim.py) also keeps an fp32 master copy of every
+        # parameter it steps and a landing buffer for its fp32 gradient in host memory: 8
+        # bytes per parameter it steps, as many as the two moments
+        offloaded += o
     if offload in ("optimizer", "optimizer+params"):
         offloaded += o
         o = 0.0

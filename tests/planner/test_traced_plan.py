@@ -136,21 +136,24 @@ class Scenario:
 
 
 SCENARIOS = {
-    "1gpu-meshplan": Scenario(1, 1, "meshplan", tight_mib=(3.5,), none_fit_mib=3.0),
-    "2gpu-pp2-meshplan": Scenario(2, 2, "meshplan", tight_mib=(1.95, 2.3), none_fit_mib=0.75),
-    # the roomy best plans offload the optimizer (host copies on the CPU run at the memcpy
-    # rate) and need 1006.6 and 4.4 MiB: the tight capacities sit below that
-    "2gpu-pp2-deepspeed": Scenario(2, 2, "deepspeed", tight_mib=(1004.0, 1006.0),
-                                   none_fit_mib=1001.0),
-    "4gpu-pp2-no-recompute": Scenario(4, 2, "meshplan", tight_mib=(3.0, 4.0),
-                                      none_fit_mib=1.85, modes=("none",)),
+    # On the CPU device offloaded states stay in the memory a plan's peak is counted in
+    # (memory.stage_memory), so offload saves nothing there; the roomy best plans still offload
+    # the optimizer (host copies on the CPU run at the memcpy rate, and the offloading runtime
+    # steps with the fused CPU AdamW) and need 9.4, 8.8 and 1009.2 MiB in the first three
+    # scenarios: the tight capacities sit below that, above the least any plan needs.
+    "1gpu-meshplan": Scenario(1, 1, "meshplan", tight_mib=(8.0,), none_fit_mib=6.5),
+    "2gpu-pp2-meshplan": Scenario(2, 2, "meshplan", tight_mib=(4.0, 6.0), none_fit_mib=3.0),
+    "2gpu-pp2-deepspeed": Scenario(2, 2, "deepspeed", tight_mib=(1005.3, 1006.1),
+                                   none_fit_mib=1004.0),
+    "4gpu-pp2-no-recompute": Scenario(4, 2, "meshplan", tight_mib=(4.0, 5.0),
+                                      none_fit_mib=3.0, modes=("none",)),
     "2gpu-pp2-full-only": Scenario(2, 2, "deepspeed", tight_mib=(), none_fit_mib=1.0,
                                    modes=("full",)),
-    "4gpu-pp2-meshplan": Scenario(4, 2, "meshplan", tight_mib=(1.6, 1.8)),
-    "4gpu-pp4-meshplan": Scenario(4, 4, "meshplan", tight_mib=(1.6, 2.4),
+    "4gpu-pp2-meshplan": Scenario(4, 2, "meshplan", tight_mib=(3.0, 4.0)),
+    "4gpu-pp4-meshplan": Scenario(4, 4, "meshplan", tight_mib=(2.7, 3.0),
                                   pins={"micro_batch_size": (1, 2, 4, 8)}),
     "8gpu-pp2-deepspeed": Scenario(8, 2, "deepspeed", tight_mib=(1003.0,), none_fit_mib=1001.0),
-    "8gpu-pp4-meshplan": Scenario(8, 4, "meshplan", tight_mib=(2.05,),
+    "8gpu-pp4-meshplan": Scenario(8, 4, "meshplan", tight_mib=(2.5,),
                                   pins={"zero_stage": (1,), "micro_batch_size": (1,)}),
 }
 
@@ -218,7 +221,7 @@ def test_memory_moves_the_four_stage_split_off_the_even_one(hybrid):
     nor reachable with it."""
     space = SCENARIOS["4gpu-pp4-meshplan"].space()
     (cluster, best), = [(cluster, best) for mib, _, cluster, best
-                        in scenario_optima(hybrid, "4gpu-pp4-meshplan") if mib == 2.4]
+                        in scenario_optima(hybrid, "4gpu-pp4-meshplan") if mib == 3.0]
     split = even_split(NUM_LAYERS, 4)
     even = brute_force(hybrid, cluster, space, "meshplan", splits=[split])
     found = planned(hybrid, cluster, space, "meshplan")
