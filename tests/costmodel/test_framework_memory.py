@@ -258,3 +258,19 @@ def test_head_backward_sets_the_last_stage_peak_only_when_the_head_outweighs_the
     assert without["big"].peak_bytes < big.peak_bytes
     assert with_head["one micro-batch"].peak_bytes == without["one micro-batch"].peak_bytes
     assert with_head["tiny"].peak_bytes == without["tiny"].peak_bytes
+
+
+# ----- offload: what each runtime keeps in host memory ------------------------------------------
+@pytest.mark.parametrize("zero_stage, shard", [(0, 1), (1, 8), (2, 8)])
+def test_meshplan_optimizer_offload_host_bytes_are_master_landing_and_moments(zero_stage, shard):
+    """meshplan's ``HostOffloadAdamW`` (runtime/optim.py) allocates, per parameter it steps,
+    an fp32 host copy (4 bytes) and an fp32 gradient landing buffer (4), and its host AdamW
+    holds two fp32 moments (8): 16 bytes per stepped parameter, on every GPU of a node. It
+    steps every parameter under ZeRO-0 and the rank's 1/dp under ZeRO-1 and 2."""
+    model = load_model("llama2-7b")
+    cluster = load_cluster("dgx-a100-80gb", nodes=1)
+    config = ParallelConfig(dp=8, zero_stage=zero_stage, offload="optimizer",
+                            global_batch_size=8, micro_batch_size=1, seq_len=1024)
+    est = estimate(model, cluster, config, framework="meshplan")
+    stepped = model.num_params / shard
+    assert est.memory.cpu_bytes_per_node == pytest.approx(16 * stepped * 8, rel=1e-9)
