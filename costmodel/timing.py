@@ -1022,12 +1022,12 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
                                       pinned=PINNED_HOST_BUFFERS)
     # FSDP2's CPU offload has the gradients on the host already and leaves the parameters
     # there (``_param_offload_per_microbatch_s`` moves both)
-    pcie = 0.0 if fsdp2_cpu_offload(framework, config, cluster) \
-        else local * (4 + config.bytes_per_activation) / rate
+    fsdp2 = fsdp2_cpu_offload(framework, config, cluster)
+    pcie = 0.0 if fsdp2 else local * (4 + config.bytes_per_activation) / rate
     host = max(per_node * calibration.host_adam_flop_per_param / cluster.host_flop_per_s,
                calibration.host_memory_s(cluster.gpu.key,
                                          per_node * calibration.host_adam_bytes_per_param))
-    if fsdp2_cpu_offload(framework, config, cluster):  # the gradients are clipped there too
+    if fsdp2:  # the gradients are clipped there too
         host += calibration.host_memory_s(
             cluster.gpu.key, per_node * HOST_CLIP_BYTES_PER_PARAM[framework])
     nvme = 2 * per_node * 12 / cluster.nvme_bytes_per_s if config.offload_device == "nvme" \
