@@ -43,7 +43,7 @@ def tokens_per_microbatch(config: ParallelConfig) -> int:
 def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recompute: str,
                            moe: bool = False, eager: bool = False,
                            rope_tables: bool = True, autocast: bool = False,
-                           fused_norm: bool = True) -> float:
+                           fused_norm: bool = True, compiled: bool = False) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank.
 
     ``eager``: unfused PyTorch modules (meshplan's runtime) also keep, per layer, SiLU's output
@@ -71,6 +71,16 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     per layer measured and predicted). ``fused_norm`` False (the CPU, where RMSNorm decomposes
     into pow, mean, rsqrt and two multiplies): each RMSNorm also keeps its fp32 normalised
     input.
+
+    ``compiled``: a block under ``torch.compile`` (torchtitan's ``compile``). The compiled
+    graph's forward/backward partition (AOT autograd's min-cut rematerialisation) keeps what
+    backward cannot rebuild cheaply and rebuilds the element-wise rest in its fused backward
+    kernels: the block input and the residual between attention and MLP (the norms' outputs
+    are rebuilt from them and their per-token statistics, which it keeps), q, k, v and the
+    attention output with its log-sum-exp, and the MLP's up projections (the activation's
+    output, the down projection's input, is rebuilt). Nothing of ``eager``'s. Under SP it
+    keeps the two all-gathered norm outputs whole (the partitioner does not run a collective
+    again), where the norms' sequence shards are rebuilt.
     """
     t, act = config.tp, config.bytes_per_activation
     tokens = tokens_per_microbatch(config)
@@ -79,6 +89,19 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     if recompute == "full":
         return (FP32_BYTES if autocast and eager else act) * tokens * h / seq_div
     dropout_masks = 2 * MASK_BYTES * tokens * h if model.dropout else 0
+    if compiled:
+        stats = 1 if model.norm == "rmsnorm" else 2
+        seq_split = 2 * act * tokens * h + dropout_masks
+        attention = act * tokens * (2 * model.q_size + 2 * model.kv_size)
+        f = model.expert_ffn_size * model.moe_top_k if moe else model.ffn_hidden_size
+        mlp = _mlp_activation_bytes(model, config, tokens=tokens, moe=moe) - act * tokens * f
+        total = (seq_split / seq_div + 2 * stats * FP32_BYTES * tokens
+                 + (attention + mlp) / t)
+        if config.sp and t > 1:  # the all-gathered norm outputs: a collective is not rebuilt
+            total += 2 * act * tokens * h
+        if recompute == "none":
+            total += attention_core_bytes(model, config)
+        return total
     seq_split = 4 * act * tokens * h + dropout_masks
     casts = 0.0
     attention = act * tokens * (2 * model.q_size + 2 * model.kv_size)
@@ -227,17 +250,24 @@ def embedding_activation_bytes(model: ModelSpec, config: ParallelConfig) -> floa
 
 
 def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
-                          logit_copies: float, vocab_parallel: bool = True) -> float:
+                          logit_copies: float, vocab_parallel: bool = True,
+                          gathered_head_input: bool = False) -> float:
     """Last stage, one micro-batch: final-norm and LM-head inputs plus the logits.
 
     Megatron-LM counts ``4 s b h (1 + V/h)``: two 2-byte h-wide tensors and fp32 logits over
     the vocabulary-parallel shard; ``logit_copies`` says how many fp32-sized logit tensors the
     framework's loss keeps alive (1 for Megatron's fused vocab-parallel cross entropy), and
     ``vocab_parallel`` False means the logits are gathered to the full vocabulary first.
+    ``gathered_head_input`` (torchtitan under SP: its ``output`` is ``ColwiseParallel`` with
+    ``input_layouts=Shard(1)``): the LM head's input is the all-gathered final-norm output, kept
+    whole for the head's weight gradient, while the norm's input stays a sequence shard.
     """
     tokens = tokens_per_microbatch(config)
     act = config.bytes_per_activation
-    h_part = 2 * act * tokens * model.hidden_size / (config.tp if config.sp else 1)
+    shards = config.tp if config.sp else 1
+    h_part = 2 * act * tokens * model.hidden_size / shards
+    if gathered_head_input:
+        h_part = act * tokens * model.hidden_size * (1 + 1 / shards)
     return h_part + logit_bytes(model, config, copies=logit_copies,
                                 vocab_parallel=vocab_parallel)
 

@@ -22,6 +22,9 @@ OFFLOAD_DEVICES = ("cpu", "nvme")
 FRAMEWORKS = ("meshplan", "megatron", "deepspeed", "torchtitan", "ideal")
 MESH_AXES = ("tp", "cp", "dp", "pp")
 DTYPES = ("bf16", "fp16", "fp32")
+COMPILE_MODES = ("none", "model", "model+loss")
+"""What torch.compile covers (``ParallelConfig.compile``): nothing, the transformer blocks, or
+the blocks and the loss."""
 CPU_DEVICE_KEY = "cpu"
 """GPU catalog key of the CPU pseudo-device."""
 
@@ -69,6 +72,16 @@ class ParallelConfig:
     the block's last matmul, whose output backward never reads, is not run again. meshplan's
     runtime always stops early (torch's default); Megatron-LM and DeepSpeed recompute the
     whole layer and ignore it."""
+    compile: str = "none"
+    """torch.compile under --framework torchtitan (its compile.enable and compile.components):
+    ``none``; ``model``, every transformer block compiled (its element-wise operators run as
+    fused kernels; torchtitan before 2025 compiled nothing else); or ``model+loss``, the loss
+    too (torchtitan 0.2.2's default components)."""
+    float8: bool = False
+    """Float8 training of the transformer blocks' linears (torchtitan's quantize.linear.float8
+    converter: torchao Float8Linear, tensorwise dynamic scaling, float8 FSDP all-gather of their
+    weights); the LM head stays in the compute dtype. Modelled under --framework torchtitan on
+    GPUs with float8 tensor cores, with dtype bf16."""
     micro_batch_size: int = 1
     """Sequences per micro-batch per data-parallel replica (b)."""
     global_batch_size: int = 1
@@ -132,6 +145,12 @@ class ParallelConfig:
             raise ValueError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be bf16, fp16 or fp32, got {self.dtype!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
+                             f"{self.compile!r}")
+        if self.float8 and self.dtype != "bf16":
+            raise ValueError(f"float8 training needs dtype bf16 (its casts start from bf16), "
+                             f"got {self.dtype!r}")
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: configurations key the planner's caches, which

@@ -87,3 +87,90 @@ def loss_bytes(config: ParallelConfig, logits: float) -> float:
     per_logit = LOSS_BYTES_PER_LOGIT_FP32 if config.bytes_per_activation == FP32 \
         else LOSS_BYTES_PER_LOGIT
     return per_logit * logits
+
+
+# ----- torch.compile (ParallelConfig.compile) -----------------------------------------------
+# torchtitan compiles each transformer block on its own (``apply_compile``: one
+# ``torch.compile(block, fullgraph=True)`` per block), and in ``model+loss`` the loss function.
+# Inductor fuses the element-wise operators between the extern kernels (matmuls, SDPA) into
+# one kernel per region, which reads the region's inputs once and writes its outputs once.
+
+FUSED_NORM_RESIDUAL_PASSES = 9
+"""Tensor-sized reads and writes of a compiled block's two norms and two residual adds, in
+three kernels (the block boundary ends a graph, so the last residual add cannot join the next
+block's norm): the attention norm (reads x, writes its output: 2), the first residual add
+fused with the MLP norm (reads x and the attention output, writes h and the normed h: 4), the
+second residual add (reads h and the MLP output, writes the block output: 3). RMSNorm and
+LayerNorm alike: the statistics stay in registers."""
+FUSED_ROPE_PASSES = 2
+"""A compiled rotary embedding reads q (or k) and writes it rotated; the fp32 upcast and the
+complex product stay in registers."""
+FUSED_SWIGLU_PASSES = 3
+"""A compiled SwiGLU reads the gate and up projections and writes their product."""
+FUSED_LOSS_BYTES_PER_LOGIT = 8
+"""Bytes per logit of a compiled cross entropy on bf16 logits: forward reads the logits twice
+(the maximum, then the exponential sum; the fp32 upcast stays in registers and only the
+per-token log-sum-exp is written), backward reads them once more and writes their bf16
+gradient (softmax minus the one-hot target) in the same kernel."""
+
+
+def compiled_layer_elementwise_bytes(model: ModelSpec, config: ParallelConfig, *,
+                                     moe: bool = False, tokens: float) -> float:
+    """``layer_elementwise_bytes`` for a compiled block: the same operators, each fused
+    region's inputs read once and outputs written once (``FUSED_*``); the head-merging copy
+    after SDPA and the MLP's GeLU are single kernels either way."""
+    e = config.bytes_per_activation
+    t = config.tp
+    seq_div = t if config.sp else 1
+    h = model.hidden_size
+    per_token = FUSED_NORM_RESIDUAL_PASSES * e * h / seq_div
+    q, kv = model.q_size / t, model.kv_size / t
+    if model.position_embedding == "rope":
+        per_token += (q + kv) * FUSED_ROPE_PASSES * e
+        per_token += 2 * e * q  # the head-merging copy after SDPA
+    f = (model.expert_ffn_size * model.moe_top_k if moe else model.ffn_hidden_size) / t
+    passes = FUSED_SWIGLU_PASSES if model.activation == "swiglu" else GELU_PASSES
+    per_token += passes * e * f
+    return per_token * tokens
+
+
+# ----- float8 linears (ParallelConfig.float8) -----------------------------------------------
+# torchao's Float8Linear with tensorwise dynamic scaling casts, per linear, its input and its
+# weight to float8 for the forward GEMM and the incoming gradient for the backward GEMMs. The
+# traffic per cast follows torchao's own roofline (torchao/testing/float8/roofline_utils.py,
+# ``get_tensor_memory_traffic_ovhd_s``, recipe ``tensorwise``): a max-abs pass that reads the
+# bf16 tensor (fused into the kernel that produced it when compiled), then a cast that reads
+# it and writes float8 copies.
+
+FLOAT8_INPUT_BYTES = 2 + 2 * 1
+"""Per element of a linear's input (and of its output gradient): the cast reads bf16 and
+writes float8 twice (row- and column-major, for the forward and the weight-gradient GEMMs)."""
+FLOAT8_AMAX_BYTES = 2
+"""Per element: the max-abs pass reading bf16 (activations and gradients: only when the
+block is not compiled; weights: always)."""
+FLOAT8_WEIGHT_BYTES = 2 + (2 + 1) + (2 + 1)
+"""Per weight element and micro-batch: the max-abs pass, then a cast for the forward and one
+for the backward, each reading bf16 and writing float8."""
+
+
+def float8_cast_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bool = False,
+                      tokens: float) -> float:
+    """HBM bytes of one layer's float8 casts on one rank for ``tokens`` tokens, forward and
+    backward together: every float8 linear of the block casts its input, its weight and its
+    output gradient. Those are the q, k, v and output projections and the MLP's matrices
+    (TP-sharded widths); an MoE layer's experts are not ``nn.Linear`` modules (the linear
+    converter leaves them, and the router, in bf16), so there only the projections count."""
+    t = config.tp
+    h = model.hidden_size
+    q, kv = model.q_size / t, model.kv_size / t
+    activation = FLOAT8_INPUT_BYTES + (0 if config.compile != "none" else FLOAT8_AMAX_BYTES)
+    inputs = 3 * h + q  # x into q, k and v; the attention output into its projection
+    grads = q + 2 * kv + h
+    weights = h * (2 * q + 2 * kv)
+    if not moe:
+        mats = 3 if model.activation == "swiglu" else 2
+        f = model.ffn_hidden_size / t
+        inputs += (mats - 1) * h + f  # the MLP's input matrices, then its inner width
+        grads += (mats - 1) * f + h
+        weights += mats * h * f
+    return activation * (inputs + grads) * tokens + FLOAT8_WEIGHT_BYTES * weights

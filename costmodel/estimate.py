@@ -9,7 +9,7 @@ from meshplan.costmodel import composition, flops, schema, traced
 from meshplan.costmodel.calibration import Calibration, default_calibration
 from meshplan.costmodel.config import FRAMEWORKS, ParallelConfig
 from meshplan.costmodel.layout import check_fits_model
-from meshplan.costmodel.frameworks import min_micro_batches
+from meshplan.costmodel.frameworks import check_framework_options, min_micro_batches
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import (StageMemory, StageParams, host_bytes_per_node,
                                        stage_layer_range, stage_memory, stage_params)
@@ -96,6 +96,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     check_fits_model(config, model, num_gpus=cluster.num_gpus)
+    check_framework_options(framework, compile_mode=config.compile, float8=config.float8,
+                            peak_flop_per_s=cluster.gpu.peak_flop_per_s, gpu_key=cluster.gpu.key)
     cal = calibration or default_calibration()
     memory = _memory(model, cluster, config, framework, cal)
     time = _time(model, cluster, config, framework, cal)
@@ -281,9 +283,17 @@ def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfi
 
 # ----- JSON (schema_version 1, DESIGN.md) ---------------------------------------------------------
 
+OPTIONAL_PLAN_KEYS = ("selective_ac", "recompute_early_stop", "compile", "float8")
+"""Settings the ``plan`` object holds only when they differ from their default (torchtitan's
+selective policy, early-stopping recomputation, torch.compile, float8 training), so that the
+documents of plans without them read as before."""
+
+
 def config_to_dict(config: ParallelConfig, model: ModelSpec) -> dict[str, Any]:
-    """The ``plan`` object of the estimate JSON."""
+    """The ``plan`` object of the estimate JSON (``OPTIONAL_PLAN_KEYS`` where set)."""
     recompute = config.recompute if isinstance(config.recompute, str) else list(config.recompute)
+    extra = {key: getattr(config, key) for key in OPTIONAL_PLAN_KEYS
+             if getattr(config, key) != getattr(ParallelConfig, key)}
     return {"tp": config.tp, "pp": config.pp, "dp": config.dp, "cp": config.cp, "ep": config.ep,
             "sp": config.sp, "zero_stage": config.zero_stage, "offload": config.offload,
             "offload_device": config.offload_device, "recompute": recompute,
@@ -293,7 +303,7 @@ def config_to_dict(config: ParallelConfig, model: ModelSpec) -> dict[str, Any]:
             "seq_len": config.seq_len,
             "layers_per_stage": list(config.stage_layers(model.num_layers)),
             "mesh_order": list(config.mesh_order), "flash_attention": config.flash_attention,
-            "dtype": config.dtype}
+            "dtype": config.dtype, **extra}
 
 
 def estimate_to_dict(est: Estimate) -> dict[str, Any]:

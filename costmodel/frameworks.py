@@ -128,7 +128,7 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
                            data_parallel: bool = True, largest_block_params: float = 0.0,
                            kept_gathered_params: float = 0.0,
                            early_root_grad_params: float = 0.0,
-                           pipelined: bool = False) -> float:
+                           pipelined: bool = False, float8_blocks: bool = False) -> float:
     """Communication and gather buffers on one rank (bytes).
 
     ``stage_params``: parameters this rank holds before sharding; ``largest_layer_params``:
@@ -136,7 +136,8 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
     when there is a single replica (no DDP buckets, nothing to reduce). torchtitan's FSDP2 also
     takes ``largest_block_params`` (the largest transformer block), ``kept_gathered_params``
     (modules never resharded after forward: its ``[norm, output]`` group on the last stage)
-    and ``pipelined`` (see ``torchtitan_fsdp_buffer_bytes``). meshplan's runtime takes
+    ``pipelined`` and ``float8_blocks`` (see ``torchtitan_fsdp_buffer_bytes``). meshplan's
+    runtime takes
     ``kept_gathered_params`` (its root group: everything outside the blocks) and
     ``early_root_grad_params`` (see the ZeRO-3 branch).
     """
@@ -155,9 +156,11 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
         return 0.0
     if framework == "torchtitan" and zero_stage >= 2:
         return torchtitan_fsdp_buffer_bytes(
-            reshard_after_forward=zero_stage == 3 and not pipelined, stage_params=stage_params,
+            reshard_after_forward=zero_stage == 3 and not pipelined, pipelined=pipelined,
+            stage_params=stage_params,
             largest_block_params=largest_block_params or largest_layer_params,
-            kept_gathered_params=kept_gathered_params, compute_bytes=compute_bytes)
+            kept_gathered_params=kept_gathered_params, compute_bytes=compute_bytes,
+            gathered_block_bytes=1 if float8_blocks else compute_bytes)
     # meshplan / torchtitan
     if zero_stage <= 1:  # DDP gradient buckets: one more copy of the gradients
         return FP32_BYTES * stage_params if data_parallel else 0.0
@@ -259,8 +262,9 @@ def pipelined_fsdp_reduce_scatter_bytes(*, largest_group_params: float, shard: i
 
 
 def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: float,
+                                 pipelined: bool = False,
                                  largest_block_params: float, kept_gathered_params: float,
-                                 compute_bytes: int) -> float:
+                                 compute_bytes: int, gathered_block_bytes: int = 0) -> float:
     """FSDP2 buffers of torchtitan 0.2.2 at the backward peak (bytes on one rank).
 
     torchtitan's ``apply_fsdp`` (models/llama3/infra/parallelize.py) calls ``fully_shard`` on
@@ -273,18 +277,32 @@ def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: f
     ``(3 c + 4) x block``. Not resharding after forward (under PP, or ZeRO-2 here) keeps the
     whole stage gathered instead of the two blocks: ``c x stage + (c + 4) x block``. The
     embedding is gathered again only at the very end of backward, when no activations are
-    left, so it does not add to the peak.
+    left, so it does not add to the peak. ``gathered_block_bytes``: bytes of a gathered block
+    parameter (0: ``compute_bytes``); 1 under float8 training, whose FSDP all-gather moves the
+    blocks' linear weights already cast to float8 and hands them to the forward as they are
+    (torchao's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``); gradients stay bf16.
+
+    ``pipelined``: under ``torch.distributed.pipelining`` (torchtitan's PP, as meshplan's
+    runtime: ``PipelineStage.backward_maybe_with_nosync`` runs every micro-batch's backward
+    without resharding or gradient sync, and the schedule reduces once after the last), FSDP2
+    keeps each parameter's unsharded gradient upcast to the fp32 reduce dtype
+    (``FSDPParam.to_accumulated_grad_if_needed``) and adds every later micro-batch's into it:
+    the whole stage's fp32 gradients, beside its gathered parameters and the block's fresh
+    compute-dtype gradient.
     """
+    block = gathered_block_bytes or compute_bytes
     grads = (compute_bytes + FP32_BYTES) * largest_block_params
+    if pipelined:  # counted in bf16 even under float8
+        return (compute_bytes + FP32_BYTES) * stage_params + compute_bytes * largest_block_params
     if not reshard_after_forward:
-        return compute_bytes * stage_params + grads
-    return 2 * compute_bytes * largest_block_params + grads \
-        + compute_bytes * kept_gathered_params
+        return compute_bytes * stage_params + grads  # counted in bf16 even under float8
+    return 2 * block * largest_block_params + grads + compute_bytes * kept_gathered_params
 
 
 def torchtitan_cached_bytes(*, freed_grads: float, freed_logits: float, fsdp: bool,
                             compute_bytes: int, largest_gather_params: float,
-                            largest_block_params: float, head_params: float) -> float:
+                            largest_block_params: float, head_params: float,
+                            gathered_block_bytes: int = 0) -> float:
     """Bytes the CUDA caching allocator keeps reserved but cannot use at torchtitan's forward /
     backward peak (on top of the allocated peak).
 
@@ -298,11 +316,13 @@ def torchtitan_cached_bytes(*, freed_grads: float, freed_logits: float, fsdp: bo
       block on the stream it was allocated on. The all-gather pool holds the gather outputs in
       flight at the loss backward (the ``[norm, output]`` group and the prefetched last block,
       compute dtype); the reduce-scatter pool the largest fp32 reduce-scatter input, that of
-      the largest gathered group (the embedding or the head).
+      the largest gathered group (the embedding or the head). ``gathered_block_bytes`` as
+      in ``torchtitan_fsdp_buffer_bytes``.
     """
     cached = freed_grads + freed_logits
     if fsdp:
-        cached += compute_bytes * (head_params + largest_block_params)
+        cached += compute_bytes * head_params \
+            + (gathered_block_bytes or compute_bytes) * largest_block_params
         cached += FP32_BYTES * largest_gather_params
     return cached
 
@@ -366,18 +386,43 @@ def optimizer_workspace_bytes(framework: str, *, optimizer_params: float) -> flo
     return 0.0
 
 
-def logit_copies(framework: str, fp32: bool) -> float:
+COMPILED_LOSS_LOGIT_COPIES = 1.0
+"""fp32-sized vocabulary tensors alive at torchtitan's compiled loss (``compile`` ``model+loss``):
+the compiled graph keeps the bf16 logits it reads again in backward, which writes their bf16
+gradient in one fused kernel; the fp32 upcast and the log-softmax never reach memory. Two
+half-size copies."""
+
+
+TORCHTITAN_LOSS_PARALLEL_COPIES = 4.0
+"""fp32 vocabulary tensors alive at torchtitan's loss backward under tensor parallelism, where
+the loss runs in torch's ``loss_parallel`` context on vocabulary-sharded logits (torch
+``distributed/tensor/parallel/loss.py``): its fused nll/log-softmax backward
+``_nll_loss_and_log_softmax_backward`` keeps the saved log-softmax, fills a zero gradient,
+then evaluates ``(grad_input + torch.exp(x)) * grad_output``, whose exponential and sum are
+alive together: four (its forward peaks at three and a half: the bf16 logits, the fp32
+upcast, the shifted logits and their exponential)."""
+
+
+def logit_copies(framework: str, fp32: bool, *, compiled_loss: bool = False,
+                 loss_parallel: bool = False) -> float:
     """fp32-sized vocabulary tensors alive at the loss (see activations.head_activation_bytes).
 
     Megatron's fused vocab-parallel cross entropy keeps one; DeepSpeed is counted at its
     forward (logits, fp32 upcast, log-softmax). torchtitan and meshplan's runtime both run
     ``F.cross_entropy(logits.float(), ...)`` and drop the logits before backward:
-    ``TORCHTITAN_LOGIT_COPIES`` at the loss backward.
+    ``TORCHTITAN_LOGIT_COPIES`` at the loss backward; ``COMPILED_LOSS_LOGIT_COPIES`` when
+    torchtitan compiles its loss (``compiled_loss``), ``TORCHTITAN_LOSS_PARALLEL_COPIES``
+    under tensor parallelism (``loss_parallel``, which torchtitan's loss then runs in, compiled
+    or not).
     """
     if framework in ("megatron", "ideal"):
         return 1.0
     if framework == "deepspeed":  # logits in compute dtype, an fp32 upcast, the log-softmax
         return 2.0 if fp32 else 2.5
+    if loss_parallel and framework == "torchtitan":
+        return TORCHTITAN_LOSS_PARALLEL_COPIES
+    if compiled_loss and framework == "torchtitan" and not fp32:
+        return COMPILED_LOSS_LOGIT_COPIES
     return TORCHTITAN_LOGIT_COPIES
 
 
@@ -406,3 +451,18 @@ def deepspeed_host_bytes_per_node(*, total_params: float, zero_stage: int, offlo
     if zero_init:
         return total_params * per_param / nodes * factor
     return total_params * max(4 * gpus_per_node, per_param / nodes) * factor
+
+
+def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
+                            peak_flop_per_s: dict[str, float], gpu_key: str) -> None:
+    """Raise ValueError (one line) when the plan asks for what the framework's model does not
+    cover: torch.compile and float8 training are modelled as torchtitan runs them, and float8
+    needs float8 tensor cores (an ``fp8`` peak in the GPU catalog: H100 and later)."""
+    asked = [flag for flag, on in (("--compile", compile_mode != "none"),
+                                   ("--float8", float8)) if on]
+    if asked and framework != "torchtitan":
+        raise ValueError(f"{' and '.join(asked)} {'are' if len(asked) > 1 else 'is'} modelled "
+                         f"for --framework torchtitan only, got --framework {framework}")
+    if float8 and "fp8" not in peak_flop_per_s:
+        raise ValueError(f"--float8 needs float8 tensor cores; GPU {gpu_key!r} has none "
+                         f"(its peaks: {', '.join(sorted(peak_flop_per_s))})")

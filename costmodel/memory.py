@@ -232,9 +232,13 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     if stage == 0:
         total += in_flight * act.embedding_activation_bytes(model, config)
     if stage == config.pp - 1:
+        torchtitan = framework == "torchtitan"
         total += act.head_activation_bytes(
-            model, config, logit_copies=logit_copies(framework, config.dtype == "fp32"),
-            vocab_parallel=vocab_parallel_loss(framework))
+            model, config, logit_copies=logit_copies(framework, config.dtype == "fp32",
+                                                     compiled_loss=config.compile == "model+loss",
+                                                     loss_parallel=config.tp > 1),
+            vocab_parallel=vocab_parallel_loss(framework),
+            gathered_head_input=torchtitan and config.sp and config.tp > 1)
         total += act.logit_bytes(model, config,
                                  copies=kept_stage_output_copies(framework, config.pp),
                                  vocab_parallel=vocab_parallel_loss(framework),
@@ -264,7 +268,8 @@ def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int)
     return ["full" if (k + 1) % every == 0 else "none" for k in range(layers)]
 
 
-LAYER_FIELDS = ("tp", "cp", "sp", "micro_batch_size", "seq_len", "flash_attention", "dtype")
+LAYER_FIELDS = ("tp", "cp", "sp", "micro_batch_size", "seq_len", "flash_attention", "dtype",
+                "compile")
 """The ``ParallelConfig`` fields one layer's activation bytes depend on: ``activations``'
 per-layer functions read no other (tests/costmodel/test_memory_caches.py checks it)."""
 _layer_fields = operator.itemgetter(*LAYER_FIELDS)
@@ -382,7 +387,9 @@ def _uncached_layer_bytes(model: ModelSpec, config: ParallelConfig, framework: s
     return act.layer_activation_bytes(model, config, recompute=mode, moe=moe,
                                       eager=eager_autograd(framework),
                                       rope_tables=framework != "torchtitan", autocast=autocast,
-                                      fused_norm=device_key != CPU_DEVICE_KEY)
+                                      fused_norm=device_key != CPU_DEVICE_KEY,
+                                      compiled=framework == "torchtitan"
+                                      and config.compile != "none")
 
 
 def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: int, *,
@@ -601,19 +608,24 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
         "torchtitan", zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
         largest_layer_params=params.largest_layer, fp32=fp32,
         data_parallel=config.dp * config.cp > 1, largest_block_params=params.largest_block,
-        kept_gathered_params=params.head, pipelined=config.pp > 1)
+        kept_gathered_params=params.head, pipelined=config.pp > 1, float8_blocks=config.float8)
+    block_bytes = 1 if config.float8 else compute_bytes  # a gathered block's parameter
     workspace = recompute_workspace_bytes(model, config, stage, framework="torchtitan",
                                           device_key=device_key)
     last = stage == config.pp - 1
-    loss = act.logit_bytes(model, config, copies=logit_copies("torchtitan", fp32)) if last \
+    loss = act.logit_bytes(model, config, copies=logit_copies(
+        "torchtitan", fp32, compiled_loss=config.compile == "model+loss",
+        loss_parallel=config.tp > 1)) if last \
         else 0.0
     if config.zero_stage <= 1:  # DDP: buckets stay allocated, nothing is gathered
         at_loss = in_block = buffers
     elif config.zero_stage == 3 and config.pp == 1:
-        at_loss = compute_bytes * (params.head + params.largest_block)
+        at_loss = compute_bytes * params.head + block_bytes * params.largest_block
         in_block = buffers
     else:
         at_loss = compute_bytes * (params.dense + params.expert)
+        if config.pp > 1:  # the stage's fp32 gradient accumulators (torchtitan_fsdp_buffer_bytes)
+            at_loss += act.FP32_BYTES * (params.dense + params.expert)
         in_block = buffers
     recv = stage_recv_buffer_bytes(model, config, stage, "torchtitan")
     live_grads = states.grads if config.grad_accum_steps > 1 else 0.0
@@ -622,12 +634,15 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     step = states.params + states.grads + states.optimizer + recv + (
         buffers if config.zero_stage <= 1 else 0.0)
     peak = max(forward_backward, step)
+    # ``del pred`` frees the logits before backward, unless a compiled loss keeps them for its
+    # own backward (``COMPILED_LOSS_LOGIT_COPIES`` counts them live there)
+    frees_logits = last and not fp32 and config.compile != "model+loss"
     cached = torchtitan_cached_bytes(
         freed_grads=states.grads - live_grads, freed_logits=act.logit_bytes(
-            model, config, copies=1, element_bytes=compute_bytes) if last and not fp32 else 0.0,
+            model, config, copies=1, element_bytes=compute_bytes) if frees_logits else 0.0,
         fsdp=config.zero_stage >= 2, compute_bytes=compute_bytes,
         largest_gather_params=params.largest_layer, largest_block_params=params.largest_block,
-        head_params=params.head)
+        head_params=params.head, gathered_block_bytes=block_bytes)
     comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
     reserved = max(forward_backward + cached, step) * (1 + calibration.allocator_fragmentation) \
         + comm

@@ -68,6 +68,17 @@ of the forward and of its recomputation) scaled by their measured host time over
 CPU thread (``python benchmarks/host_ops.py``,
 benchmarks/results/host-ops-cpu-2026-12-04.md). Charged ``DeviceCalibration.host_op_s``
 each; a GPU layer takes the larger of this and its kernels' time (``_StageCosts.layer``)."""
+COMPILED_OPS_PER_LAYER = 13
+"""Kernels a compiled block launches in its forward: 7 GEMMs, SDPA and 5 fused regions (the
+attention norm, the rotary embeddings, the first residual add with the MLP norm, the SwiGLU
+product, the second residual add); views cost nothing. Replaces ``EAGER_OPS_PER_LAYER``."""
+COMPILED_HOST_OPS = {"none": 40.0, "full": 53.0, "op": 48.0}
+"""``HOST_OP_EQUIVALENTS`` of a compiled block: one per kernel its compiled graphs launch, as
+inductor's generated wrapper launches them without eager dispatch (and a selective-checkpoint
+policy is applied when the graph is traced, not per op at run time). ``none``: the forward's
+13 kernels (``COMPILED_OPS_PER_LAYER``) and the backward's 27 (14 GEMMs, the SDPA backward and
+about 12 fused regions); ``full`` adds the forward again; ``op`` adds the recomputed half of
+the matmuls and the element-wise regions between them (8)."""
 EAGER_OPS_HEAD = 11
 """Forward operators outside the layers: embedding, the final norm (6), LM head and the
 loss (log-softmax, gather, mean)."""
@@ -252,10 +263,22 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
         mlp_flop += 2 * tokens * h * model.num_experts  # router
     else:
         mlp_flop = 2 * tokens * mats * h * model.ffn_hidden_size / t
-    gemm = _gemm_s(proj_flop + mlp_flop, 2 + mats, peak=peak,
-                   efficiency=(device.gemm_efficiency(eager_kernels(framework))
-                               * device.row_efficiency(tokens)),
-                   overhead_s=device.matmul_overhead_s)
+    gemm_efficiency = (device.gemm_efficiency(eager_kernels(framework))
+                       * device.row_efficiency(tokens))
+    bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    if config.float8:
+        # float8 GEMMs at the float8 peak and the same efficiency (torchao's float8 roofline
+        # takes one achievable fraction for both), plus their casts' HBM traffic
+        fp8_flop = proj_flop + (0.0 if moe else mlp_flop)
+        gemm = (_gemm_s(fp8_flop, 2 + mats, peak=cluster.gpu.peak("fp8"),
+                        efficiency=gemm_efficiency, overhead_s=device.matmul_overhead_s)
+                + _gemm_s(proj_flop + mlp_flop - fp8_flop, mats if moe else 0, peak=peak,
+                          efficiency=gemm_efficiency, overhead_s=device.matmul_overhead_s)
+                + eager.float8_cast_bytes(model, config, moe=moe, tokens=tokens)
+                / (1 + BACKWARD_FACTOR) / bandwidth)
+    else:
+        gemm = _gemm_s(proj_flop + mlp_flop, 2 + mats, peak=peak, efficiency=gemm_efficiency,
+                       overhead_s=device.matmul_overhead_s)
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
                                                        causal=causal) / t
@@ -263,17 +286,20 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
                   if config.flash_attention else device.attention_efficiency)
     core = _gemm_s(attention_flop, 2, peak=peak, efficiency=efficiency,
                    overhead_s=device.matmul_overhead_s)
-    bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
     core_bytes = act.attention_core_bytes(model, config) if not config.flash_attention else 0.0
     core += calibration.attention_core_traffic_factor * core_bytes / bandwidth
-    if eager_kernels(framework):
+    if eager_kernels(framework) and config.compile != "none":
+        elementwise = eager.compiled_layer_elementwise_bytes(model, config, moe=moe,
+                                                             tokens=tokens) / bandwidth
+    elif eager_kernels(framework):
         elementwise = eager.layer_elementwise_bytes(model, config, moe=moe,
                                                     tokens=tokens) / bandwidth
     else:
         layer_bytes = act.layer_activation_bytes(model, config, recompute="none", moe=moe)
         elementwise = (calibration.elementwise_traffic_factor * (layer_bytes - core_bytes)
                        / bandwidth)
-    host_ops = EAGER_OPS_PER_LAYER * device.op_overhead_s
+    host_ops = (COMPILED_OPS_PER_LAYER if config.compile != "none" else EAGER_OPS_PER_LAYER) \
+        * device.op_overhead_s
     fraction = (recompute.torchtitan_recomputed_mm_fraction(model, moe=moe)
                 if framework == "torchtitan" else 0.0)
     last = recompute.last_mm_fraction(model, moe=moe)
@@ -524,7 +550,7 @@ class _StageCosts:
         return cost
 
 
-LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop")
+LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop", "float8")
 """The ``ParallelConfig`` fields one layer's compute (``_layer_compute``) depends on: its
 activations' (``memory.LAYER_FIELDS``), the expert split of its weight gradients and whether
 full recomputation stops early (tests/costmodel/test_stage_costs_cache.py checks that no other
@@ -564,7 +590,8 @@ def _layer_compute(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
     if device.host_op_s and eager_kernels(framework):
         # the host issues the layer's kernels while the device runs earlier ones: the
         # slower of the two sets the pace (``compute_factor`` scales kernels, not host)
-        host = HOST_OP_EQUIVALENTS[mode] * device.host_op_s
+        host = (COMPILED_HOST_OPS if config.compile != "none"
+                else HOST_OP_EQUIVALENTS)[mode] * device.host_op_s
         host_wait = max(0.0, host / calibration.compute_factor(framework) - compute)
         compute += host_wait
     return _hold(_LAYER_COMPUTE, key, owners, (compute, host_wait, parts.core_s))
@@ -738,7 +765,9 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     host_ops = (1 + BACKWARD_FACTOR) * EAGER_OPS_HEAD * device.op_overhead_s
     weight_grad = fresh_pages_s(cluster, calibration, model.vocab_rows * model.hidden_size
                                 / config.tp * config.bytes_per_activation)
-    if eager_kernels(framework):
+    if eager_kernels(framework) and config.compile == "model+loss":
+        loss = eager.FUSED_LOSS_BYTES_PER_LOGIT * logits
+    elif eager_kernels(framework):
         loss = eager.loss_bytes(config, logits)
     else:
         loss = calibration.elementwise_traffic_factor * act.LOGIT_BYTES * logits
@@ -769,9 +798,22 @@ def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
                         **effs)
     if config.zero_stage == 3:
         passes = zero3_gather_passes(framework, config, recompute)
-        comm += passes * _bandwidth_s("all_gather", link, total * config.bytes_per_activation,
+        comm += passes * _bandwidth_s("all_gather", link, zero3_gather_bytes(config, params),
                                       **effs)
     return comm
+
+
+def zero3_gather_bytes(config: ParallelConfig, params: StageParams) -> float:
+    """Bytes one ZeRO-3 all-gather pass of a stage moves: its parameters in the compute dtype,
+    except under float8 training, where torchtitan gathers the blocks' float8 linears' weights
+    already cast to float8 (``enable_fsdp_float8_all_gather``; 1 byte; the blocks' norm
+    weights, a few thousandths of a percent of a block, are counted with them). Experts are
+    not float8 linears (``eager.float8_cast_bytes``)."""
+    total = params.dense + params.expert
+    if config.float8:
+        return (params.root + params.expert) * config.bytes_per_activation \
+            + (params.dense - params.root)
+    return total * config.bytes_per_activation
 
 
 def deepspeed_zero3_traffic(model: ModelSpec, config: ParallelConfig, calibration: Calibration,

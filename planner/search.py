@@ -37,7 +37,7 @@ from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, 
                                      stage_micro_terms, uniform_layers)
 from meshplan.planner.space import (CORE_MIN_CP_SEQ_LEN, MESH_ORDERS, SearchSpace, candidates,
                                     degree_tuples, micro_batch_choices, offload_choices, pick,
-                                    vpp_choices, zero_choices)
+                                    settings_of, vpp_choices, zero_choices)
 from meshplan.planner.tables import (CandidateTables, TracedTables, build_tables,
                                      build_traced_tables, layer_bounds, mixed_layers,
                                      stage_config,
@@ -872,7 +872,8 @@ class _Refiner:
     3. per sample, a stage's linear work does not grow with the micro-batch, and its memory
        does not fall with it;
     4. memory does not grow with the ZeRO stage or offload (the leanest member of a family
-       holds the most layers);
+       holds the most layers), except across ZeRO stages under torchtitan with pipeline
+       stages, where every ZeRO stage's leanest member bounds (``lean_members``);
     5. a middle stage needs no less memory than a later one (``bounds``);
     6. compute per micro-batch depends on neither v nor ZeRO and offload, and the
        once-per-step terms (data-parallel traffic, optimizer, offload step) grow with a
@@ -1050,8 +1051,7 @@ class _Refiner:
                                   global_batch_size=space.global_batch_size, vpp=vpp,
                                   seq_len=space.seq_len, mesh_order=order, dtype=space.dtype,
                                   flash_attention=space.flash_attention,
-                                  selective_ac=space.selective_ac,
-                                  recompute_early_stop=space.recompute_early_stop)
+                                  **settings_of(space))
         except ValueError:
             return None
 
@@ -1439,6 +1439,29 @@ class _Refiner:
                     return config
         return None
 
+    def lean_members(self, degrees, b, sp, order, v) -> list[ParallelConfig]:
+        """The members whose capacities bound a family's: its leanest (``leanest``), except
+        under torchtitan with pipeline stages, where ZeRO-3 is not always the leanest: FSDP2
+        under ``torch.distributed.pipelining`` keeps the stage gathered and its gradients in
+        fp32 for every micro-batch (``frameworks.torchtitan_fsdp_buffer_bytes``), and with the
+        gather and reduce-scatter pools of one block that exceeds DDP's replicated states on
+        stages of a few layers. There each ZeRO stage's leanest offload is a member, and the
+        bounds take the least over them."""
+        lean = self.leanest(degrees, b, sp, order, v)
+        if lean is None or self.framework != "torchtitan" or degrees[2] == 1:
+            return [] if lean is None else [lean]
+        tp, cp, pp, dp, ep = degrees
+        members = []
+        order_of = {"optimizer+params": 0, "optimizer": 1, "none": 2}
+        for zero in zero_choices(self.space, dp * cp, core=self.core, framework=self.framework):
+            choices = offload_choices(self.space, zero, self.model, self.cluster)
+            for offload, device in sorted(choices, key=lambda c: order_of[c[0]]):
+                config = self.config(degrees, b, sp, order, v, zero, offload, device)
+                if config is not None:
+                    members.append(config)
+                    break
+        return members
+
     def family(self, degrees, b, sp, order, v) -> "_Family | None":
         """Bounds of every ZeRO / offload choice at (degrees, b, sp, order, v): the linear
         work (ZeRO-0, no offload: it does not depend on either) with the capacities of the
@@ -1466,9 +1489,12 @@ class _Refiner:
                 return None
             total = piece.per_micro_s + extra
             return _Family(top=total, total=total, micro_batches=piece.micro_batches)
-        split = self.capacity_split(lean, base, roomy=self.roomy(lean))
-        if split is None:
+        splits = [split for member in self.lean_members(degrees, b, sp, order, v)
+                  if (split := self.capacity_split(member, base,
+                                                   roomy=self.roomy(member))) is not None]
+        if not splits:
             return None
+        split = (min(s[0] for s in splits), min(s[1] for s in splits))
         total = max(split[1], piece.per_micro_s)
         return _Family(top=max(split[0], total / p), total=total,
                        micro_batches=piece.micro_batches)
@@ -1536,13 +1562,14 @@ class _Refiner:
         out = {}
         for (sp, order), bs in sizes.items():
             timing = self.config(degrees, max(bs), sp, order, 1, 0, "none", "cpu")
-            lean = self.leanest(degrees, min(bs), sp, order, 1)
-            if timing is None or lean is None:
+            if timing is None:
                 continue
-            split = self.capacity_split(lean, timing, time_scale=1.0 / max(bs),
-                                        relaxed=True, roomy=self.roomy(lean))
-            if split is not None:
-                out[sp, order] = split
+            splits = [split for member in self.lean_members(degrees, min(bs), sp, order, 1)
+                      if (split := self.capacity_split(
+                          member, timing, time_scale=1.0 / max(bs), relaxed=True,
+                          roomy=self.roomy(member))) is not None]
+            if splits:
+                out[sp, order] = (min(s[0] for s in splits), min(s[1] for s in splits))
         return out
 
     def vpps(self, degrees, b) -> list[int]:

@@ -1,0 +1,148 @@
+"""torch.compile and float8 training under --framework torchtitan.
+
+Byte counts are derived here operator by operator (torchtitan's llama3 block, torchao's float8
+roofline ``torchao/testing/float8/roofline_utils.py``), not read from the code under test;
+throughputs are torchtitan's published ones (``costmodel/data/reference_runs.json``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.costmodel import eager
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.estimate import estimate
+from meshplan.costmodel.hardware import load_cluster
+from meshplan.costmodel.memory import stage_params
+from meshplan.costmodel.models import load_model
+from meshplan.costmodel.reference import predict, reference_runs
+from meshplan.costmodel.timing import layer_forward, zero3_gather_bytes
+from meshplan.costmodel import default_calibration
+from meshplan.testing import usage_error
+
+H, Q, KV, F = 4096, 4096, 1024, 14336  # Llama 3 8B
+
+
+def _config(**changes) -> ParallelConfig:
+    base = dict(dp=8, zero_stage=3, recompute="selective", micro_batch_size=2,
+                global_batch_size=16, seq_len=8192)
+    return ParallelConfig(**{**base, **changes})
+
+
+def test_compiled_block_moves_fewer_bytes_per_token():
+    """Eager: two RMSNorms of 7 passes and two residual adds of 3, RoPE on q and k (read and
+    write bf16, plus 16 fp32 bytes), the head-merging copy, SwiGLU in 5 passes. Compiled: 9
+    norm/residual passes in three kernels, RoPE read and write, the copy, SwiGLU in 3."""
+    model = load_model("llama3-8b")
+    config = _config(compile="model")
+    eager_bytes = 2 * (2 * 7 + 2 * 3) * H + (Q + KV) * (2 * 2 + 16) + 2 * 2 * Q + 2 * 5 * F
+    fused_bytes = 2 * 9 * H + (Q + KV) * 2 * 2 + 2 * 2 * Q + 2 * 3 * F
+    assert eager.layer_elementwise_bytes(model, config, tokens=1) == eager_bytes
+    assert eager.compiled_layer_elementwise_bytes(model, config, tokens=1) == fused_bytes
+
+
+def _roofline_linear_bytes(m: float, k: float, n: float, *, fused: bool) -> float:
+    """torchao's tensorwise roofline for one linear (M x K input, K x N weight), fwd + bwd:
+    input: max-abs (unless fused) + read bf16, write float8 twice; weight: max-abs, then a
+    forward and a backward cast; output gradient: as the input."""
+    amax = 0 if fused else 2
+    return (amax + 2 + 2) * m * k + (2 + 3 + 3) * k * n + (amax + 2 + 2) * m * n
+
+
+@pytest.mark.parametrize("compile_mode", ["none", "model"])
+def test_float8_casts_follow_torchaos_roofline_linear_by_linear(compile_mode):
+    model = load_model("llama3-8b")
+    config = _config(float8=True, compile=compile_mode)
+    m = 2 * 8192
+    fused = compile_mode != "none"
+    linears = [(H, Q), (H, KV), (H, KV), (Q, H), (H, F), (H, F), (F, H)]  # wq wk wv wo w1 w3 w2
+    expected = sum(_roofline_linear_bytes(m, k, n, fused=fused) for k, n in linears)
+    assert eager.float8_cast_bytes(model, config, tokens=m) == pytest.approx(expected, rel=1e-12)
+
+
+def test_float8_runs_the_blocks_linears_at_the_float8_peak():
+    """Same efficiency, the float8 peak: the GEMM term halves, less the casts' traffic."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    cal = default_calibration()
+    bf16 = layer_forward(model, cluster, _config(compile="model"), cal, moe=False,
+                         framework="torchtitan")
+    fp8_config = _config(compile="model", float8=True)
+    fp8 = layer_forward(model, cluster, fp8_config, cal, moe=False, framework="torchtitan")
+    device = cal.device(cluster.gpu.key)
+    casts = eager.float8_cast_bytes(model, fp8_config, tokens=2 * 8192) / 3 \
+        / (cluster.gpu.hbm_bytes_per_s * device.memory_efficiency)
+    overhead = 5 * device.matmul_overhead_s  # per call: QKV, the projection, 3 MLP matrices
+    ratio = cluster.gpu.peak("bf16") / cluster.gpu.peak("fp8")  # 989 / 1979 TFLOP/s
+    assert fp8.gemm_s - casts - overhead == pytest.approx((bf16.gemm_s - overhead) * ratio,
+                                                          rel=1e-9)
+    assert fp8.core_s == bf16.core_s  # attention stays bf16
+
+
+def test_float8_all_gathers_block_weights_in_one_byte():
+    model = load_model("llama3-8b")
+    config = _config(float8=True)
+    params = stage_params(model, config, 0)
+    blocks = params.dense - params.root
+    assert zero3_gather_bytes(config, params) == 2 * params.root + blocks
+    assert zero3_gather_bytes(_config(), params) == 2 * (params.dense + params.expert)
+
+
+def test_compiled_loss_keeps_one_fp32_sized_copy_of_the_logits():
+    """Eager loss backward: 3 fp32 vocabulary tensors; compiled: the saved bf16 logits and
+    their bf16 gradient, and ``del pred`` no longer frees a block to the cache."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    blocks = estimate(model, cluster, _config(compile="model"), framework="torchtitan")
+    both = estimate(model, cluster, _config(compile="model+loss"), framework="torchtitan")
+    logits = 2 * 8192 * model.vocab_rows * 4  # one fp32 copy
+    assert blocks.memory.peak_bytes - both.memory.peak_bytes == pytest.approx(2 * logits,
+                                                                              rel=1e-9)
+
+
+@pytest.mark.parametrize("run_id", [
+    "torchtitan-llama3.1-8b-fsdp8-h100-compile",
+    "torchtitan-llama3.1-8b-fsdp8-h100-compile-float8",
+    "torchtitan-llama3.1-8b-fsdp128-h100-compile",
+    "torchtitan-llama3.1-8b-fsdp128-h100-compile-float8",
+])
+def test_published_compile_and_float8_throughputs(run_id):
+    """torchtitan's December 2024 tables, held out: within 5 % (nothing was fitted on them)."""
+    run = next(r for r in reference_runs() if r.id == run_id)
+    error = predict(run, default_calibration()).time.step_s / run.measured_step_s - 1
+    assert abs(error) <= 0.05, f"{run_id}: {error:+.3f}"
+
+
+def test_compile_speedup_comes_from_the_element_wise_kernels():
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    eager_run = estimate(model, cluster, _config(), framework="torchtitan")
+    compiled = estimate(model, cluster, _config(compile="model"), framework="torchtitan")
+    assert compiled.time.step_s < eager_run.time.step_s
+    assert compiled.time.dp_comm_total_s == eager_run.time.dp_comm_total_s
+
+
+@pytest.mark.parametrize("framework", ["megatron", "deepspeed", "meshplan", "ideal"])
+def test_compile_and_float8_are_torchtitan_options(framework):
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    with pytest.raises(ValueError, match="--framework torchtitan only"):
+        estimate(model, cluster, _config(float8=True), framework=framework)
+    with pytest.raises(ValueError, match="--compile is modelled"):
+        estimate(model, cluster, _config(compile="model"), framework=framework)
+
+
+def test_float8_needs_float8_tensor_cores():
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-a100-80gb", nodes=1)
+    with pytest.raises(ValueError, match="float8 tensor cores"):
+        estimate(model, cluster, _config(float8=True), framework="torchtitan")
+
+
+def test_config_rejects_unknown_compile_mode_and_float8_outside_bf16():
+    with pytest.raises(ValueError, match="compile must be one of"):
+        _config(compile="yes")
+    with pytest.raises(ValueError, match="needs dtype bf16"):
+        _config(float8=True, dtype="fp16")
+
+
+def test_cli_float8_under_megatron_is_one_line_exit_2():
+    message = usage_error("estimate", "--model", "llama3-8b", "--cluster", "dgx-h100",
+                          "--framework", "megatron", "--global-batch", "16", "--float8")
+    assert message.startswith("meshplan: error:") and "torchtitan only" in message
+    assert "\n" not in message.strip()
