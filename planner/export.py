@@ -25,6 +25,11 @@ How each target gets the plan's choices:
 Per-stage recompute lists map to the strongest mode of the list for every target: none of them
 takes a recompute mode per pipeline stage (Megatron's ``--recompute-num-layers`` is one count
 for all stages).
+
+The run settings ``compile`` (torch.compile) and ``float8`` (float8 training of the blocks'
+linears) are modelled as torchtitan runs them: torchtitan gets its own switches; Megatron-LM
+gets its float8 recipe and leaves compile out (a warning); DeepSpeed leaves compile to the
+training script (a warning) and refuses float8.
 """
 
 from __future__ import annotations
@@ -132,8 +137,11 @@ def to_deepspeed(plan: Plan) -> dict[str, Any]:
     DeepSpeed-Ulysses (``sequence_parallel_size``); pipeline stages to the ``pipeline`` section,
     which DeepSpeed's ``PipelineModule`` / ``PipelineEngine`` read. Which layers the model code
     wraps in ``deepspeed.checkpointing.checkpoint`` (selective or full) stays the model's choice.
+    Float8 training raises ValueError and torch.compile is left to the training script
+    (``_check_deepspeed_settings``).
     """
     config = plan.config
+    _check_deepspeed_settings(config)
     _check_framework(plan, "deepspeed")
     _check_mesh_order(plan, "deepspeed", (DEFAULT_MESH_ORDER,))
     data: dict[str, Any] = {
@@ -166,6 +174,20 @@ def to_deepspeed(plan: Plan) -> dict[str, Any]:
         _warn(f"DeepSpeed takes the expert-parallel degree in the model code, not the config: "
               f"build the MoE layers with deepspeed.moe.layer.MoE(..., ep_size={config.ep})")
     return data
+
+
+def _check_deepspeed_settings(config: ParallelConfig) -> None:
+    """ValueError for float8, a warning for compile: DeepSpeed 0.19's config has a switch for
+    neither. Float8 training is Transformer Engine layers in the model code, not a config key;
+    torch.compile is ``engine.compile()`` in the training script (the config's ``compile``
+    section, ``deepspeed.compile.config.CompileConfig``, only tunes DeepCompile)."""
+    if config.float8:
+        raise ValueError("DeepSpeed's config has no float8 training switch (the plan sets "
+                         "float8); export to torchtitan or megatron, or plan without --float8")
+    if config.compile != "none":
+        _warn(f"DeepSpeed's config has no torch.compile switch: call engine.compile() after "
+              f"deepspeed.initialize in the training script (it compiles the whole module); "
+              f"the plan's compile {config.compile!r} is left out of the export")
 
 
 def _deepspeed_zero(config: ParallelConfig) -> dict[str, Any]:
@@ -214,8 +236,9 @@ def to_megatron(plan: Plan) -> list[str]:
     ZeRO-1 is Megatron's distributed optimizer; ZeRO-2/3 are Megatron-FSDP with sharding
     strategy ``optim_grads`` / ``optim_grads_params``; optimizer offload is the hybrid CPU
     optimizer (``--optimizer-cpu-offload``, fraction 1). Megatron cannot offload parameters or
-    offload to NVMe, use ALiBi or an embedding norm: those raise ValueError. Tokenizer, data
-    and learning-rate arguments are left to the user.
+    offload to NVMe, use ALiBi or an embedding norm: those raise ValueError. Float8 training
+    is ``MEGATRON_FLOAT8``; torch.compile has no Megatron-LM switch (a warning). Tokenizer,
+    data and learning-rate arguments are left to the user.
     """
     model, config = plan.model, plan.config
     _check_not_traced(plan, "Megatron-LM")
@@ -229,6 +252,7 @@ def to_megatron(plan: Plan) -> list[str]:
     args += _megatron_zero(config)
     if config.dtype != "fp32":
         args.append(f"--{config.dtype}")
+    args += _megatron_settings(config)
     if config.flash_attention:
         args.append("--use-flash-attn")
     return args
@@ -329,6 +353,25 @@ def _megatron_recompute(mode: str) -> list[str]:
     if mode == "selective":
         return ["--recompute-granularity", "selective"]
     return []
+
+
+MEGATRON_FLOAT8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+"""The plan's float8 training in Megatron-LM core_r0.16 (``_add_transformer_engine_args``:
+``--fp8-format`` {e4m3, hybrid}, dest ``fp8``; ``--fp8-recipe`` {tensorwise, delayed, mxfp8,
+blockwise}; megatron-core's ``TransformerConfig.fp8`` / ``fp8_recipe``): hybrid is e4m3 for
+activations and weights, e5m2 for gradients, as torchao's Float8Linear; tensorwise is per-tensor
+current scaling, as torchtitan's default recipe. Transformer Engine runs it, on the blocks'
+linears only (the output layer stays bf16, as the plan's LM head)."""
+
+
+def _megatron_settings(config: ParallelConfig) -> list[str]:
+    """Float8 training (``MEGATRON_FLOAT8``); torch.compile is left out with a warning:
+    Megatron-LM has no switch for it and fuses its own kernels instead."""
+    if config.compile != "none":
+        _warn(f"Megatron-LM has no torch.compile switch (it runs its own fused kernels: bias "
+              f"and activation, RoPE, cross entropy); the plan's compile {config.compile!r} is "
+              f"left out of the export")
+    return list(MEGATRON_FLOAT8) if config.float8 else []
 
 
 def _megatron_zero(config: ParallelConfig) -> list[str]:
@@ -529,11 +572,28 @@ def _nearest(want: TorchtitanArchitecture,
     return f"; nearest: {name} {flavour} ({have.describe(differ)})"
 
 
+TORCHTITAN_COMPILE_COMPONENTS = {"model": ("model",), "model+loss": ("model", "loss")}
+"""Plan compile mode -> torchtitan 0.2.2 ``[compile] components`` (``config.job_config.Compile``;
+``model`` compiles each transformer block, ``loss`` the loss function)."""
+TORCHTITAN_FLOAT8_CONVERTER = "quantize.linear.float8"
+"""torchtitan 0.2.2's model converter for float8 linears (``components/quantization/float8.py``
+``register_model_converter(Float8LinearConverter, "quantize.linear.float8")``)."""
+TORCHTITAN_FLOAT8 = {"enable_fsdp_float8_all_gather": True,
+                     "precompute_float8_dynamic_scale_for_fsdp": True,
+                     "filter_fqns": ("output",)}
+"""``[quantize.linear.float8]`` (``config.job_config.Float8Linear``): tensorwise dynamic scaling
+(no ``recipe_name``, which torchtitan refuses next to the float8 all-gather), FSDP2 all-gathers
+the weights in float8 with their scales computed once per step, and the LM head ``output``
+stays in bf16. torchtitan turns the all-gather off itself without FSDP (dp shard 1)."""
+
+
 def to_torchtitan(plan: Plan) -> str:
     """A torchtitan JobConfig TOML (``--job.config_file``): job, model, training, parallelism.
 
     ``[model]`` is the torchtitan model and flavour that build the plan's model
-    (``torchtitan_flavour``; ValueError when there is none).
+    (``torchtitan_flavour``; ValueError when there is none). torch.compile is ``[compile]``
+    (``TORCHTITAN_COMPILE_COMPONENTS``); float8 training is the ``[model] converters`` entry
+    ``quantize.linear.float8`` with its ``[quantize.linear.float8]`` table (``TORCHTITAN_FLOAT8``).
 
     torchtitan's ``local_batch_size`` is what one data-parallel rank takes per optimizer
     micro-step and pipeline micro-batches are cut from it, so with pp > 1 it is the whole
@@ -546,8 +606,7 @@ def to_torchtitan(plan: Plan) -> str:
     lines = [f"# meshplan export: {plan.model.name} on {plan.cluster.name}, "
              f"{plan.config.world_size} GPUs (torchtitan JobConfig, --job.config_file)"]
     for name, values in sections.items():
-        lines += ["", f"[{name}]"]
-        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+        lines += _toml_table(name, values)
     return "\n".join(lines) + "\n"
 
 
@@ -586,7 +645,7 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
         checkpointing["selective_ac_option"] = plan.config.selective_ac
     if mode == "full" and plan.config.recompute_early_stop:
         checkpointing["early_stop"] = True
-    return {
+    sections: dict[str, dict[str, Any]] = {
         "job": {"dump_folder": "./outputs",
                 "description": f"meshplan plan: {model.name} on {plan.cluster.name}"},
         "model": {"name": name, "flavor": flavour},
@@ -594,6 +653,15 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
         "parallelism": _torchtitan_parallelism(plan),
         "activation_checkpoint": checkpointing,
     }
+    if config.compile != "none":
+        sections["compile"] = {"enable": True,
+                               "components": list(TORCHTITAN_COMPILE_COMPONENTS[config.compile])}
+    if config.float8:
+        sections["model"]["converters"] = [TORCHTITAN_FLOAT8_CONVERTER]
+        float8 = {key: list(value) if isinstance(value, tuple) else value
+                  for key, value in TORCHTITAN_FLOAT8.items()}
+        sections["quantize"] = {"linear": {"float8": float8}}
+    return sections
 
 
 def _torchtitan_parallelism(plan: Plan) -> dict[str, Any]:
@@ -645,6 +713,21 @@ def torchtitan_module_names(parts: list[int]) -> list[list[str]]:
     names[0].insert(0, "tok_embeddings")
     names[-1] += ["norm", "output"]
     return names
+
+
+def _toml_table(name: str, values: dict[str, Any]) -> list[str]:
+    """``[name]`` and its values, then each nested table as ``[name.key]`` (TOML's dotted
+    header: ``{"quantize": {"linear": {"float8": {...}}}}`` -> ``[quantize.linear.float8]``);
+    a table that holds only tables gets no header of its own."""
+    plain = {key: value for key, value in values.items() if not isinstance(value, dict)}
+    lines = []
+    if plain or not values:
+        lines += ["", f"[{name}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in plain.items()]
+    for key, value in values.items():
+        if isinstance(value, dict):
+            lines += _toml_table(f"{name}.{key}", value)
+    return lines
 
 
 def _toml_value(value: Any) -> str:

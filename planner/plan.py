@@ -24,9 +24,10 @@ from typing import Any
 
 from meshplan.costmodel import FRAMEWORKS, ClusterSpec, ModelSpec, ParallelConfig, check_fits_model
 from meshplan.costmodel import schema
-from meshplan.costmodel.config import (DTYPES, MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES,
-                                       RECOMPUTE_MODES)
-from meshplan.costmodel.estimate import Estimate, config_to_dict, estimate_to_dict
+from meshplan.costmodel.config import (COMPILE_MODES, DTYPES, MESH_AXES, OFFLOAD_DEVICES,
+                                       OFFLOAD_MODES, RECOMPUTE_MODES)
+from meshplan.costmodel.estimate import (OPTIONAL_PLAN_KEYS, Estimate, config_to_dict,
+                                         estimate_to_dict)
 from meshplan.costmodel.hardware import MAX_GPUS, cluster_from_dict
 from meshplan.costmodel.jsonio import (Limit, Rule, check_object, count, load_json_document,
                                        schema_of)
@@ -39,9 +40,10 @@ CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "off
                "recompute", "micro_batch_size", "global_batch_size", "grad_accum_steps", "vpp",
                "seq_len", "layers_per_stage", "mesh_order", "flash_attention", "dtype")
 """Plan keys at the top level of a plan file (``grad_accum_steps`` is derived, checked)."""
-OPTIONAL_CONFIG_KEYS = ("selective_ac", "recompute_early_stop")
+OPTIONAL_CONFIG_KEYS = OPTIONAL_PLAN_KEYS
 """Configuration keys a plan file holds only when they differ from the default (torchtitan's
-selective policy and early-stopping recomputation), so older plan files still read."""
+selective policy, early-stopping recomputation, torch.compile and float8 training), so older
+plan files still read. Their JSON types are ``ParallelConfig``'s (``PLAN_FILE_SCHEMA``)."""
 OTHER_KEYS = ("schema_version", "framework", "model", "cluster", "predicted", "provenance")
 PLAN_FILE_KEYS = frozenset(CONFIG_KEYS + OTHER_KEYS)
 MAX_GLOBAL_BATCH = 2**24
@@ -59,7 +61,8 @@ PLAN_FILE_SCHEMA = schema_of(
             "global_batch_size": _BATCH, "vpp": count(MAX_LAYERS, "MAX_LAYERS"),
             "seq_len": count(MAX_SEQ_LEN, "MAX_SEQ_LEN"),
             "layers_per_stage": count(MAX_LAYERS, "MAX_LAYERS"),
-            "mesh_order": Limit(choices=MESH_AXES), "dtype": Limit(choices=DTYPES)},
+            "mesh_order": Limit(choices=MESH_AXES), "dtype": Limit(choices=DTYPES),
+            "compile": Limit(choices=COMPILE_MODES)},
     rules={"layers_per_stage": Rule(kind="list", items=Rule(kind="int")),
            "grad_accum_steps": Rule(kind="int", limit=_BATCH),
            "schema_version": Rule(kind="int"),
@@ -118,10 +121,7 @@ class Plan:
         """The plan file object; ``predicted`` repeats the configuration, as DESIGN.md says."""
         cluster = dataclasses.asdict(self.cluster)
         cluster["gpu"] = dataclasses.asdict(self.cluster.gpu)
-        extra = {key: getattr(self.config, key) for key in OPTIONAL_CONFIG_KEYS
-                 if getattr(self.config, key) != getattr(ParallelConfig, key)}
         return {"schema_version": SCHEMA_VERSION, **config_to_dict(self.config, self.model),
-                **extra,
                 "framework": self.framework, "model": self.model.to_dict(), "cluster": cluster,
                 "predicted": estimate_to_dict(self.estimate), "provenance": self.provenance}
 

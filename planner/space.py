@@ -29,6 +29,9 @@ every configuration ``meshplan estimate`` accepts, except where noted:
   when pp or dp is 1 (both orders give the same layout); tensor parallelism is always the
   innermost axis.
 
+Run settings (``SETTING_FIELDS``: torchtitan's selective policy, early-stopping recomputation,
+torch.compile, float8 training) are not searched: every configuration carries the user's.
+
 Search bounds (``search.py``) then discard candidates no split can make competitive; they
 never remove the optimum (tests/planner/test_brute_force.py checks that claim).
 """
@@ -38,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshplan.costmodel import ClusterSpec, ModelSpec, ParallelConfig
-from meshplan.costmodel.config import OFFLOAD_DEVICES, RECOMPUTE_MODES
+from meshplan.costmodel.config import COMPILE_MODES, OFFLOAD_DEVICES, RECOMPUTE_MODES
 
 MESH_ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
 ONE_REPLICA_ZERO = (0, 3)
@@ -89,6 +92,12 @@ class SearchSpace:
     recompute_early_stop: bool = False
     """Early-stopping full recomputation for every configuration
     (``ParallelConfig.recompute_early_stop``; a setting, not searched)."""
+    compile: str = "none"
+    """What torch.compile covers in every configuration (``ParallelConfig.compile``: none,
+    model or model+loss; a setting, not searched)."""
+    float8: bool = False
+    """Float8 training of the blocks' linears for every configuration
+    (``ParallelConfig.float8``; a setting, not searched; needs dtype bf16)."""
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +110,12 @@ class SearchSpace:
         if bad or not self.recompute_modes:
             raise ValueError(f"recompute modes must be among {RECOMPUTE_MODES}, got "
                              f"{self.recompute_modes}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
+                             f"{self.compile!r}")
+        if self.float8 and self.dtype != "bf16":  # else every configuration would be refused
+            raise ValueError(f"float8 training needs dtype bf16 (its casts start from bf16), "
+                             f"got {self.dtype!r}")
 
 
 PIN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
@@ -121,8 +136,14 @@ def pins_of(space: SearchSpace) -> dict:
     return pins
 
 
-SETTING_FIELDS = ("selective_ac", "recompute_early_stop")
-"""Run settings every configuration of the space carries (recorded when not the default)."""
+SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8")
+"""Run settings every configuration of the space carries (recorded when not the default);
+each is a ``ParallelConfig`` field of the same name."""
+
+
+def settings_of(space: SearchSpace) -> dict:
+    """The ``ParallelConfig`` keyword arguments of ``space``'s run settings (``SETTING_FIELDS``)."""
+    return {name: getattr(space, name) for name in SETTING_FIELDS}
 
 
 def _listed(value):
@@ -221,8 +242,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
                                                vpp=v, seq_len=space.seq_len,
                                                mesh_order=order, dtype=space.dtype,
                                                flash_attention=space.flash_attention,
-                                               selective_ac=space.selective_ac,
-                                               recompute_early_stop=space.recompute_early_stop)
+                                               **settings_of(space))
                                 if config is not None:
                                     out.append(config)
     return out

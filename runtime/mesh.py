@@ -49,6 +49,7 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
     """Raise ValueError for a plan that does not fit its model (``check_fits_model``), or
     ``UnsupportedPlan`` naming the first plan feature the runtime does not implement."""
     layout.check_fits_model(config, model, num_gpus=config.world_size)
+    _check_settings(config)
     if model.is_traced:
         from meshplan.runtime.chain import check_runnable  # imports torch's fake-mode tracer
         try:
@@ -86,6 +87,19 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
     if config.seq_len > model.seq_len and model.position_embedding == "learned":
         raise UnsupportedPlan(f"seq_len {config.seq_len} exceeds the learned position table "
                               f"({model.seq_len})")
+
+
+def _check_settings(config: ParallelConfig) -> None:
+    """``UnsupportedPlan`` for torch.compile and float8 training: settings the cost model
+    prices as torchtitan runs them; this runtime trains eagerly in the plan's dtype."""
+    asked = [f"compile {config.compile!r}"] if config.compile != "none" else []
+    if config.float8:
+        asked.append("float8")
+    if asked:
+        raise UnsupportedPlan(f"the plan's {' and '.join(asked)} "
+                              f"{'are' if len(asked) > 1 else 'is'} not run by meshplan's "
+                              f"runtime (eager, in the plan's dtype); export the plan to "
+                              f"torchtitan instead: meshplan export PLAN --to torchtitan")
 
 
 def check_world_size(config: ParallelConfig, world_size: int) -> None:

@@ -20,7 +20,7 @@ from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.model import ModelSpec
 from meshplan.planner import report
 from meshplan.planner.plan import write_plan
-from meshplan.planner.space import SearchSpace
+from meshplan.planner.space import SETTING_FIELDS, SearchSpace
 
 DEFAULT_TIME_LIMIT_S = 10.0
 DEFAULT_MEMORY_MARGIN = 0.05
@@ -107,7 +107,9 @@ def _stage_pins(pins: dict[str, Any], given: dict[str, Any], *, model: ModelSpec
 
 def search_space_from_args(given: dict[str, Any], *, model: ModelSpec,
                            cluster: ClusterSpec, memory_margin: float) -> SearchSpace:
-    """The search space with every plan flag the user gave pinned."""
+    """The search space with every plan flag the user gave pinned, and the run settings
+    (``SETTING_FIELDS``: --selective-ac, --recompute-early-stop, --compile, --float8) given to
+    every configuration."""
     pins: dict[str, Any] = {name: (given[name],) for name in _PINNABLE if name in given}
     recompute = given.get("recompute")
     if isinstance(recompute, str):
@@ -122,9 +124,8 @@ def search_space_from_args(given: dict[str, Any], *, model: ModelSpec,
     return SearchSpace(global_batch_size=given["global_batch_size"],
                        seq_len=given.get("seq_len", model.seq_len), dtype=dtype,
                        flash_attention=given.get("flash_attention", True),
-                       selective_ac=given.get("selective_ac", "op"),
-                       recompute_early_stop=given.get("recompute_early_stop", False),
-                       memory_margin=memory_margin, **pins)
+                       memory_margin=memory_margin, **pins,
+                       **{name: given[name] for name in SETTING_FIELDS if name in given})
 
 
 def run(args: argparse.Namespace) -> int:

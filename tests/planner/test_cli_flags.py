@@ -15,12 +15,13 @@ import pytest
 from meshplan import cli
 from meshplan.cli import args as cli_args
 from meshplan.costmodel import ParallelConfig
+from meshplan.testing import run_cli, usage_error
 
 FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "sp": "--sp",
          "zero_stage": "--zero", "offload": "--offload", "offload_device": "--offload-device",
          "recompute": "--recompute", "selective_ac": "--selective-ac",
-         "recompute_early_stop": "--recompute-early-stop",
-         "micro_batch_size": "--micro-batch",
+         "recompute_early_stop": "--recompute-early-stop", "compile": "--compile",
+         "float8": "--float8", "micro_batch_size": "--micro-batch",
          "global_batch_size": "--global-batch", "vpp": "--vpp", "seq_len": "--seq-len",
          "layers_per_stage": "--layers-per-stage", "mesh_order": "--mesh-order",
          "flash_attention": "--no-flash-attention", "dtype": "--dtype"}
@@ -82,6 +83,29 @@ def test_flag_kinds_values_and_metavars():
     assert cli_args.config_kwargs_from_args(args) == {
         "global_batch_size": 8, "flash_attention": False, "mesh_order": ("dp", "tp", "cp", "pp"),
         "layers_per_stage": (2, 2), "zero_stage": 3}
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_compile_and_float8_flags_are_in_the_help(command):
+    """torchtitan's settings, on both commands that take plan flags: --compile takes one of
+    the cost model's modes, --float8 is a switch."""
+    result = run_cli(command, "--help")
+    assert result.code == 0
+    assert "[--compile {none,model,model+loss}] [--float8]" in " ".join(result.out.split())
+    args = cli.build_parser().parse_args(
+        [command, "--model", "tiny", "--cluster", "cpu", "--global-batch", "8",
+         "--compile", "model", "--float8"])
+    kwargs = cli_args.config_kwargs_from_args(args)
+    assert (kwargs["compile"], kwargs["float8"]) == ("model", True)
+    unset = cli.build_parser().parse_args(
+        [command, "--model", "tiny", "--cluster", "cpu", "--global-batch", "8"])
+    assert not {"compile", "float8"} & set(cli_args.config_kwargs_from_args(unset))
+
+
+def test_compile_flag_refuses_an_unknown_mode():
+    line = usage_error("estimate", "--model", "tiny", "--cluster", "cpu", "--global-batch", "8",
+                       "--compile", "everything")
+    assert "--compile" in line and "invalid choice: 'everything'" in line
 
 
 @dataclass(frozen=True, kw_only=True)

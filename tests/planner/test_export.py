@@ -669,6 +669,10 @@ def parse_megatron_args(args: list[str]) -> argparse.Namespace:
         parser.add_argument(f"--{name}", choices=choices)
     for name in ("attention-dropout", "hidden-dropout", "optimizer-offload-fraction"):
         parser.add_argument(f"--{name}", type=float)
+    # _add_transformer_engine_args (core_r0.16): --fp8-format's dest is fp8
+    parser.add_argument("--fp8-format", dest="fp8", choices=("e4m3", "hybrid"))
+    parser.add_argument("--fp8-recipe", default="delayed",
+                        choices=("tensorwise", "delayed", "mxfp8", "blockwise"))
     parser.add_argument("--moe-layer-freq", type=lambda text: eval(text, {"__builtins__": {}}))
     parser.add_argument("--pipeline-model-parallel-layout", type=str)
     namespace, unknown = parser.parse_known_args(args)
@@ -713,7 +717,7 @@ def build_megatron_configs(args: list[str], *, world_size: int) -> dict[str, obj
         moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_layer_freq=a.moe_layer_freq or 1,
         recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
         recompute_num_layers=a.recompute_num_layers,
-        bf16=a.bf16, fp16=a.fp16, params_dtype=dtype,
+        bf16=a.bf16, fp16=a.fp16, params_dtype=dtype, fp8=a.fp8, fp8_recipe=a.fp8_recipe,
         pipeline_dtype=dtype if pp > 1 else None,
         attention_backend=AttnBackend.flash if a.use_flash_attn else AttnBackend.auto,
     )
@@ -868,11 +872,19 @@ def load_torchtitan(tt, plan: Plan, tmp_path):
     path.write_text(export.to_torchtitan(plan))
     job = tt.ConfigManager().parse_args(["--job.config_file", str(path)])
     # The manager checks key names only; check each value against its field's type as well.
-    for section, values in tomllib.loads(path.read_text()).items():
-        hints = typing.get_type_hints(type(getattr(job, section)))
-        for key, value in values.items():
-            assert matches_annotation(hints[key], value), (section, key, value, hints[key])
+    check_table_types(job, tomllib.loads(path.read_text()))
     return job
+
+
+def check_table_types(config, table: dict, where: str = "") -> None:
+    """Every value of the TOML ``table`` fits its field of the JobConfig part ``config``;
+    nested tables (``[quantize.linear.float8]``) against the nested dataclasses."""
+    hints = typing.get_type_hints(type(config))
+    for key, value in table.items():
+        if isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
+            check_table_types(getattr(config, key), value, f"{where}{key}.")
+        else:
+            assert matches_annotation(hints[key], value), (f"{where}{key}", value, hints[key])
 
 
 def built_architecture(tt, name: str, flavour: str) -> dict[str, object]:
@@ -1027,3 +1039,123 @@ def test_torchtitan_exports_its_checkpointing_settings(torchtitan, tmp_path):
     assert job.activation_checkpoint.mode == "full" and job.activation_checkpoint.early_stop
     plain = for_target(make_plan(**{**PLAN_ZERO3_OFFLOAD, "offload": "none"}), "torchtitan")
     assert not load_torchtitan(torchtitan, plain, tmp_path).activation_checkpoint.early_stop
+
+
+# ----- torch.compile and float8 (ParallelConfig.compile, ParallelConfig.float8) -----------------
+PLAN_COMPILED = {**PLAN_ZERO3_OFFLOAD, "offload": "none", "compile": "model+loss", "float8": True}
+"""The ZeRO-3 plan with torchtitan's torch.compile of the blocks and the loss and float8
+training of the blocks' linears (the cost model prices both under torchtitan only)."""
+TORCHTITAN_FLOAT8_TABLE = {"enable_fsdp_float8_all_gather": True,
+                           "precompute_float8_dynamic_scale_for_fsdp": True,
+                           "filter_fqns": ["output"]}
+"""``[quantize.linear.float8]`` as the issue spells it (torchtitan 0.2.2's ``Float8Linear``)."""
+
+
+def compiled_plan(target: str, **changes) -> Plan:
+    """``PLAN_COMPILED`` (with ``changes``), costed for torchtitan, labelled for ``target``."""
+    return for_target(make_plan(framework="torchtitan", **{**PLAN_COMPILED, **changes}), target)
+
+
+def test_torchtitan_compile_and_float8_tables():
+    text = quietly(export.to_torchtitan, compiled_plan("torchtitan"))
+    data = tomllib.loads(text)
+    assert data["model"] == {"name": "llama3", "flavor": "8B",
+                             "converters": ["quantize.linear.float8"]}
+    assert data["compile"] == {"enable": True, "components": ["model", "loss"]}
+    assert data["quantize"] == {"linear": {"float8": TORCHTITAN_FLOAT8_TABLE}}
+    assert "[quantize.linear.float8]" in text.splitlines()
+    assert "[quantize]" not in text
+    assert "recipe_name" not in text  # None: tensorwise, the only recipe with float8 all-gather
+    assert data == quietly(export.torchtitan_sections, compiled_plan("torchtitan"))
+
+
+def test_torchtitan_compile_of_the_blocks_only():
+    data = tomllib.loads(quietly(export.to_torchtitan,
+                                 compiled_plan("torchtitan", compile="model", float8=False)))
+    assert data["compile"] == {"enable": True, "components": ["model"]}
+    assert "quantize" not in data and "converters" not in data["model"]
+
+
+def test_megatron_float8_is_hybrid_tensorwise():
+    args = quietly(export.to_megatron, compiled_plan("megatron", compile="none"))
+    flags = flag_values(args)
+    assert (flags["--fp8-format"], flags["--fp8-recipe"]) == ("hybrid", "tensorwise")
+    plain = quietly(export.to_megatron, for_target(make_plan(**PLAN_ZERO3_OPTIMIZER_OFFLOAD),
+                                                  "megatron"))
+    assert not any(arg.startswith("--fp8") for arg in plain)
+
+
+def test_megatron_leaves_compile_out_with_a_warning():
+    plan = compiled_plan("megatron", float8=False)
+    with pytest.warns(ExportWarning, match="Megatron-LM has no torch.compile switch .* "
+                                           "compile 'model\\+loss' is left out"):
+        args = export.to_megatron(plan)
+    assert args == quietly(export.to_megatron,
+                           dataclasses.replace(plan, config=plan.config.replace(compile="none")))
+
+
+def test_deepspeed_refuses_float8_before_any_warning():
+    plan = make_plan(framework="torchtitan", **PLAN_COMPILED)  # also a framework mismatch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExportWarning)
+        with pytest.raises(ValueError, match="DeepSpeed's config has no float8 training switch"):
+            export.to_deepspeed(plan)
+
+
+def test_deepspeed_leaves_compile_to_the_training_script():
+    plan = compiled_plan("deepspeed", float8=False)
+    with pytest.warns(ExportWarning, match=r"call engine\.compile\(\) after deepspeed\.initialize"):
+        data = export.to_deepspeed(plan)
+    assert "compile" not in data
+    assert data == quietly(export.to_deepspeed,
+                           dataclasses.replace(plan, config=plan.config.replace(compile="none")))
+
+
+def test_cli_export_of_a_float8_plan(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(make_plan(framework="torchtitan", **PLAN_COMPILED), path)
+    line = usage_error("export", path, "--to", "deepspeed")
+    assert line.startswith("meshplan: error: DeepSpeed's config has no float8 training switch")
+    assert cli.main(["export", str(path), "--to", "megatron"]) == 0
+    out, err = capsys.readouterr()
+    assert flag_values(shlex.split(out))["--fp8-recipe"] == "tensorwise"
+    assert any(line.startswith("meshplan: warning: Megatron-LM has no torch.compile switch")
+               for line in err.splitlines())
+    assert cli.main(["export", str(path), "--to", "torchtitan"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["compile"]["enable"] is True
+
+
+def test_torchtitan_config_manager_loads_compile_and_float8(torchtitan, tmp_path):
+    plan = compiled_plan("torchtitan")
+    job = load_torchtitan(torchtitan, plan, tmp_path)
+    check_torchtitan_job(torchtitan, job, plan)
+    assert (job.compile.enable, job.compile.components) == (True, ["model", "loss"])
+    assert job.model.converters == ["quantize.linear.float8"]
+    float8 = job.quantize.linear.float8
+    assert (float8.enable_fsdp_float8_all_gather, float8.precompute_float8_dynamic_scale_for_fsdp,
+            float8.filter_fqns, float8.recipe_name) == (True, True, ["output"], None)
+
+
+def test_torchtitan_config_manager_rejects_a_misspelt_float8_key(torchtitan, tmp_path):
+    """The manager checks nested tables too: a misspelt float8 key fails."""
+    path = tmp_path / "job.toml"
+    path.write_text(export.to_torchtitan(compiled_plan("torchtitan")).replace(
+        "filter_fqns", "filter_fqn"))
+    with pytest.raises(ValueError, match="filter_fqn"):
+        torchtitan.ConfigManager().parse_args(["--job.config_file", str(path)])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_megatron_core_builds_float8_configs_from_export(megatron):
+    plan = compiled_plan("megatron", compile="none")
+    transformer = megatron(export.to_megatron(plan), world_size=8)["transformer"]
+    assert (transformer.fp8, transformer.fp8_recipe) == ("hybrid", "tensorwise")
+
+
+def test_deepspeed_parser_loads_the_export_of_a_compiled_plan(deepspeed_config):
+    """What the export leaves out turns nothing on: DeepSpeed's compile section stays at its
+    defaults (no DeepCompile) until the training script calls engine.compile()."""
+    with pytest.warns(ExportWarning, match="engine.compile"):
+        data = export.to_deepspeed(compiled_plan("deepspeed", float8=False))
+    parsed = deepspeed_config(data, 8)
+    assert parsed.zero_optimization_stage == 3 and not parsed.compile_config.deepcompile

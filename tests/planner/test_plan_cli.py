@@ -455,3 +455,42 @@ def test_plan_carries_torchtitan_checkpoint_settings(tmp_path):
     layer = plan_json(*args[:-3], "--recompute", "selective", "--selective-ac", "2",
                       "--deterministic")["plans"][0]
     assert layer["selective_ac"] == "2"
+
+
+H100_TORCHTITAN = ["--model", "megatron-1.7b", "--cluster", "dgx-h100", "--nodes", "1",
+                   "--global-batch", "64", "--framework", "torchtitan", "--deterministic"]
+"""One H100 node (float8 tensor cores) under torchtitan, where --compile and --float8 are
+modelled."""
+
+
+def test_plan_carries_compile_and_float8_to_every_candidate():
+    """--compile and --float8 are settings of every configuration the search tries, not
+    searched: every ranked plan holds them and is priced as ``estimate`` prices it with them
+    (not as without them); the plan's provenance records them for explain and replan."""
+    plans = plan_json(*H100_TORCHTITAN, "--top", "3", "--compile", "model",
+                      "--float8")["plans"]
+    assert plans and all((p["compile"], p["float8"]) == ("model", True) for p in plans)
+    pinned = plans[0]["provenance"]["pinned"]
+    assert (pinned["compile"], pinned["float8"]) == ("model", True)
+    for data in plans:
+        plan = plan_from_dict(data)
+        priced = estimate(plan.model, plan.cluster, plan.config, framework="torchtitan")
+        assert priced.time.step_s == pytest.approx(step_s(data), rel=REL)
+        eager = estimate(plan.model, plan.cluster,
+                         plan.config.replace(compile="none", float8=False),
+                         framework="torchtitan")
+        assert eager.time.step_s != pytest.approx(step_s(data), rel=REL)
+    plain = plan_json(*H100_TORCHTITAN, "--top", "1")["plans"][0]
+    assert "compile" not in plain and "float8" not in plain
+    assert "compile" not in plain["provenance"]["pinned"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--framework", "megatron", "--compile", "model"], ["--compile", "torchtitan"]),
+    (["--framework", "deepspeed", "--float8"], ["--float8", "torchtitan"]),
+    (["--framework", "torchtitan", "--float8", "--dtype", "fp32"], ["float8", "bf16", "fp32"]),
+], ids=["compile-megatron", "float8-deepspeed", "float8-fp32"])
+def test_compile_and_float8_refusals_are_one_line(argv, words):
+    """A user error (exit 2, one line), not "no plan fits" (exit 3)."""
+    line = usage_error("plan", *H100_TORCHTITAN[:-3], *argv)
+    assert all(word in line for word in words), line

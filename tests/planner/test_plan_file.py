@@ -447,3 +447,51 @@ def test_predicted_stages_and_keys_must_match_the_plan(pinned, tmp_path, change,
     path.write_text(json.dumps(changed))
     line = usage_error("export", path, "--to", "megatron")
     assert line.startswith(f"meshplan: error: {path}: {message}"), line
+
+
+# ----- torchtitan's settings: compile and float8 ------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> tuple[Path, dict]:
+    """A torchtitan plan with torch.compile of the blocks and the loss and float8 training (an
+    H100 node: float8 tensor cores)."""
+    path = tmp_path_factory.mktemp("compiled") / "plan.json"
+    meshplan("plan", "--model", "megatron-1.7b", "--cluster", "dgx-h100", "--global-batch",
+             str(GLOBAL_BATCH), "--framework", "torchtitan", "--compile", "model+loss",
+             "--float8", "--time-limit", "20", "-o", path, "--json").json()
+    return path, json.loads(path.read_text())
+
+
+def test_compile_and_float8_round_trip_through_the_plan_file(compiled, tmp_path):
+    path, data = compiled
+    assert (data["compile"], data["float8"]) == ("model+loss", True)
+    plan = read_plan(path)
+    assert (plan.config.compile, plan.config.float8) == ("model+loss", True)
+    again = tmp_path / "again.json"
+    write_plan(plan, again)
+    assert json.loads(again.read_text()) == data
+
+
+def test_a_plan_without_the_settings_holds_neither_key(unpinned):
+    """Written only when set, so plan files from before the settings still read."""
+    path, data = unpinned
+    assert "compile" not in data and "float8" not in data
+    config = read_plan(path).config
+    assert (config.compile, config.float8) == ("none", False)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"float8": 1}, "'float8': 1 is not accepted; float8 must be true or false"),
+    ({"float8": "true"}, "'float8': 'true' is not accepted; float8 must be true or false"),
+    ({"compile": True}, "'compile': true is not accepted; compile must be one of \"none\", "
+                        "\"model\", \"model+loss\""),
+    ({"compile": "all"}, "'compile': 'all' is not accepted; compile must be one of \"none\", "
+                         "\"model\", \"model+loss\""),
+    ({"dtype": "fp32"}, "float8 training needs dtype bf16 (its casts start from bf16), got "
+                        "'fp32'"),
+], ids=["float8-int", "float8-string", "compile-bool", "compile-unknown", "float8-fp32"])
+def test_bad_compile_or_float8_value_is_one_line(compiled, tmp_path, change, message):
+    _, data = compiled
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_edit(data, **change)))
+    assert usage_error("export", path, "--to", "torchtitan") == \
+        f"meshplan: error: {path}: {message}"

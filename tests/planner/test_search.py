@@ -37,7 +37,8 @@ from meshplan.planner import solver
 from meshplan.planner import search as search_module
 from meshplan.planner.search import (NoPlanFits, SearchTimeout, bound, framework_space,
                                      lower_bound_s, recompute_deficit, search)
-from meshplan.planner.space import MESH_ORDERS, SearchSpace, candidates
+from meshplan.planner.space import (MESH_ORDERS, SearchSpace, candidates, pins_of,
+                                    space_with_pins)
 from meshplan.planner.tables import build_tables, layer_bounds, objective_ns, stage_config
 
 CAL = default_calibration()
@@ -686,3 +687,33 @@ def test_the_short_limit_order_finds_the_same_plans(monkeypatch, name, nodes, ba
     assert short.status == whole.status == "OPTIMAL"
     assert ([(s.step_s, s.estimate.config) for s in short.ranked]
             == [(s.step_s, s.estimate.config) for s in whole.ranked])
+
+
+def test_run_settings_reach_every_candidate_and_round_trip_through_pins():
+    """compile and float8 (like selective_ac and recompute_early_stop) are not searched: every
+    candidate of the core and the whole space, and every plan the search ranks, carries the
+    space's; ``pins_of`` records them (explain and replan rebuild the space from it)."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100")
+    space = SearchSpace(global_batch_size=64, seq_len=8192, compile="model", float8=True)
+    for core in (True, False):
+        configs = candidates(model, cluster, space, core=core, framework="torchtitan")
+        assert configs and {(c.compile, c.float8) for c in configs} == {("model", True)}
+    got = search(model, cluster, space, framework="torchtitan", calibration=CAL, top_k=3,
+                 deterministic=True)
+    assert {(s.estimate.config.compile, s.estimate.config.float8) for s in got.ranked} == \
+        {("model", True)}
+    pins = pins_of(space)
+    assert (pins["compile"], pins["float8"]) == ("model", True)
+    assert space_with_pins(pins, global_batch_size=64, seq_len=8192) == space
+    assert not {"compile", "float8"} & set(pins_of(SearchSpace(global_batch_size=64,
+                                                               seq_len=8192)))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"float8": True, "dtype": "fp32"}, "float8 training needs dtype bf16"),
+    ({"compile": "everything"}, "compile must be one of none, model, model\\+loss"),
+])
+def test_a_space_refuses_settings_no_configuration_takes(settings, message):
+    """Refused as the space is made, not found out as an empty space after the search."""
+    with pytest.raises(ValueError, match=message):
+        SearchSpace(global_batch_size=64, seq_len=8192, **settings)

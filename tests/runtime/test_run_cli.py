@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshplan.costmodel import load_model
+from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
 from meshplan import cli
+from meshplan.planner.plan import Plan, write_plan
 from meshplan.runtime.agent import START_ENV
 from meshplan.runtime.strict import ENV as STRICT_ENV
 
@@ -79,6 +80,26 @@ def test_context_parallel_plan_is_refused(capsys, tmp_path, plan_file, make_conf
     assert cli.main(["run", str(plan)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("meshplan: error: context parallelism") and err.count("\n") == 1
+
+
+def test_compile_and_float8_plan_is_refused_before_any_worker(capsys, tmp_path, monkeypatch):
+    """A torchtitan plan (H100: float8 tensor cores) with torch.compile and float8 training:
+    one line naming both and the export to use, exit 2, and no worker started."""
+    from meshplan.runtime import launch
+
+    config = ParallelConfig(dp=8, global_batch_size=8, seq_len=64, compile="model+loss",
+                            float8=True)
+    est = estimate(TINY, load_cluster("dgx-h100"), config, framework="torchtitan")
+    path = tmp_path / "compiled.json"
+    write_plan(Plan.from_estimate(est, provenance={"source": "tests/runtime"}), path)
+    started = []
+    monkeypatch.setattr(launch, "processes_per_node", lambda *a, **k: started.append(a) or 8)
+    assert cli.main(["run", str(path), "--steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and started == []
+    assert err == ("meshplan: error: the plan's compile 'model+loss' and float8 are not run by "
+                   "meshplan's runtime (eager, in the plan's dtype); export the plan to "
+                   "torchtitan instead: meshplan export PLAN --to torchtitan\n")
 
 
 def test_missing_data_file_is_refused(capsys, dp2_plan, tmp_path):

@@ -122,6 +122,10 @@ def test_mesh_dims_reverse_the_plan_order():
 @pytest.mark.parametrize("changes, match", [
     ({"cp": 2, "dp": 1}, "context parallelism"),
     ({"offload": "optimizer", "offload_device": "nvme"}, "nvme"),
+    ({"compile": "model"}, "the plan's compile 'model' is not run by meshplan's runtime"),
+    ({"float8": True}, "the plan's float8 is not run by meshplan's runtime"),
+    ({"compile": "model+loss", "float8": True},
+     "the plan's compile 'model\\+loss' and float8 are not run .* export the plan to torchtitan"),
 ])
 def test_unsupported_plans_are_refused(changes, match):
     config = ParallelConfig(global_batch_size=8, seq_len=64, **changes)
