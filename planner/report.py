@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: `meshplan models` does not load the estimator
-    from meshplan.costmodel import ClusterSpec, Estimate, ModelSpec
+    from meshplan.costmodel import ClusterSpec, Estimate, ModelSpec, ParallelConfig
 
 GIB = 2**30
 """Bytes per GiB."""
@@ -137,8 +137,15 @@ def _header(est: Estimate) -> str:
         f"recompute {recompute}, vpp {cfg.vpp}, micro-batch {cfg.micro_batch_size}, "
         f"global batch {cfg.global_batch_size} ({cfg.grad_accum_steps} micro-batches), "
         f"seq {cfg.seq_len}, {cfg.dtype}, layers/stage "
-        f"{','.join(map(str, cfg.stage_layers(m.num_layers)))}",
+        f"{','.join(map(str, cfg.stage_layers(m.num_layers)))}{_settings_text(cfg)}",
     ])
+
+
+def _settings_text(cfg: ParallelConfig) -> str:
+    """torch.compile and float8 training where the plan sets them, as ``, ...`` parts."""
+    parts = [f"torch.compile {cfg.compile}" if cfg.compile != "none" else "",
+             "float8 linears" if cfg.float8 else ""]
+    return "".join(f", {part}" for part in parts if part)
 
 
 def memory_table(est: Estimate) -> str:

@@ -146,3 +146,15 @@ def test_cli_float8_under_megatron_is_one_line_exit_2():
                           "--framework", "megatron", "--global-batch", "16", "--float8")
     assert message.startswith("meshplan: error:") and "torchtitan only" in message
     assert "\n" not in message.strip()
+
+
+def test_estimate_report_names_the_settings():
+    from meshplan.testing import run_cli
+
+    result = run_cli("estimate", "--model", "llama3-8b", "--cluster", "dgx-h100",
+                     "--framework", "torchtitan", "--zero", "3", "--micro-batch", "2",
+                     "--global-batch", "16", "--seq-len", "8192", "--compile", "model",
+                     "--float8")
+    assert result.code == 0, result.err
+    plan_line = next(line for line in result.out.splitlines() if line.startswith("plan:"))
+    assert plan_line.endswith(", torch.compile model, float8 linears")
