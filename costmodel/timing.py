@@ -269,8 +269,8 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     if config.float8:
         # float8 GEMMs at the float8 peak and the same efficiency (torchao's float8 roofline
         # takes one achievable fraction for both), plus their casts' HBM traffic
-        fp8_flop = proj_flop + (0.0 if moe else mlp_flop)
-        gemm = (_gemm_s(fp8_flop, 2 + mats, peak=cluster.gpu.peak("fp8"),
+        fp8_flop = proj_flop + (0.0 if moe else mlp_flop)  # experts stay bf16
+        gemm = (_gemm_s(fp8_flop, 2 if moe else 2 + mats, peak=cluster.gpu.peak("fp8"),
                         efficiency=gemm_efficiency, overhead_s=device.matmul_overhead_s)
                 + _gemm_s(proj_flop + mlp_flop - fp8_flop, mats if moe else 0, peak=peak,
                           efficiency=gemm_efficiency, overhead_s=device.matmul_overhead_s)

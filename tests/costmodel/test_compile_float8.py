@@ -158,3 +158,22 @@ def test_estimate_report_names_the_settings():
     assert result.code == 0, result.err
     plan_line = next(line for line in result.out.splitlines() if line.startswith("plan:"))
     assert plan_line.endswith(", torch.compile model, float8 linears")
+
+
+def test_float8_leaves_moe_experts_in_bf16():
+    """The linear converter swaps ``nn.Linear`` modules only: an MoE layer's experts (and its
+    router) keep their bf16 GEMMs, its attention projections run in float8."""
+    model, cluster = load_model("mixtral-8x7b"), load_cluster("dgx-h100", nodes=1)
+    cal = default_calibration()
+    config = _config(compile="model", ep=8)
+    bf16 = layer_forward(model, cluster, config, cal, moe=True, framework="torchtitan")
+    fp8_config = config.replace(float8=True)
+    fp8 = layer_forward(model, cluster, fp8_config, cal, moe=True, framework="torchtitan")
+    device = cal.device(cluster.gpu.key)
+    casts = eager.float8_cast_bytes(model, fp8_config, moe=True, tokens=2 * 8192) / 3 \
+        / (cluster.gpu.hbm_bytes_per_s * device.memory_efficiency)
+    tokens, h = 2 * 8192, model.hidden_size
+    projections = 2 * tokens * h * (2 * model.q_size + 2 * model.kv_size)
+    ratio = cluster.gpu.peak("bf16") / cluster.gpu.peak("fp8")
+    saved = projections / (cluster.gpu.peak("bf16") * device.gemm_efficiency(True)) * (1 - ratio)
+    assert bf16.gemm_s - (fp8.gemm_s - casts) == pytest.approx(saved, rel=1e-9)
