@@ -232,18 +232,26 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     if stage == 0:
         total += in_flight * act.embedding_activation_bytes(model, config)
     if stage == config.pp - 1:
-        torchtitan = framework == "torchtitan"
-        total += act.head_activation_bytes(
-            model, config, logit_copies=logit_copies(framework, config.dtype == "fp32",
-                                                     compiled_loss=config.compile == "model+loss",
-                                                     loss_parallel=config.tp > 1),
-            vocab_parallel=vocab_parallel_loss(framework),
-            gathered_head_input=torchtitan and config.sp and config.tp > 1)
-        total += act.logit_bytes(model, config,
-                                 copies=kept_stage_output_copies(framework, config.pp),
-                                 vocab_parallel=vocab_parallel_loss(framework),
-                                 element_bytes=config.bytes_per_activation)
+        total += last_stage_head_bytes(model, config, framework)
     return total
+
+
+def last_stage_head_bytes(model: ModelSpec, config: ParallelConfig, framework: str) -> float:
+    """What the last stage holds for the LM head and the loss beyond its layers' activations:
+    the head's inputs and the framework's loss copies of the logits
+    (``activations.head_activation_bytes``; torchtitan's compiled loss, loss parallelism and
+    all-gathered head input under SP), and the stage outputs the pipeline schedule keeps."""
+    torchtitan = framework == "torchtitan"
+    head = act.head_activation_bytes(
+        model, config, logit_copies=logit_copies(framework, config.dtype == "fp32",
+                                                 compiled_loss=config.compile == "model+loss",
+                                                 loss_parallel=config.tp > 1),
+        vocab_parallel=vocab_parallel_loss(framework),
+        gathered_head_input=torchtitan and config.sp and config.tp > 1)
+    return head + act.logit_bytes(model, config,
+                                  copies=kept_stage_output_copies(framework, config.pp),
+                                  vocab_parallel=vocab_parallel_loss(framework),
+                                  element_bytes=config.bytes_per_activation)
 
 
 def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int) -> list[str]:

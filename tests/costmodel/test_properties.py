@@ -20,10 +20,9 @@ from meshplan.costmodel import activations as act
 from meshplan.costmodel.config import FRAMEWORKS, MESH_AXES, RECOMPUTE_MODES, ParallelConfig
 from meshplan.costmodel.layout import check_fits_model
 from meshplan.costmodel.estimate import estimate
-from meshplan.costmodel.frameworks import (kept_stage_output_copies, logit_copies,
-                                          model_state_bytes, vocab_parallel_loss)
+from meshplan.costmodel.frameworks import model_state_bytes
 from meshplan.costmodel.hardware import ClusterSpec, load_cluster
-from meshplan.costmodel.memory import stage_activation_bytes, stage_states
+from meshplan.costmodel.memory import last_stage_head_bytes, stage_activation_bytes, stage_states
 from meshplan.costmodel.model import ModelSpec
 from meshplan.costmodel.models import load_model
 
@@ -189,12 +188,7 @@ def test_stage_activations_decrease_with_stage_index(plan, pp, v, m_per_p, recom
         reject()
     config = config.replace(pp=pp, vpp=v, recompute=recompute,
                             global_batch_size=pp * m_per_p * config.micro_batch_size)
-    head = act.head_activation_bytes(model, config,
-                                     logit_copies=logit_copies(framework, config.dtype == "fp32"),
-                                     vocab_parallel=vocab_parallel_loss(framework))
-    head += act.logit_bytes(model, config, copies=kept_stage_output_copies(framework, pp),
-                            vocab_parallel=vocab_parallel_loss(framework),
-                            element_bytes=config.bytes_per_activation)
+    head = last_stage_head_bytes(model, config, framework)
     by_stage = [stage_activation_bytes(model, config, s, framework) for s in range(pp)]
     by_stage[-1] -= head
     assert all(_at_most(b, a) for a, b in zip(by_stage, by_stage[1:])), by_stage
