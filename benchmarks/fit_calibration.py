@@ -67,7 +67,7 @@ p4d.24xlarge, 8 A100s on NVLink): a 5.1B-parameter BERT's forward took ~480 ms u
 against ~60 ms under ZeRO-2, ~0.42 s for its ~10.2 GB of fp16 parameters, ~25 GB/s, a
 fraction of what NVLink carries; PR #1188 names the causes (a synchronize before every
 gather, an explicit copy after it)."""
-GPU_KEYS = ("a100-80gb", "a100-40gb", "h100-sxm", "h200", "b200", "default")
+GPU_KEYS = ("a100-80gb", "a100-40gb", "h100-sxm", "h100-hbm2e-96gb", "h200", "b200", "default")
 """The GPUs of the two generations the fit covers (H200 and B200 take H100's values)."""
 
 
@@ -83,8 +83,9 @@ def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
                                matmul_overhead_s=v["a100_matmul_overhead_s"],
                                attention_efficiency=min(1.0, a100.attention_efficiency * ratio))
     devices = dict(base.devices)
-    devices.update({"a100-80gb": a100, "a100-40gb": a100, "h100-sxm": h100, "h200": h100,
-                    "b200": h100, "default": a100})  # the GPUs of one generation share values
+    devices.update({"a100-80gb": a100, "a100-40gb": a100, "h100-sxm": h100,
+                    "h100-hbm2e-96gb": h100, "h200": h100, "b200": h100,
+                    "default": a100})  # the GPUs of one generation share values
     factors = dict(base.framework_compute_factor, deepspeed=v["deepspeed_compute_factor"])
     return dataclasses.replace(
         base, devices=devices, elementwise_traffic_factor=v["elementwise_traffic_factor"],
@@ -241,7 +242,8 @@ FIT_SOURCE = (
     "DeepSpeed compute factor on MT-NLG (280 nodes). Then, with those fixed, the eager "
     "(FSDP trainer) values on the eager 'fit' runs (14 MosaicML llm-foundry rows: MPT-7B/13B on "
     "8 H100s, 30B on 16, 70B on 64, MPT-7B on 8 A100-80GB, 13B on 64 A100-40GB, MPT-1B at 16k "
-    "and 32k tokens on 8 GPUs of each kind, MPT-1B and 3B on 512 H100s): each generation's "
+    "and 32k tokens on 8 GPUs of each kind, MPT-1B and 3B on 512 H100s; torchtitan's Llama 2 "
+    "13B on 64 A100s and Llama 3.1 8B on 8 Grand Teton H100s): each generation's "
     "eager GEMM and fused-attention efficiency, and the prefetched FSDP collectives' overlap "
     "and contention. Then DeepSpeed ZeRO-3's per-rank call cost on its two fit rows "
     "(Narayanan et al. 2021 Table 2: 174.6B on 768 A100s, 529.6B on 2,240), its gather "

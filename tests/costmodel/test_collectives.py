@@ -298,7 +298,7 @@ def test_fit_profile_of_a_node_recovers_its_link_from_groups_of_two_four_and_eig
 
 
 # ----- NVLS: NCCL's in-switch all-reduce on NVSwitch nodes that reduce ----------------------------
-NCCL_NVLS_EFFICIENCY = {"h100-sxm": 0.85, "h200": 0.85, "b200": 0.74}
+NCCL_NVLS_EFFICIENCY = {"h100-sxm": 0.85, "h100-hbm2e-96gb": 0.85, "h200": 0.85, "b200": 0.74}
 """NVIDIA/nccl src/graph/tuning.cc ``nvlsEfficiency``: Hopper 0.85, Blackwell 0.74 (Ampere 0)."""
 NCCL_NVLS_LATENCY_S = 25e-6
 """tuning.cc: NVLS base latency 0, ``hwLatencies[NVLINK][NVLS][SIMPLE]`` 25 us."""
