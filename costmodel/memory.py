@@ -236,18 +236,22 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     return total
 
 
+def loss_logit_copies(framework: str, config: ParallelConfig) -> float:
+    """``frameworks.logit_copies`` for the plan: its dtype, whether torchtitan compiles the
+    loss, and whether it runs under tensor parallelism (torchtitan's loss parallelism)."""
+    return logit_copies(framework, config.dtype == "fp32",
+                        compiled_loss=config.compile == "model+loss", loss_parallel=config.tp > 1)
+
+
 def last_stage_head_bytes(model: ModelSpec, config: ParallelConfig, framework: str) -> float:
     """What the last stage holds for the LM head and the loss beyond its layers' activations:
     the head's inputs and the framework's loss copies of the logits
     (``activations.head_activation_bytes``; torchtitan's compiled loss, loss parallelism and
     all-gathered head input under SP), and the stage outputs the pipeline schedule keeps."""
-    torchtitan = framework == "torchtitan"
     head = act.head_activation_bytes(
-        model, config, logit_copies=logit_copies(framework, config.dtype == "fp32",
-                                                 compiled_loss=config.compile == "model+loss",
-                                                 loss_parallel=config.tp > 1),
+        model, config, logit_copies=loss_logit_copies(framework, config),
         vocab_parallel=vocab_parallel_loss(framework),
-        gathered_head_input=torchtitan and config.sp and config.tp > 1)
+        gathered_head_input=framework == "torchtitan" and config.sp and config.tp > 1)
     return head + act.logit_bytes(model, config,
                                   copies=kept_stage_output_copies(framework, config.pp),
                                   vocab_parallel=vocab_parallel_loss(framework),
@@ -621,10 +625,8 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     workspace = recompute_workspace_bytes(model, config, stage, framework="torchtitan",
                                           device_key=device_key)
     last = stage == config.pp - 1
-    loss = act.logit_bytes(model, config, copies=logit_copies(
-        "torchtitan", fp32, compiled_loss=config.compile == "model+loss",
-        loss_parallel=config.tp > 1)) if last \
-        else 0.0
+    loss = act.logit_bytes(model, config, copies=loss_logit_copies("torchtitan", config)) \
+        if last else 0.0
     if config.zero_stage <= 1:  # DDP: buckets stay allocated, nothing is gathered
         at_loss = in_block = buffers
     elif config.zero_stage == 3 and config.pp == 1:

@@ -1428,15 +1428,24 @@ class _Refiner:
         """The member of a (degrees, micro-batch, sp, layout, vpp) family that holds the least
         device memory: the highest allowed ZeRO stage with the most offload (memory does not
         grow with the ZeRO stage or with offload)."""
+        for zero in sorted(self._zero_stages(degrees), reverse=True):
+            config = self._most_offloaded(degrees, b, sp, order, v, zero)
+            if config is not None:
+                return config
+        return None
+
+    def _zero_stages(self, degrees) -> list[int]:
         tp, cp, pp, dp, ep = degrees
-        for zero in sorted(zero_choices(self.space, dp * cp, core=self.core,
-                                        framework=self.framework), reverse=True):
-            choices = offload_choices(self.space, zero, self.model, self.cluster)
-            order_of = {"optimizer+params": 0, "optimizer": 1, "none": 2}
-            for offload, device in sorted(choices, key=lambda c: order_of[c[0]]):
-                config = self.config(degrees, b, sp, order, v, zero, offload, device)
-                if config is not None:
-                    return config
+        return zero_choices(self.space, dp * cp, core=self.core, framework=self.framework)
+
+    def _most_offloaded(self, degrees, b, sp, order, v, zero) -> ParallelConfig | None:
+        """The family's member at ZeRO stage ``zero`` with the most offload allowed."""
+        order_of = {"optimizer+params": 0, "optimizer": 1, "none": 2}
+        choices = offload_choices(self.space, zero, self.model, self.cluster)
+        for offload, device in sorted(choices, key=lambda c: order_of[c[0]]):
+            config = self.config(degrees, b, sp, order, v, zero, offload, device)
+            if config is not None:
+                return config
         return None
 
     def lean_members(self, degrees, b, sp, order, v) -> list[ParallelConfig]:
@@ -1450,17 +1459,9 @@ class _Refiner:
         lean = self.leanest(degrees, b, sp, order, v)
         if lean is None or self.framework != "torchtitan" or degrees[2] == 1:
             return [] if lean is None else [lean]
-        tp, cp, pp, dp, ep = degrees
-        members = []
-        order_of = {"optimizer+params": 0, "optimizer": 1, "none": 2}
-        for zero in zero_choices(self.space, dp * cp, core=self.core, framework=self.framework):
-            choices = offload_choices(self.space, zero, self.model, self.cluster)
-            for offload, device in sorted(choices, key=lambda c: order_of[c[0]]):
-                config = self.config(degrees, b, sp, order, v, zero, offload, device)
-                if config is not None:
-                    members.append(config)
-                    break
-        return members
+        members = (self._most_offloaded(degrees, b, sp, order, v, zero)
+                   for zero in self._zero_stages(degrees))
+        return [config for config in members if config is not None]
 
     def family(self, degrees, b, sp, order, v) -> "_Family | None":
         """Bounds of every ZeRO / offload choice at (degrees, b, sp, order, v): the linear
