@@ -239,7 +239,7 @@ def test_clusters_json_and_table(capsys):
     out = capsys.readouterr().out
     for column in ("gpu", "gpus/node", "NIC GB/s", "HBM GiB", "peak bf16 TFLOP/s"):
         assert column in out.splitlines()[0]
-    row = next(line for line in out.splitlines() if line.startswith("dgx-a100-80gb"))
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["dgx-a100-80gb"])
     assert row.split()[2:] == ["8", "25.0", "80.0", "312"]
 
 
