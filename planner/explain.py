@@ -21,6 +21,7 @@ from meshplan.costmodel import Calibration, ParallelConfig, estimate
 from meshplan.costmodel.estimate import Estimate
 from meshplan.planner.elasticity import Elasticity, FailureModel, IntervalCost, failure_cost
 from meshplan.planner.plan import Plan
+from meshplan.planner.report import settings_text
 from meshplan.planner.planning import summary
 from meshplan.planner.search import NoPlanFits, search
 from meshplan.planner.space import SearchSpace, space_with_pins
@@ -290,7 +291,7 @@ def render(explanation: Explanation) -> str:
     lines = [f"plan: tp {c.tp} pp {c.pp} dp {c.dp} cp {c.cp} ep {c.ep}, "
              f"ZeRO-{c.zero_stage}, offload {c.offload}, recompute {recompute}, "
              f"micro-batch {c.micro_batch_size}, vpp {c.vpp}, layers "
-             f"{list(c.stage_layers(est.model.num_layers))}",
+             f"{list(c.stage_layers(est.model.num_layers))}{settings_text(c)}",
              f"  step {est.time.step_s:.3f} s, {est.throughput.tokens_per_s:,.0f} tokens/s, "
              f"MFU {est.throughput.mfu:.1%}, {'fits' if est.fits else 'DOES NOT FIT'}",
              "",

@@ -137,11 +137,11 @@ def _header(est: Estimate) -> str:
         f"recompute {recompute}, vpp {cfg.vpp}, micro-batch {cfg.micro_batch_size}, "
         f"global batch {cfg.global_batch_size} ({cfg.grad_accum_steps} micro-batches), "
         f"seq {cfg.seq_len}, {cfg.dtype}, layers/stage "
-        f"{','.join(map(str, cfg.stage_layers(m.num_layers)))}{_settings_text(cfg)}",
+        f"{','.join(map(str, cfg.stage_layers(m.num_layers)))}{settings_text(cfg)}",
     ])
 
 
-def _settings_text(cfg: ParallelConfig) -> str:
+def settings_text(cfg: ParallelConfig) -> str:
     """torch.compile and float8 training where the plan sets them, as ``, ...`` parts."""
     parts = [f"torch.compile {cfg.compile}" if cfg.compile != "none" else "",
              "float8 linears" if cfg.float8 else ""]

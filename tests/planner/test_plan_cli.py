@@ -494,3 +494,15 @@ def test_compile_and_float8_refusals_are_one_line(argv, words):
     """A user error (exit 2, one line), not "no plan fits" (exit 3)."""
     line = usage_error("plan", *H100_TORCHTITAN[:-3], *argv)
     assert all(word in line for word in words), line
+
+
+def test_explain_names_compile_and_float8(tmp_path):
+    path = tmp_path / "plan.json"
+    result = run_cli("plan", *H100_TORCHTITAN, "--compile", "model+loss", "--float8",
+                     "-o", path)
+    assert result.code == 0, result.err
+    result = run_cli("explain", path, "--time-limit", "5")
+    assert result.code == 0, result.err
+    first = result.out.splitlines()[0]
+    assert first.startswith("plan: ") and first.endswith(
+        ", torch.compile model+loss, float8 linears"), first
