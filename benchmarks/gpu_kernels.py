@@ -12,6 +12,11 @@ the host AdamW step). This script times each on the GPU it runs on, in bf16:
   torch has it, cuDNN's, at sequence 2k-8k and head size 64/128 (FLOPs counted as the cost
   model counts them: causal forward ``2 * 2 * s * q / 2`` per token, backward twice forward);
 - ``launch``: back-to-back tiny kernels (the GPU-side cost of one launch) and a 256-cube GEMM;
+- ``float8``: the Llama-3-8B layer products in float8 (``torch._scaled_mm``, tensorwise scales,
+  bf16 out) at 4,096 and 16,384 tokens against the float8 peak, beside the cost model's
+  assumption for ``--float8`` (the bf16 GEMM efficiency at the float8 peak), and one
+  tensorwise cast of a bf16 activation to float8 (max-abs, scale, cast: 5 bytes per element
+  read and written) against HBM bandwidth;
 - ``elementwise``: a 1 GiB bf16 add (bytes read and written over time);
 - ``host``: 256 MiB host-device copies from pinned and from pageable memory, each way, and one
   fp32 AdamW step on the CPU over 64 M parameters with torch's fused kernel on all cores.
@@ -192,6 +197,41 @@ def launch_rows(timer: Timer, device: torch.device, dtype: torch.dtype, cal) -> 
                  predicted_s=cal.matmul_overhead_s)]
 
 
+def float8_rows(timer: Timer, device: torch.device, *, dry_run: bool, peak: float,
+                hbm: float, cal) -> list[dict]:
+    """``float8``: what ``--float8`` assumes, measured (see the module docstring)."""
+    rows = []
+    h, q, kv, ffn = (64, 64, 32, 128) if dry_run else LAYERS["llama3-8b"]
+    fp8 = torch.float8_e4m3fn
+    one = torch.tensor(1.0, device=device)
+    for m in ((16, 64) if dry_run else (4096, 16384)):
+        shapes = {"qkv": (h, q + 2 * kv), "mlp_up": (h, 2 * ffn), "mlp_down": (ffn, h)}
+        for name, (k, n) in shapes.items():
+            a = torch.randn(m, k, device=device).to(fp8)
+            b = torch.randn(n, k, device=device).to(fp8).t()  # column-major, as cuBLASLt wants
+            seconds = timer(lambda a=a, b=b: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                                               out_dtype=torch.bfloat16))
+            flop = 2.0 * m * k * n
+            rows.append(dict(group="float8", case=f"scaled_mm {name} m={m} k={k} n={n}",
+                             rows=m, seconds=seconds, rate=flop / seconds,
+                             efficiency=flop / seconds / peak,
+                             predicted_efficiency=_predicted_gemm(cal, flop, m, peak)))
+            del a, b
+    m = 64 if dry_run else 16384
+    x = torch.randn(m, h, device=device, dtype=torch.bfloat16)
+
+    def cast() -> torch.Tensor:
+        scale = torch.finfo(fp8).max / x.abs().max().float().clamp(min=1e-12)
+        return (x.float() * scale).to(fp8)
+
+    seconds = timer(cast)
+    moved = 5.0 * x.numel()  # max-abs reads 2 bytes, the cast reads 2 and writes 1
+    rows.append(dict(group="float8", case=f"tensorwise cast {m}x{h} bf16", seconds=seconds,
+                     rate=moved / seconds, efficiency=moved / seconds / hbm,
+                     predicted_efficiency=cal.memory_efficiency))
+    return rows
+
+
 def elementwise_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *,
                      dry_run: bool, hbm: float, cal) -> list[dict]:
     n = (4 * MIB if dry_run else 512 * MIB)  # elements: 1 GiB of bf16
@@ -237,7 +277,7 @@ def host_rows(timer: Timer, device: torch.device, *, dry_run: bool, pcie: float,
 
 def markdown(rows: list[dict], title: str) -> str:
     lines = [f"# {title}", ""]
-    for group in ("gemm", "attention", "launch", "elementwise", "host"):
+    for group in ("gemm", "attention", "launch", "float8", "elementwise", "host"):
         part = [row for row in rows if row["group"] == group]
         if not part:
             continue
@@ -293,6 +333,9 @@ def main() -> int:
              ("attention", lambda: attention_rows(timer, device, dtype, dry_run=args.dry_run,
                                                   peak=peak, cal=cal)),
              ("launch", lambda: launch_rows(timer, device, dtype, cal)),
+             ("float8", lambda: float8_rows(timer, device, dry_run=args.dry_run,
+                                            peak=peak if args.dry_run else gpu.peak("fp8"),
+                                            hbm=gpu.hbm_bytes_per_s, cal=cal)),
              ("elementwise", lambda: elementwise_rows(timer, device, dtype,
                                                       dry_run=args.dry_run,
                                                       hbm=gpu.hbm_bytes_per_s, cal=cal)),
