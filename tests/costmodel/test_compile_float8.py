@@ -179,3 +179,21 @@ def test_float8_leaves_moe_experts_in_bf16():
     ratio = cluster.gpu.peak("bf16") / cluster.gpu.peak("fp8")
     saved = projections / (cluster.gpu.peak("bf16") * device.gemm_efficiency(True)) * (1 - ratio)
     assert bf16.gemm_s - (fp8.gemm_s - casts) == pytest.approx(saved, rel=1e-9)
+
+
+def test_compiled_block_keeps_what_its_partition_keeps():
+    """A compiled Llama-3-8B block without recomputation keeps, per token in bf16: the block
+    input and the residual (h each), q, k and v (q + 2 kv), the attention output (q) with the
+    fp32 log-sum-exp per head, the two up projections (2 f), and the two norms' fp32 inverse
+    RMS; not the norms' outputs nor SiLU's or the gate product's (rebuilt in backward)."""
+    from meshplan.costmodel import activations as act
+
+    model = load_model("llama3-8b")
+    config = _config(compile="model", recompute="none")
+    tokens = 2 * 8192
+    per_token = 2 * (2 * H + (Q + 2 * KV) + Q + 2 * F) + 2 * 4 + 4 * model.num_heads
+    assert act.layer_activation_bytes(model, config, recompute="none", compiled=True) \
+        == per_token * tokens
+    eager = act.layer_activation_bytes(model, config, recompute="none", eager=True,
+                                       rope_tables=False)
+    assert eager > per_token * tokens
