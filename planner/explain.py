@@ -231,7 +231,8 @@ def _runners_up(plan: Plan, est: Estimate, space: SearchSpace, calibration: Cali
 def what_ifs(plan: Plan, est: Estimate, space: SearchSpace, calibration: Calibration,
              time_limit_s: float) -> tuple[WhatIf, ...]:
     """One more node (re-planned), 2x inter-node bandwidth (same plan, and re-planned), the
-    next ZeRO stage (same plan)."""
+    next ZeRO stage (same plan), and under torchtitan the settings the plan leaves off
+    (``setting_changes``)."""
     out: list[WhatIf] = []
     bigger = dataclasses.replace(plan.cluster, nodes=plan.cluster.nodes + 1)
     out.append(_replanned("one more node", plan, bigger, space, calibration, time_limit_s))
@@ -246,7 +247,30 @@ def what_ifs(plan: Plan, est: Estimate, space: SearchSpace, calibration: Calibra
         nxt = estimate(plan.model, plan.cluster, config, framework=plan.framework,
                        calibration=calibration)
         out.append(SamePlanChange(change=f"ZeRO-{config.zero_stage}", estimate=nxt, base=est))
+    out += setting_changes(plan, est, calibration)
     return tuple(out)
+
+
+def setting_changes(plan: Plan, est: Estimate,
+                    calibration: Calibration) -> list[SamePlanChange]:
+    """Under torchtitan, the same plan with what it leaves off of the run settings the planner
+    does not search: torch.compile of the blocks and the loss, and float8 linears (bf16 plans
+    on GPUs with float8 tensor cores). Settings, not searched, because they are the user's
+    call: compilation time, and float8's numerics."""
+    if plan.framework != "torchtitan":
+        return []
+    config = plan.config
+    changes = []
+    if config.compile != "model+loss":
+        changes.append(("--compile model+loss", config.replace(compile="model+loss")))
+    if not config.float8 and config.dtype == "bf16" \
+            and "fp8" in plan.cluster.gpu.peak_flop_per_s:
+        changes.append(("--float8", config.replace(float8=True)))
+    return [SamePlanChange(change=name, base=est,
+                           estimate=estimate(plan.model, plan.cluster, changed,
+                                             framework=plan.framework,
+                                             calibration=calibration))
+            for name, changed in changes]
 
 
 def _replanned(change: str, plan: Plan, cluster, space: SearchSpace,

@@ -20,7 +20,7 @@ import pytest
 from meshplan.costmodel import estimate, estimate_to_dict, load_model
 from meshplan.testing import run_cli
 from meshplan.testing import usage_error as cli_usage_error
-from meshplan.planner.plan import plan_from_dict
+from meshplan.planner.plan import plan_from_dict, read_plan
 
 # ----- the contract, copied from DESIGN.md ("plan --json output", "Plan file") ----------------
 PLAN_JSON_KEYS = {"schema_version", "plans", "solver", "pareto"}
@@ -506,3 +506,27 @@ def test_explain_names_compile_and_float8(tmp_path):
     first = result.out.splitlines()[0]
     assert first.startswith("plan: ") and first.endswith(
         ", torch.compile model+loss, float8 linears"), first
+
+
+def test_explain_prices_the_torchtitan_settings_a_plan_leaves_off(tmp_path):
+    """Under torchtitan, explain's what-ifs hold the same plan with torch.compile (blocks and
+    loss) and with float8 linears, each as ``estimate`` prices it; a plan that sets both gets
+    neither line."""
+    path = tmp_path / "plan.json"
+    assert run_cli("plan", *H100_TORCHTITAN, "-o", path).code == 0
+    result = run_cli("explain", path, "--time-limit", "5", "--json")
+    assert result.code == 0, result.err
+    entries = {w["change"]: w for w in json.loads(result.out)["what_if"]}
+    plan = read_plan(path)
+    for change, settings in (("--compile model+loss", dict(compile="model+loss")),
+                             ("--float8", dict(float8=True))):
+        again = estimate(plan.model, plan.cluster, plan.config.replace(**settings),
+                         framework="torchtitan")
+        assert entries[change]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
+        assert entries[change]["delta_s"] < 0
+    both = tmp_path / "both.json"
+    assert run_cli("plan", *H100_TORCHTITAN, "--compile", "model+loss", "--float8",
+                   "-o", both).code == 0
+    result = run_cli("explain", both, "--time-limit", "5", "--json")
+    changes = {w["change"] for w in json.loads(result.out)["what_if"]}
+    assert not changes & {"--compile model+loss", "--float8"}
