@@ -1463,6 +1463,18 @@ class _Refiner:
                    for zero in self._zero_stages(degrees))
         return [config for config in members if config is not None]
 
+    def least_split(self, degrees, b, sp, order, v, time_config: ParallelConfig,
+                    **options) -> tuple[float, float] | None:
+        """The least ``capacity_split`` (options passed on) over the family's
+        ``lean_members``, term by term; None where none of them fits a split."""
+        splits = [split for member in self.lean_members(degrees, b, sp, order, v)
+                  if (split := self.capacity_split(member, time_config,
+                                                   roomy=self.roomy(member),
+                                                   **options)) is not None]
+        if not splits:
+            return None
+        return min(s[0] for s in splits), min(s[1] for s in splits)
+
     def family(self, degrees, b, sp, order, v) -> "_Family | None":
         """Bounds of every ZeRO / offload choice at (degrees, b, sp, order, v): the linear
         work (ZeRO-0, no offload: it does not depend on either) with the capacities of the
@@ -1490,12 +1502,9 @@ class _Refiner:
                 return None
             total = piece.per_micro_s + extra
             return _Family(top=total, total=total, micro_batches=piece.micro_batches)
-        splits = [split for member in self.lean_members(degrees, b, sp, order, v)
-                  if (split := self.capacity_split(member, base,
-                                                   roomy=self.roomy(member))) is not None]
-        if not splits:
+        split = self.least_split(degrees, b, sp, order, v, base)
+        if split is None:
             return None
-        split = (min(s[0] for s in splits), min(s[1] for s in splits))
         total = max(split[1], piece.per_micro_s)
         return _Family(top=max(split[0], total / p), total=total,
                        micro_batches=piece.micro_batches)
@@ -1565,12 +1574,10 @@ class _Refiner:
             timing = self.config(degrees, max(bs), sp, order, 1, 0, "none", "cpu")
             if timing is None:
                 continue
-            splits = [split for member in self.lean_members(degrees, min(bs), sp, order, 1)
-                      if (split := self.capacity_split(
-                          member, timing, time_scale=1.0 / max(bs), relaxed=True,
-                          roomy=self.roomy(member))) is not None]
-            if splits:
-                out[sp, order] = (min(s[0] for s in splits), min(s[1] for s in splits))
+            split = self.least_split(degrees, min(bs), sp, order, 1, timing,
+                                     time_scale=1.0 / max(bs), relaxed=True)
+            if split is not None:
+                out[sp, order] = split
         return out
 
     def vpps(self, degrees, b) -> list[int]:
