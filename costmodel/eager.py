@@ -66,18 +66,30 @@ def layer_elementwise_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bo
     residuals are sequence-split under SP; attention and MLP widths are split over tp.
     """
     e = config.bytes_per_activation
+    norm = RMSNORM_PASSES if model.norm == "rmsnorm" else LAYERNORM_PASSES
+    activation = SWIGLU_PASSES if model.activation == "swiglu" else GELU_PASSES
+    return _block_bytes(model, config, moe=moe, tokens=tokens,
+                        norm_residual_passes=2 * norm + 2 * RESIDUAL_PASSES,
+                        rope_bytes=2 * e + ROPE_BYTES_PER_ELEMENT, activation_passes=activation)
+
+
+def _block_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bool, tokens: float,
+                 norm_residual_passes: float, rope_bytes: float,
+                 activation_passes: float) -> float:
+    """HBM bytes of one layer's element-wise kernels on one rank for ``tokens`` tokens, given
+    the tensor passes of its norms and residual adds (h wide, sequence-split under SP), the
+    bytes per element of q and k its rotary embedding moves, and the passes of its MLP
+    activation (ffn wide); plus the head-merging copy after SDPA under RoPE."""
+    e = config.bytes_per_activation
     t = config.tp
     seq_div = t if config.sp else 1
-    h = model.hidden_size
-    norm = RMSNORM_PASSES if model.norm == "rmsnorm" else LAYERNORM_PASSES
-    per_token = (2 * norm + 2 * RESIDUAL_PASSES) * e * h / seq_div
+    per_token = norm_residual_passes * e * model.hidden_size / seq_div
     q, kv = model.q_size / t, model.kv_size / t
     if model.position_embedding == "rope":
-        per_token += (q + kv) * (2 * e + ROPE_BYTES_PER_ELEMENT)
+        per_token += (q + kv) * rope_bytes
         per_token += 2 * e * q  # the head-merging copy after SDPA
     f = (model.expert_ffn_size * model.moe_top_k if moe else model.ffn_hidden_size) / t
-    passes = SWIGLU_PASSES if model.activation == "swiglu" else GELU_PASSES
-    per_token += passes * e * f
+    per_token += activation_passes * e * f
     return per_token * tokens
 
 
@@ -119,19 +131,11 @@ def compiled_layer_elementwise_bytes(model: ModelSpec, config: ParallelConfig, *
     """``layer_elementwise_bytes`` for a compiled block: the same operators, each fused
     region's inputs read once and outputs written once (``FUSED_*``); the head-merging copy
     after SDPA and the MLP's GeLU are single kernels either way."""
-    e = config.bytes_per_activation
-    t = config.tp
-    seq_div = t if config.sp else 1
-    h = model.hidden_size
-    per_token = FUSED_NORM_RESIDUAL_PASSES * e * h / seq_div
-    q, kv = model.q_size / t, model.kv_size / t
-    if model.position_embedding == "rope":
-        per_token += (q + kv) * FUSED_ROPE_PASSES * e
-        per_token += 2 * e * q  # the head-merging copy after SDPA
-    f = (model.expert_ffn_size * model.moe_top_k if moe else model.ffn_hidden_size) / t
-    passes = FUSED_SWIGLU_PASSES if model.activation == "swiglu" else GELU_PASSES
-    per_token += passes * e * f
-    return per_token * tokens
+    activation = FUSED_SWIGLU_PASSES if model.activation == "swiglu" else GELU_PASSES
+    return _block_bytes(model, config, moe=moe, tokens=tokens,
+                        norm_residual_passes=FUSED_NORM_RESIDUAL_PASSES,
+                        rope_bytes=FUSED_ROPE_PASSES * config.bytes_per_activation,
+                        activation_passes=activation)
 
 
 # ----- float8 linears (ParallelConfig.float8) -----------------------------------------------
