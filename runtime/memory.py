@@ -55,6 +55,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self._original_resize = None
+        self._depth = 0
 
     def track(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storages from now on (idempotent)."""
@@ -104,19 +105,25 @@ class LiveStorageTracker(TorchDispatchMode):
         return out
 
     def __enter__(self):
-        original = torch.UntypedStorage.resize_
-        self._original_resize = original
+        # re-entered where dispatch modes are off (a tensor subclass's op handler computing on
+        # its local tensors) it pushes the mode again; storage resizes are hooked once
+        self._depth += 1
+        if self._depth == 1:
+            original = torch.UntypedStorage.resize_
+            self._original_resize = original
 
-        def resize_(storage, size):
-            result = original(storage, size)
-            self._resized(storage, size)
-            return result
+            def resize_(storage, size):
+                result = original(storage, size)
+                self._resized(storage, size)
+                return result
 
-        torch.UntypedStorage.resize_ = resize_
+            torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._original_resize
+        self._depth -= 1
+        if self._depth == 0:
+            torch.UntypedStorage.resize_ = self._original_resize
         return super().__exit__(*exc)
 
 
@@ -142,6 +149,11 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         if self._tracker is not None:
             self._tracker.__exit__(*exc)
+
+    @property
+    def tracker(self) -> LiveStorageTracker | None:
+        """The CPU live-tensor tracker (None on CUDA or with ``cpu_tracking=False``)."""
+        return self._tracker
 
     @property
     def source(self) -> str:

@@ -271,6 +271,26 @@ def test_tracker_counts_live_bytes_and_resizes():
     assert tracker.peak_bytes == 5000
 
 
+def test_tracker_reentered_where_modes_are_off_sees_the_temporaries():
+    """A tensor subclass's op handler runs with dispatch modes off (DTensor's loss-parallel
+    handlers): entering the tracker again there counts what the handler allocates, and
+    leaving both restores storage resizing as it was."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    original_resize = torch.UntypedStorage.resize_
+    tracker = LiveStorageTracker()
+    with tracker:
+        kept = torch.empty(1000)  # 4000 bytes
+        with _disable_current_modes():
+            hidden = torch.empty(500)  # made with the mode off: not counted
+            with tracker:
+                temporary = torch.empty(2000)  # 8000 bytes, counted
+                del temporary
+        assert tracker.live_bytes == 4000
+        del hidden, kept
+    assert tracker.peak_bytes == 12000
+    assert torch.UntypedStorage.resize_ is original_resize
+
+
 def test_plans_that_do_not_fit_the_model_are_refused():
     config = ParallelConfig(tp=4, global_batch_size=8, seq_len=64)  # tiny has 2 kv heads
     with pytest.raises(ValueError, match="kv heads"):
