@@ -80,8 +80,12 @@ class ParallelConfig:
     float8: bool = False
     """Float8 training of the transformer blocks' linears (torchtitan's quantize.linear.float8
     converter: torchao Float8Linear, tensorwise dynamic scaling, float8 FSDP all-gather of their
-    weights); the LM head stays in the compute dtype. Modelled under --framework torchtitan on
-    GPUs with float8 tensor cores, with dtype bf16."""
+    weights); the LM head stays in the compute dtype unless ``float8_head``. Modelled under
+    --framework torchtitan on GPUs with float8 tensor cores, with dtype bf16."""
+    float8_head: bool = False
+    """With float8, the LM head (torchtitan's ``output`` linear) in float8 too, as torchtitan
+    0.2.2 converts it by default (an empty ``filter_fqns``); off leaves it in bf16, as
+    torchtitan's December 2024 benchmarks ran it. Needs float8 and an untied head."""
     micro_batch_size: int = 1
     """Sequences per micro-batch per data-parallel replica (b)."""
     global_batch_size: int = 1
@@ -151,6 +155,9 @@ class ParallelConfig:
         if self.float8 and self.dtype != "bf16":
             raise ValueError(f"float8 training needs dtype bf16 (its casts start from bf16), "
                              f"got {self.dtype!r}")
+        if self.float8_head and not self.float8:
+            raise ValueError("float8_head (--float8-head) needs float8 training of the blocks "
+                             "too (--float8)")
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: configurations key the planner's caches, which

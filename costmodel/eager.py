@@ -178,3 +178,14 @@ def float8_cast_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bool = F
         grads += (mats - 1) * f + h
         weights += mats * h * f
     return activation * (inputs + grads) * tokens + FLOAT8_WEIGHT_BYTES * weights
+
+
+def float8_head_cast_bytes(model: ModelSpec, config: ParallelConfig, *, tokens: float) -> float:
+    """HBM bytes of the LM head's float8 casts (``ParallelConfig.float8_head``) on one rank for
+    ``tokens`` tokens, forward and backward: its input (the final norm's output, whole width,
+    all-gathered under SP), its vocabulary-shard weight and the logits' gradient. The head is
+    outside the compiled blocks, so its input and gradient casts keep their max-abs pass."""
+    vocab = model.vocab_rows / config.tp
+    activation = FLOAT8_INPUT_BYTES + FLOAT8_AMAX_BYTES
+    return (activation * (model.hidden_size + vocab) * tokens
+            + FLOAT8_WEIGHT_BYTES * vocab * model.hidden_size)

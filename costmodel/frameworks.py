@@ -128,7 +128,8 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
                            data_parallel: bool = True, largest_block_params: float = 0.0,
                            kept_gathered_params: float = 0.0,
                            early_root_grad_params: float = 0.0,
-                           pipelined: bool = False, float8_blocks: bool = False) -> float:
+                           pipelined: bool = False, float8_blocks: bool = False,
+                           float8_head: bool = False) -> float:
     """Communication and gather buffers on one rank (bytes).
 
     ``stage_params``: parameters this rank holds before sharding; ``largest_layer_params``:
@@ -136,7 +137,8 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
     when there is a single replica (no DDP buckets, nothing to reduce). torchtitan's FSDP2 also
     takes ``largest_block_params`` (the largest transformer block), ``kept_gathered_params``
     (modules never resharded after forward: its ``[norm, output]`` group on the last stage)
-    ``pipelined`` and ``float8_blocks`` (see ``torchtitan_fsdp_buffer_bytes``). meshplan's
+    ``pipelined``, ``float8_blocks`` and ``float8_head`` (see ``torchtitan_fsdp_buffer_bytes``).
+    meshplan's
     runtime takes
     ``kept_gathered_params`` (its root group: everything outside the blocks) and
     ``early_root_grad_params`` (see the ZeRO-3 branch).
@@ -160,7 +162,8 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
             stage_params=stage_params,
             largest_block_params=largest_block_params or largest_layer_params,
             kept_gathered_params=kept_gathered_params, compute_bytes=compute_bytes,
-            gathered_block_bytes=1 if float8_blocks else compute_bytes)
+            gathered_block_bytes=1 if float8_blocks else compute_bytes,
+            gathered_head_bytes=1 if float8_head else compute_bytes)
     # meshplan / torchtitan
     if zero_stage <= 1:  # DDP gradient buckets: one more copy of the gradients
         return FP32_BYTES * stage_params if data_parallel else 0.0
@@ -264,7 +267,8 @@ def pipelined_fsdp_reduce_scatter_bytes(*, largest_group_params: float, shard: i
 def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: float,
                                  pipelined: bool = False,
                                  largest_block_params: float, kept_gathered_params: float,
-                                 compute_bytes: int, gathered_block_bytes: int = 0) -> float:
+                                 compute_bytes: int, gathered_block_bytes: int = 0,
+                                 gathered_head_bytes: int = 0) -> float:
     """FSDP2 buffers of torchtitan 0.2.2 at the backward peak (bytes on one rank).
 
     torchtitan's ``apply_fsdp`` (models/llama3/infra/parallelize.py) calls ``fully_shard`` on
@@ -281,6 +285,8 @@ def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: f
     parameter (0: ``compute_bytes``); 1 under float8 training, whose FSDP all-gather moves the
     blocks' linear weights already cast to float8 and hands them to the forward as they are
     (torchao's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``); gradients stay bf16.
+    ``gathered_head_bytes``: the same for the kept ``[norm, output]`` group (1 when the LM head
+    is a float8 linear too, ``ParallelConfig.float8_head``).
 
     ``pipelined``: under ``torch.distributed.pipelining`` (torchtitan's PP, as meshplan's
     runtime: ``PipelineStage.backward_maybe_with_nosync`` runs every micro-batch's backward
@@ -291,18 +297,19 @@ def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: f
     compute-dtype gradient.
     """
     block = gathered_block_bytes or compute_bytes
+    head = gathered_head_bytes or compute_bytes
     grads = (compute_bytes + FP32_BYTES) * largest_block_params
     if pipelined:  # counted in bf16 even under float8
         return (compute_bytes + FP32_BYTES) * stage_params + compute_bytes * largest_block_params
     if not reshard_after_forward:
         return compute_bytes * stage_params + grads  # counted in bf16 even under float8
-    return 2 * block * largest_block_params + grads + compute_bytes * kept_gathered_params
+    return 2 * block * largest_block_params + grads + head * kept_gathered_params
 
 
 def torchtitan_cached_bytes(*, freed_grads: float, freed_logits: float, fsdp: bool,
                             compute_bytes: int, largest_gather_params: float,
                             largest_block_params: float, head_params: float,
-                            gathered_block_bytes: int = 0) -> float:
+                            gathered_block_bytes: int = 0, gathered_head_bytes: int = 0) -> float:
     """Bytes the CUDA caching allocator keeps reserved but cannot use at torchtitan's forward /
     backward peak (on top of the allocated peak).
 
@@ -316,12 +323,12 @@ def torchtitan_cached_bytes(*, freed_grads: float, freed_logits: float, fsdp: bo
       block on the stream it was allocated on. The all-gather pool holds the gather outputs in
       flight at the loss backward (the ``[norm, output]`` group and the prefetched last block,
       compute dtype); the reduce-scatter pool the largest fp32 reduce-scatter input, that of
-      the largest gathered group (the embedding or the head). ``gathered_block_bytes`` as
-      in ``torchtitan_fsdp_buffer_bytes``.
+      the largest gathered group (the embedding or the head). ``gathered_block_bytes`` and
+      ``gathered_head_bytes`` as in ``torchtitan_fsdp_buffer_bytes``.
     """
     cached = freed_grads + freed_logits
     if fsdp:
-        cached += compute_bytes * head_params \
+        cached += (gathered_head_bytes or compute_bytes) * head_params \
             + (gathered_block_bytes or compute_bytes) * largest_block_params
         cached += FP32_BYTES * largest_gather_params
     return cached

@@ -631,8 +631,10 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
         "torchtitan", zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
         largest_layer_params=params.largest_layer, fp32=fp32,
         data_parallel=config.dp * config.cp > 1, largest_block_params=params.largest_block,
-        kept_gathered_params=params.head, pipelined=config.pp > 1, float8_blocks=config.float8)
+        kept_gathered_params=params.head, pipelined=config.pp > 1, float8_blocks=config.float8,
+        float8_head=config.float8_head)
     block_bytes = 1 if config.float8 else compute_bytes  # a gathered block's parameter
+    head_bytes = 1 if config.float8_head else compute_bytes  # the gathered LM head's
     workspace = recompute_workspace_bytes(model, config, stage, framework="torchtitan",
                                           device_key=device_key)
     last = stage == config.pp - 1
@@ -641,7 +643,7 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     if config.zero_stage <= 1:  # DDP: buckets stay allocated, nothing is gathered
         at_loss = in_block = buffers
     elif config.zero_stage == 3 and config.pp == 1:
-        at_loss = compute_bytes * params.head + block_bytes * params.largest_block
+        at_loss = head_bytes * params.head + block_bytes * params.largest_block
         in_block = buffers
     else:
         at_loss = compute_bytes * (params.dense + params.expert)
@@ -673,7 +675,8 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
             model, config, copies=1, element_bytes=compute_bytes) if frees_logits else 0.0,
         fsdp=config.zero_stage >= 2, compute_bytes=compute_bytes,
         largest_gather_params=params.largest_layer, largest_block_params=params.largest_block,
-        head_params=params.head, gathered_block_bytes=block_bytes)
+        head_params=params.head, gathered_block_bytes=block_bytes,
+        gathered_head_bytes=head_bytes)
     comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
     reserved = max(forward_backward + cached, step) * (1 + calibration.allocator_fragmentation) \
         + comm

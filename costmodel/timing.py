@@ -756,12 +756,17 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     device = calibration.device(cluster.gpu.key)
     tokens = act.tokens_per_microbatch(config)
     flop = tokens * lm_head_flop_per_token(model) / config.tp
-    gemm = _gemm_s((1 + BACKWARD_FACTOR) * flop, 3, peak=cluster.gpu.peak(config.dtype),
+    # a float8 head (``ParallelConfig.float8_head``) runs at the float8 peak, as the blocks'
+    # float8 linears do, and pays its casts
+    gemm = _gemm_s((1 + BACKWARD_FACTOR) * flop, 3,
+                   peak=cluster.gpu.peak("fp8" if config.float8_head else config.dtype),
                    efficiency=(device.gemm_efficiency(eager_kernels(framework))
                                * device.row_efficiency(tokens)),
                    overhead_s=device.matmul_overhead_s)
     logits = tokens * model.vocab_rows / config.tp
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    if config.float8_head:
+        gemm += eager.float8_head_cast_bytes(model, config, tokens=tokens) / bandwidth
     host_ops = (1 + BACKWARD_FACTOR) * EAGER_OPS_HEAD * device.op_overhead_s
     weight_grad = fresh_pages_s(cluster, calibration, model.vocab_rows * model.hidden_size
                                 / config.tp * config.bytes_per_activation)
@@ -808,11 +813,12 @@ def zero3_gather_bytes(config: ParallelConfig, params: StageParams) -> float:
     except under float8 training, where torchtitan gathers the blocks' float8 linears' weights
     already cast to float8 (``enable_fsdp_float8_all_gather``; 1 byte; the blocks' norm
     weights, a few thousandths of a percent of a block, are counted with them). Experts are
-    not float8 linears (``eager.float8_cast_bytes``)."""
+    not float8 linears (``eager.float8_cast_bytes``). A float8 LM head
+    (``ParallelConfig.float8_head``) is gathered in float8 too."""
     total = params.dense + params.expert
     if config.float8:
-        return (params.root + params.expert) * config.bytes_per_activation \
-            + (params.dense - params.root)
+        bf16 = params.root + params.expert - (params.head if config.float8_head else 0.0)
+        return bf16 * config.bytes_per_activation + (total - bf16)
     return total * config.bytes_per_activation
 
 

@@ -254,9 +254,10 @@ def what_ifs(plan: Plan, est: Estimate, space: SearchSpace, calibration: Calibra
 def setting_changes(plan: Plan, est: Estimate,
                     calibration: Calibration) -> list[SamePlanChange]:
     """Under torchtitan, the same plan with what it leaves off of the run settings the planner
-    does not search: torch.compile of the blocks and the loss, and float8 linears (bf16 plans
-    on GPUs with float8 tensor cores). Settings, not searched, because they are the user's
-    call: compilation time, and float8's numerics."""
+    does not search: torch.compile of the blocks and the loss, float8 linears (bf16 plans
+    on GPUs with float8 tensor cores) and, with them, a float8 LM head (an untied one).
+    Settings, not searched, because they are the user's call: compilation time, and float8's
+    numerics."""
     if plan.framework != "torchtitan":
         return []
     config = plan.config
@@ -266,6 +267,8 @@ def setting_changes(plan: Plan, est: Estimate,
     if not config.float8 and config.dtype == "bf16" \
             and "fp8" in plan.cluster.gpu.peak_flop_per_s:
         changes.append(("--float8", config.replace(float8=True)))
+    if config.float8 and not config.float8_head and not plan.model.tied_embeddings:
+        changes.append(("--float8-head", config.replace(float8_head=True)))
     return [SamePlanChange(change=name, base=est,
                            estimate=estimate(plan.model, plan.cluster, changed,
                                              framework=plan.framework,

@@ -371,6 +371,10 @@ def _megatron_settings(config: ParallelConfig) -> list[str]:
         _warn(f"Megatron-LM has no torch.compile switch (it runs its own fused kernels: bias "
               f"and activation, RoPE, cross entropy); the plan's compile {config.compile!r} is "
               f"left out of the export")
+    if config.float8_head:
+        raise ValueError("Megatron-LM runs float8 on the transformer layers' linears only (its "
+                         "output layer stays bf16); plan without --float8-head, or export to "
+                         "torchtitan")
     return list(MEGATRON_FLOAT8) if config.float8 else []
 
 
@@ -584,7 +588,9 @@ TORCHTITAN_FLOAT8 = {"enable_fsdp_float8_all_gather": True,
 """``[quantize.linear.float8]`` (``config.job_config.Float8Linear``): tensorwise dynamic scaling
 (no ``recipe_name``, which torchtitan refuses next to the float8 all-gather), FSDP2 all-gathers
 the weights in float8 with their scales computed once per step, and the LM head ``output``
-stays in bf16. torchtitan turns the all-gather off itself without FSDP (dp shard 1)."""
+stays in bf16 (``filter_fqns``) unless the plan sets ``float8_head``, whose table leaves the
+filter empty (torchtitan's default). torchtitan turns the all-gather off itself without FSDP
+(dp shard 1)."""
 
 
 def to_torchtitan(plan: Plan) -> str:
@@ -660,6 +666,8 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
         sections["model"]["converters"] = [TORCHTITAN_FLOAT8_CONVERTER]
         float8 = {key: list(value) if isinstance(value, tuple) else value
                   for key, value in TORCHTITAN_FLOAT8.items()}
+        if config.float8_head:
+            float8["filter_fqns"] = []
         sections["quantize"] = {"linear": {"float8": float8}}
     return sections
 

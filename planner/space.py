@@ -98,6 +98,8 @@ class SearchSpace:
     float8: bool = False
     """Float8 training of the blocks' linears for every configuration
     (``ParallelConfig.float8``; a setting, not searched; needs dtype bf16)."""
+    float8_head: bool = False
+    """With float8, the LM head in float8 too (``ParallelConfig.float8_head``; a setting)."""
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +118,9 @@ class SearchSpace:
         if self.float8 and self.dtype != "bf16":  # else every configuration would be refused
             raise ValueError(f"float8 training needs dtype bf16 (its casts start from bf16), "
                              f"got {self.dtype!r}")
+        if self.float8_head and not self.float8:
+            raise ValueError("float8_head (--float8-head) needs float8 training of the blocks "
+                             "too (--float8)")
 
 
 PIN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
@@ -136,7 +141,7 @@ def pins_of(space: SearchSpace) -> dict:
     return pins
 
 
-SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8")
+SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_head")
 """Run settings every configuration of the space carries (recorded when not the default);
 each is a ``ParallelConfig`` field of the same name."""
 

@@ -87,6 +87,53 @@ def test_float8_all_gathers_block_weights_in_one_byte():
     assert zero3_gather_bytes(_config(), params) == 2 * (params.dense + params.expert)
 
 
+def test_float8_head_runs_the_lm_head_at_the_float8_peak_with_its_casts():
+    """The head's three GEMMs (forward, input and weight gradients) at the float8 peak, plus
+    torchao's roofline for one more linear (M tokens x H into V rows), not fused (the head is
+    outside the compiled blocks)."""
+    from meshplan.costmodel.timing import _lm_head_s
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    cal = default_calibration()
+    device = cal.device(cluster.gpu.key)
+    blocks = _config(compile="model", float8=True)
+    head = _config(compile="model", float8=True, float8_head=True)
+    m, v = 2 * 8192, model.vocab_rows
+    flop = 3 * 2 * m * H * v
+    efficiency = device.gemm_efficiency(True) * device.row_efficiency(m)
+    saved = flop / efficiency * (1 / cluster.gpu.peak("bf16") - 1 / cluster.gpu.peak("fp8"))
+    casts = _roofline_linear_bytes(m, H, v, fused=False) \
+        / (cluster.gpu.hbm_bytes_per_s * device.memory_efficiency)
+    assert eager.float8_head_cast_bytes(model, head, tokens=m) == \
+        pytest.approx(_roofline_linear_bytes(m, H, v, fused=False), rel=1e-12)
+    difference = _lm_head_s(model, cluster, blocks, cal, framework="torchtitan") \
+        - _lm_head_s(model, cluster, head, cal, framework="torchtitan")
+    assert difference == pytest.approx(saved - casts, rel=1e-9)
+
+
+def test_float8_head_gathers_the_head_in_one_byte():
+    model = load_model("llama3-8b")
+    params = stage_params(model, _config(float8=True), 0)
+    blocks = params.dense - params.root
+    head = model.head_params  # tp 1: the final norm and the output weight
+    assert zero3_gather_bytes(_config(float8=True, float8_head=True), params) == \
+        2 * (params.root - head) + blocks + head
+
+
+def test_float8_head_needs_float8_and_an_untied_head():
+    with pytest.raises(ValueError, match="needs float8 training of the blocks"):
+        _config(float8_head=True)
+    tied = load_model("gpt3-125m")
+    assert tied.tied_embeddings
+    with pytest.raises(ValueError, match="LM head of its own"):
+        estimate(tied, load_cluster("dgx-h100", nodes=1),
+                 _config(float8=True, float8_head=True, seq_len=2048), framework="torchtitan")
+    message = usage_error("estimate", "--model", "llama3-8b", "--cluster", "dgx-h100",
+                          "--framework", "torchtitan", "--global-batch", "16",
+                          "--float8-head")
+    assert message.startswith("meshplan: error:") and "--float8" in message
+    assert "\n" not in message.strip()
+
+
 def test_compiled_loss_keeps_one_fp32_sized_copy_of_the_logits():
     """Eager loss backward: 3 fp32 vocabulary tensors; compiled: the saved bf16 logits and
     their bf16 gradient, and ``del pred`` no longer frees a block to the cache."""
@@ -160,6 +207,12 @@ def test_estimate_report_names_the_settings():
     assert result.code == 0, result.err
     plan_line = next(line for line in result.out.splitlines() if line.startswith("plan:"))
     assert plan_line.endswith(", torch.compile model, float8 linears")
+    result = run_cli("estimate", "--model", "llama3-8b", "--cluster", "dgx-h100",
+                     "--framework", "torchtitan", "--zero", "3", "--micro-batch", "2",
+                     "--global-batch", "16", "--seq-len", "8192", "--float8", "--float8-head")
+    assert result.code == 0, result.err
+    plan_line = next(line for line in result.out.splitlines() if line.startswith("plan:"))
+    assert plan_line.endswith(", float8 linears and LM head")
 
 
 def test_float8_leaves_moe_experts_in_bf16():

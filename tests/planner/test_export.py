@@ -1076,6 +1076,20 @@ def test_torchtitan_compile_of_the_blocks_only():
     assert "quantize" not in data and "converters" not in data["model"]
 
 
+def test_torchtitan_float8_head_empties_the_filter():
+    """torchtitan 0.2.2 converts every linear its filter does not name: a float8 head is the
+    table with an empty ``filter_fqns``."""
+    data = tomllib.loads(quietly(export.to_torchtitan,
+                                 compiled_plan("torchtitan", float8_head=True)))
+    assert data["quantize"] == {"linear": {"float8": {**TORCHTITAN_FLOAT8_TABLE,
+                                                      "filter_fqns": []}}}
+
+
+def test_megatron_refuses_a_float8_head():
+    with pytest.raises(ValueError, match="output layer stays bf16"):
+        quietly(export.to_megatron, compiled_plan("megatron", compile="none", float8_head=True))
+
+
 def test_megatron_float8_is_hybrid_tensorwise():
     args = quietly(export.to_megatron, compiled_plan("megatron", compile="none"))
     flags = flag_values(args)

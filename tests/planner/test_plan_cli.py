@@ -530,3 +530,19 @@ def test_explain_prices_the_torchtitan_settings_a_plan_leaves_off(tmp_path):
     result = run_cli("explain", both, "--time-limit", "5", "--json")
     changes = {w["change"] for w in json.loads(result.out)["what_if"]}
     assert not changes & {"--compile model+loss", "--float8"}
+    # a float8 head is offered beside float8 blocks, where the model's head is its own
+    assert read_plan(both).model.tied_embeddings and "--float8-head" not in changes
+
+
+def test_explain_prices_a_float8_head_for_an_untied_model(tmp_path):
+    path = tmp_path / "plan.json"
+    argv = ["--model", "llama3-8b", *H100_TORCHTITAN[2:]]
+    assert run_cli("plan", *argv, "--float8", "-o", path).code == 0
+    result = run_cli("explain", path, "--time-limit", "5", "--json")
+    assert result.code == 0, result.err
+    entries = {w["change"]: w for w in json.loads(result.out)["what_if"]}
+    plan = read_plan(path)
+    again = estimate(plan.model, plan.cluster, plan.config.replace(float8_head=True),
+                     framework="torchtitan")
+    assert entries["--float8-head"]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
+    assert entries["--float8-head"]["delta_s"] < 0
