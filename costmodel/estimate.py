@@ -100,7 +100,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                             peak_flop_per_s=cluster.gpu.peak_flop_per_s, gpu_key=cluster.gpu.key)
     if config.float8_head and model.tied_embeddings:
         raise ValueError(f"--float8-head needs an LM head of its own; model "
-                         f"{model.name or 'given'!s} ties it to the token embedding")
+                         f"{model.name} ties it to the token embedding")
     cal = calibration or default_calibration()
     memory = _memory(model, cluster, config, framework, cal)
     time = _time(model, cluster, config, framework, cal)

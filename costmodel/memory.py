@@ -613,7 +613,8 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
       next block's prefetched ones, the down projection's fresh gradient, and the previous
       block's fp32 reduce-scatter input, still in flight on the reduce-scatter stream;
     * the end of a block's backward: the stored activations less the loss's and the block's
-      gather and gradient buffers (``torchtitan_fsdp_buffer_bytes``), its activations freed.
+      gather and gradient buffers (``torchtitan_fsdp_buffer_bytes``), what its recomputation
+      rebuilt freed again.
 
     Measured on torchtitan's own code path on the CPU (``benchmarks/torchtitan_cpu_memory.py``):
     the peak falls in the SwiGLU backward, with six ffn-wide tensors alive (the four the MLP
