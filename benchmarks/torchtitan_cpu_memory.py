@@ -11,9 +11,9 @@ over ``--dp`` gloo ranks, fp32 on CPU), and runs its train step (zero_grad, forw
 ``estimate(..., framework="torchtitan")`` for the same plan on the ``cpu`` cluster.
 
 DTensor runs its custom op handlers with dispatch modes switched off, so the live-tensor
-tracker would not see the temporaries of loss parallelism's log-softmax and fused
+tracker would not see the temporaries of loss parallelism's log-softmax, NLL forward and fused
 NLL-and-log-softmax backward (torch ``distributed/tensor/parallel/loss.py``), which compute
-on the local shards: those two functions run here with the tracker active again. Without
+on the local shards: those functions run here with the tracker active again. Without
 that the loss backward's three extra vocabulary-shard copies were missing from the
 measurement (a peak 36 % lower at 1,024 vocabulary rows, 8 x 64 tokens).
 
@@ -24,6 +24,7 @@ measurement (a peak 36 % lower at 1,024 vocabulary rows, 8 x 64 tokens).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -90,7 +91,6 @@ def _free_port() -> str:
 
 def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: int,
             port: str, out_dir: str) -> None:
-    import contextlib
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=dp * tp,
