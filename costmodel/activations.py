@@ -75,9 +75,9 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     ``compiled``: a block under ``torch.compile`` (torchtitan's ``compile``). The compiled
     graph's forward/backward partition (AOT autograd's min-cut rematerialisation) keeps each
     matmul's input and what the fused backward kernels read, and rebuilds the element-wise
-    rest: the block input, the two norms' outputs (whole: under SP they are the all-gathered
-    inputs of the column-parallel matmuls, and the partitioner does not run a collective
-    again) with their per-token statistics, q, k and v, the attention output as the attention
+    rest. It keeps the block input, the two norms' outputs (whole: under SP they are the
+    all-gathered inputs of the column-parallel matmuls, and the partitioner does not run a
+    collective again) with their per-token statistics, q, k and v, the attention output as the attention
     kernel returned it with its log-sum-exp and as the output projection reads it, and the
     MLP's three ffn-wide tensors (both up projections and the gate product, the down
     projection's input). The residual between attention and MLP is not kept: the MLP norm's
