@@ -54,28 +54,28 @@ def saved_bytes(*, dim: int, tokens: int, batch: int, policy: str, compiled: boo
     from meshplan.runtime.memory import LiveStorageTracker
 
     model = _model(dim, tokens, policy, compiled)
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     ids = torch.randint(0, 512, (batch, tokens), generator=torch.Generator().manual_seed(0))
     h = model.tok_embeddings(ids).detach().requires_grad_()
     result = []
     for block in model.layers.values():
+        # what existed before the block ran (views of the weights share their storages)
+        held = (*model.parameters(), model.freqs_cis, h)
         if compiled:
+            skip = {tensor.untyped_storage().data_ptr() for tensor in held}
             saved: dict[int, int] = {}
 
-            def pack(tensor, saved=saved):
+            def pack(tensor, saved=saved, skip=skip):
                 storage = tensor.untyped_storage()
-                if storage.data_ptr() not in parameters:
+                if storage.data_ptr() not in skip:
                     saved[storage.data_ptr()] = storage.nbytes()
                 return tensor
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 out = block(h, model.freqs_cis, None)
-            saved.pop(h.untyped_storage().data_ptr(), None)
-            saved.pop(model.freqs_cis.untyped_storage().data_ptr(), None)
             result.append(sum(saved.values()))
-        else:  # what existed before (views of the weights share their storages) is not new
+        else:
             tracker = LiveStorageTracker()
-            for tensor in (*model.parameters(), model.freqs_cis, h):
+            for tensor in held:
                 tracker.track(tensor)
             before = tracker.live_bytes
             with tracker:
