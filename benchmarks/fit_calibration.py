@@ -25,7 +25,7 @@ from meshplan.costmodel import ParallelConfig, default_calibration, load_cluster
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.frameworks import eager_kernels
 from meshplan.costmodel.reference import predict, reference_runs
-from meshplan.costmodel.timing import BACKWARD_FACTOR, _tp_comm_per_layer_s, layer_forward_s, stage_links
+from meshplan.costmodel.timing import BACKWARD_FACTOR, layer_forward_s, stage_links, tp_comm_parts_s
 
 CALIBRATION_FILE = Path(__file__).resolve().parents[1] / "costmodel" / "data" / "calibration.json"
 
@@ -135,9 +135,9 @@ def table4_predictions_ms(cal: Calibration) -> dict[tuple[str, bool], tuple[floa
                                 sp=sp, recompute=mode, flash_attention=False)
         fwd, core = layer_forward_s(model, cluster, config, cal, moe=False)
         link = stage_links(cluster, config, 0).tp
-        tp_fwd = _tp_comm_per_layer_s(model, config, link, cal, recompute="none") / 2
+        tp_fwd, tp_bwd = tp_comm_parts_s(model, config, link, cal, framework="megatron")
         extra = fwd + tp_fwd if mode == "full" else (core if mode == "selective" else 0.0)
-        out[(mode, sp)] = ((fwd + tp_fwd) * 1e3, (BACKWARD_FACTOR * fwd + tp_fwd + extra) * 1e3)
+        out[(mode, sp)] = ((fwd + tp_fwd) * 1e3, (BACKWARD_FACTOR * fwd + tp_bwd + extra) * 1e3)
     return out
 
 

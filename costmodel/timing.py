@@ -317,20 +317,57 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
 
 
 def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
-                         calibration: Calibration, *, recompute: str) -> float:
-    """TP/SP collectives of one layer and micro-batch: 2 forward, 2 backward (+2 recompute).
+                         calibration: Calibration, *, recompute: str, framework: str) -> float:
+    """TP/SP collectives of one layer and micro-batch that the step waits for: the forward's
+    (twice under full recomputation) and the backward's (``tp_comm_parts_s``)."""
+    forward, backward = tp_comm_parts_s(model, config, link, calibration, framework=framework)
+    return (2 if recompute == "full" else 1) * forward + backward
 
-    Each moves the layer's hidden state (b s h / cp elements); with SP an all-gather plus a
-    reduce-scatter replace each all-reduce at the same volume (Korthikanti et al. Sec. 4.2.2).
+
+DTENSOR_TP_FRAMEWORKS = ("torchtitan", "meshplan")
+"""Frameworks whose tensor parallelism is DTensor's (``parallelize_module``): every TP
+collective is waited for (``tp_comm_parts_s``)."""
+
+
+def tp_comm_parts_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | None,
+                    calibration: Calibration, *, framework: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's TP/SP collectives that the step waits for.
+
+    Each collective moves the layer's hidden state (b s h / cp elements). The forward runs an
+    all-reduce after the attention block and one after the MLP, or with SP an all-gather
+    before and a reduce-scatter after each, at the same volume (Korthikanti et al. 2022,
+    Sec. 4.2.2); the backward runs their conjugates.
+
+    - DTensor tensor parallelism (torchtitan, meshplan's runtime) waits for every one of
+      them. Under float8 training, torchao's ``Float8ColwiseParallel`` and
+      ``Float8RowwiseParallel`` (which torchtitan applies with float8 linears) cast before
+      gathering: the forward's all-gathers of the block inputs and the backward's all-gathers
+      of the output gradients move 1-byte elements; the reduce-scatters stay in bf16.
+    - Megatron-LM's linear layers (also under DeepSpeed-Megatron) hide part of the backward's
+      traffic behind the weight-gradient GEMM (the column-parallel input gradient's
+      all-reduce, or with SP its reduce-scatter and the all-gather that rebuilds the saved
+      input shard, are launched asynchronously). Their count (also the ``ideal``
+      framework's) is the one this project's
+      calibration was fitted with (``benchmarks/fit_calibration.py``, Korthikanti et al.'s
+      Table 4 layer times among its targets): the backward waits as long as the forward, and
+      with SP each direction waits for one all-gather and one reduce-scatter, half the volume
+      of the two all-reduces.
     """
-    if config.tp == 1:
-        return 0.0
+    if config.tp == 1 or link is None:
+        return 0.0, 0.0
     size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
-    one = (coll.all_gather_s(link, size, **effs) + coll.reduce_scatter_s(link, size, **effs)
-           if config.sp else coll.all_reduce_s(link, size, **effs))
-    count = 4 + (2 if recompute == "full" else 0)
-    return count / 2 * one if config.sp else count * one
+    if framework not in DTENSOR_TP_FRAMEWORKS:
+        one = (coll.all_gather_s(link, size, **effs) + coll.reduce_scatter_s(link, size, **effs)
+               if config.sp else 2 * coll.all_reduce_s(link, size, **effs))
+        return one, one
+    if not config.sp:
+        all_reduces = 2 * coll.all_reduce_s(link, size, **effs)
+        return all_reduces, all_reduces
+    gathered = size / config.bytes_per_activation if config.float8 else size
+    both = 2 * (coll.all_gather_s(link, gathered, **effs)
+                + coll.reduce_scatter_s(link, size, **effs))
+    return both, both
 
 
 def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -532,7 +569,8 @@ class _StageCosts:
         if hit is None:
             model, _, config, calibration, _ = self._args
             hit = self._tp[mode] = _tp_comm_per_layer_s(model, config, self.links.tp,
-                                                        calibration, recompute=mode)
+                                                        calibration, recompute=mode,
+                                                        framework=self._args[4])
         return hit
 
     def layer(self, key: tuple[bool, str]) -> _LayerCost:
