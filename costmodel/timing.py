@@ -346,12 +346,11 @@ def tp_comm_parts_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLi
     - Megatron-LM's linear layers (also under DeepSpeed-Megatron) hide part of the backward's
       traffic behind the weight-gradient GEMM (the column-parallel input gradient's
       all-reduce, or with SP its reduce-scatter and the all-gather that rebuilds the saved
-      input shard, are launched asynchronously). Their count (also the ``ideal``
-      framework's) is the one this project's
-      calibration was fitted with (``benchmarks/fit_calibration.py``, Korthikanti et al.'s
-      Table 4 layer times among its targets): the backward waits as long as the forward, and
-      with SP each direction waits for one all-gather and one reduce-scatter, half the volume
-      of the two all-reduces.
+      input shard, are launched asynchronously). Their count, also the ``ideal`` framework's,
+      is the one this project's calibration was fitted with (``benchmarks/fit_calibration.py``,
+      Korthikanti et al.'s Table 4 layer times among its targets): the backward waits as long
+      as the forward, and with SP each direction waits for one all-gather and one
+      reduce-scatter, half the volume of the two all-reduces.
     """
     if config.tp == 1 or link is None:
         return 0.0, 0.0
@@ -567,10 +566,10 @@ class _StageCosts:
         """TP/SP traffic of one layer of a stage recomputing under ``mode``."""
         hit = self._tp.get(mode)
         if hit is None:
-            model, _, config, calibration, _ = self._args
+            model, _, config, calibration, framework = self._args
             hit = self._tp[mode] = _tp_comm_per_layer_s(model, config, self.links.tp,
                                                         calibration, recompute=mode,
-                                                        framework=self._args[4])
+                                                        framework=framework)
         return hit
 
     def layer(self, key: tuple[bool, str]) -> _LayerCost:
