@@ -86,6 +86,12 @@ class ParallelConfig:
     """With float8, the LM head (torchtitan's ``output`` linear) in float8 too, as torchtitan
     0.2.2 converts it by default (an empty ``filter_fqns``); off leaves it in bf16, as
     torchtitan's December 2024 benchmarks ran it. Needs float8 and an untied head."""
+    async_tp: bool = False
+    """Asynchronous tensor parallelism under --framework torchtitan (its
+    parallelism.enable_async_tensor_parallel: torch's micro-pipelined TP, which fuses each
+    sequence-parallel all-gather with the matmuls that read its output and each reduce-scatter
+    with the matmul that produces its input, and overlaps their chunks). Needs torch.compile;
+    changes nothing where no TP with sequence parallelism runs (tp 1, or no --sp)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch per data-parallel replica (b)."""
     global_batch_size: int = 1
@@ -158,6 +164,9 @@ class ParallelConfig:
         if self.float8_head and not self.float8:
             raise ValueError("float8_head (--float8-head) needs float8 training of the blocks "
                              "too (--float8)")
+        if self.async_tp and self.compile == "none":
+            raise ValueError("async_tp (--async-tp) needs torch.compile (--compile model or "
+                             "model+loss): micro-pipelined TP is a compiler pass")
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: configurations key the planner's caches, which

@@ -97,6 +97,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     check_fits_model(config, model, num_gpus=cluster.num_gpus)
     check_framework_options(framework, compile_mode=config.compile, float8=config.float8,
+                            async_tp=config.async_tp,
                             peak_flop_per_s=cluster.gpu.peak_flop_per_s, gpu_key=cluster.gpu.key)
     if config.float8_head and model.tied_embeddings:
         raise ValueError(f"--float8-head needs an LM head of its own; model "
@@ -287,7 +288,7 @@ def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfi
 # ----- JSON (schema_version 1, DESIGN.md) ---------------------------------------------------------
 
 OPTIONAL_PLAN_KEYS = ("selective_ac", "recompute_early_stop", "compile", "float8",
-                      "float8_head")
+                      "float8_head", "async_tp")
 """Settings the ``plan`` object holds only when they differ from their default (torchtitan's
 selective policy, early-stopping recomputation, torch.compile, float8 training), so that the
 documents of plans without them read as before."""

@@ -461,12 +461,14 @@ def deepspeed_host_bytes_per_node(*, total_params: float, zero_stage: int, offlo
 
 
 def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
-                            peak_flop_per_s: dict[str, float], gpu_key: str) -> None:
+                            peak_flop_per_s: dict[str, float], gpu_key: str,
+                            async_tp: bool = False) -> None:
     """Raise ValueError (one line) when the plan asks for what the framework's model does not
-    cover: torch.compile and float8 training are modelled as torchtitan runs them, and float8
-    needs float8 tensor cores (an ``fp8`` peak in the GPU catalog: H100 and later)."""
+    cover: torch.compile, float8 training and async TP are modelled as torchtitan runs them,
+    and float8 needs float8 tensor cores (an ``fp8`` peak in the GPU catalog: H100 and
+    later)."""
     asked = [flag for flag, on in (("--compile", compile_mode != "none"),
-                                   ("--float8", float8)) if on]
+                                   ("--float8", float8), ("--async-tp", async_tp)) if on]
     if asked and framework != "torchtitan":
         raise ValueError(f"{' and '.join(asked)} {'are' if len(asked) > 1 else 'is'} modelled "
                          f"for --framework torchtitan only, got --framework {framework}")

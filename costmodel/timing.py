@@ -317,11 +317,18 @@ def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConf
 
 
 def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
-                         calibration: Calibration, *, recompute: str, framework: str) -> float:
-    """TP/SP collectives of one layer and micro-batch that the step waits for: the forward's
-    (twice under full recomputation) and the backward's (``tp_comm_parts_s``)."""
-    forward, backward = tp_comm_parts_s(model, config, link, calibration, framework=framework)
-    return (2 if recompute == "full" else 1) * forward + backward
+                         calibration: Calibration, *, recompute: str, framework: str,
+                         gemm_s: float = 0.0) -> float:
+    """TP/SP collectives of one layer and micro-batch that the step waits for under the layer's
+    ``recompute`` mode (``memory.layer_modes``): the forward's (twice under full
+    recomputation), the backward's (``tp_comm_parts_s``) and, under torchtitan's per-op policy,
+    the collectives its recomputation issues again (``tp_recompute_s``)."""
+    forward, backward = tp_comm_parts_s(model, config, link, calibration, framework=framework,
+                                        gemm_s=gemm_s)
+    again = (forward if recompute == "full" else
+             tp_recompute_s(model, config, link, calibration, gemm_s=gemm_s)
+             if recompute == "op" and framework == "torchtitan" else 0.0)
+    return forward + again + backward
 
 
 DTENSOR_TP_FRAMEWORKS = ("torchtitan", "meshplan")
@@ -329,8 +336,67 @@ DTENSOR_TP_FRAMEWORKS = ("torchtitan", "meshplan")
 collective is waited for (``tp_comm_parts_s``)."""
 
 
+def _fused_exposed_s(comm_s: float, gemm_s: float, tp: int) -> float:
+    """What a collective fused with matmuls under async TP still exposes: torch's
+    micro-pipelined ``fused_all_gather_matmul`` multiplies the rank's own shard while the
+    first remote shard arrives and each later shard while the next one does (and
+    ``fused_matmul_reduce_scatter`` the mirror image), so ``(tp - 1) / tp`` of the matmuls'
+    time runs under the transfer and the rest of the transfer is waited for."""
+    return max(0.0, comm_s - gemm_s * (tp - 1) / tp)
+
+
+def _projection_shares(model: ModelSpec) -> dict[str, float]:
+    """Each group of a layer's projections' share of its GEMM FLOPs (``layer_forward``'s
+    split): ``qkv``, ``k``, ``o``, ``up`` (gate and up), ``up_one`` (one of them) and
+    ``down``; the MLP's are 0 in MoE models (their experts are not tensor-parallel matmuls
+    that async TP fuses)."""
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    mats = 3 if model.activation == "swiglu" else 2
+    ffn = 0 if model.is_moe else model.ffn_hidden_size
+    total = h * (2 * q + 2 * kv) + mats * h * ffn
+    return {"qkv": h * (q + 2 * kv) / total, "k": h * kv / total, "o": h * q / total,
+            "up": (mats - 1) * h * ffn / total, "up_one": h * ffn / total,
+            "down": h * ffn / total}
+
+
+def _sp_collectives_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
+                      calibration: Calibration) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) seconds of one SP collective of the layer's hidden state
+    under DTensor: under float8 training the all-gathers move 1-byte elements
+    (``tp_comm_parts_s``)."""
+    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    gathered = size / config.bytes_per_activation if config.float8 else size
+    return coll.all_gather_s(link, gathered, **effs), coll.reduce_scatter_s(link, size, **effs)
+
+
+def tp_recompute_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | None,
+                   calibration: Calibration, *, gemm_s: float = 0.0) -> float:
+    """Seconds of the TP collectives torchtitan's per-op policy runs again in one layer's
+    recomputation. Its save list (``_save_list`` in torchtitan's llama3 ``parallelize``, the
+    same from December 2024 to 0.2.2) keeps every other matmul's output, SDPA's and the
+    reduce-scatters', not the all-gathers': backward reads the gathered block inputs (the
+    projections' weight gradients, and the recomputed wk and w3), so with SP both all-gathers
+    run again (under async TP fused with the recomputed wk and w3, ``gemm_s`` the layer's
+    forward GEMM seconds); without SP, the attention block's all-reduce does (the recomputed
+    wo's output feeds the MLP norm, whose backward reads its input)."""
+    if config.tp == 1 or link is None:
+        return 0.0
+    if not config.sp:
+        size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+        return coll.all_reduce_s(link, size, intra_eff=calibration.nvlink_efficiency,
+                                 inter_eff=calibration.network_efficiency)
+    gather, _ = _sp_collectives_s(model, config, link, calibration)
+    if not config.async_tp:
+        return 2 * gather
+    share = _projection_shares(model)
+    return sum(_fused_exposed_s(gather, share[key] * gemm_s, config.tp)
+               for key in ("k", "up_one"))
+
+
 def tp_comm_parts_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | None,
-                    calibration: Calibration, *, framework: str) -> tuple[float, float]:
+                    calibration: Calibration, *, framework: str,
+                    gemm_s: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's TP/SP collectives that the step waits for.
 
     Each collective moves the layer's hidden state (b s h / cp elements). The forward runs an
@@ -343,6 +409,15 @@ def tp_comm_parts_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLi
       ``Float8RowwiseParallel`` (which torchtitan applies with float8 linears) cast before
       gathering: the forward's all-gathers of the block inputs and the backward's all-gathers
       of the output gradients move 1-byte elements; the reduce-scatters stay in bf16.
+    - torchtitan's async TP (``ParallelConfig.async_tp``, with SP) fuses, by torch's
+      micro-pipeline pass (``torch._inductor.fx_passes.micro_pipeline_tp``), each all-gather
+      with the matmuls that take its output as their left operand and each reduce-scatter
+      with the matmul whose output it scatters (``_fused_exposed_s``; ``gemm_s`` is the
+      layer's forward GEMM seconds, ``layer_forward``, split by FLOPs). Forward: the gather
+      with wq, wk and wv, wo with its scatter, the gather with w1 and w3, w2 with its scatter.
+      Backward: the gathered output gradients with the input-gradient matmuls of wo and w2;
+      the input gradients of the column-parallel projections are summed before their
+      reduce-scatter, which the pass does not match, so both reduce-scatters are waited for.
     - Megatron-LM's linear layers (also under DeepSpeed-Megatron) hide part of the backward's
       traffic behind the weight-gradient GEMM (the column-parallel input gradient's
       all-reduce, or with SP its reduce-scatter and the all-gather that rebuilds the saved
@@ -363,10 +438,18 @@ def tp_comm_parts_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLi
     if not config.sp:
         all_reduces = 2 * coll.all_reduce_s(link, size, **effs)
         return all_reduces, all_reduces
-    gathered = size / config.bytes_per_activation if config.float8 else size
-    both = 2 * (coll.all_gather_s(link, gathered, **effs)
-                + coll.reduce_scatter_s(link, size, **effs))
-    return both, both
+    gather, scatter = _sp_collectives_s(model, config, link, calibration)
+    if not (config.async_tp and framework == "torchtitan"):
+        both = 2 * (gather + scatter)
+        return both, both
+    share, t = _projection_shares(model), config.tp
+    forward = (_fused_exposed_s(gather, share["qkv"] * gemm_s, t)
+               + _fused_exposed_s(scatter, share["o"] * gemm_s, t)
+               + _fused_exposed_s(gather, share["up"] * gemm_s, t)
+               + _fused_exposed_s(scatter, share["down"] * gemm_s, t))
+    backward = (_fused_exposed_s(gather, share["o"] * gemm_s, t)
+                + _fused_exposed_s(gather, share["down"] * gemm_s, t) + 2 * scatter)
+    return forward, backward
 
 
 def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -505,7 +588,6 @@ def _layer_totals(model: ModelSpec, config: ParallelConfig, costs: "_StageCosts"
     micro-batch, before ``compute_factor`` and TP overlap."""
     layer_range = stage_layer_range(model, config, stage)
     modes = layer_modes(config, framework, stage, len(layer_range))
-    tp_layer_s = costs.tp_layer_s(config.stage_recompute(stage))
     groups: dict[tuple[bool, str], int] = {}
     if not model.is_moe and len(set(modes)) == 1:  # layers alike: one group
         groups[False, modes[0]] = len(modes)
@@ -518,7 +600,7 @@ def _layer_totals(model: ModelSpec, config: ParallelConfig, costs: "_StageCosts"
         layer = costs.layer(key)
         compute += count * layer.compute_s
         host_wait += count * layer.host_wait_s
-        tp += count * tp_layer_s
+        tp += count * costs.tp_layer_s(key[1])
         cp += count * layer.cp_s
         if key[0]:
             ep += count * costs.ep_layer_s
@@ -563,13 +645,17 @@ class _StageCosts:
         self._tp: dict[str, float] = {}
 
     def tp_layer_s(self, mode: str) -> float:
-        """TP/SP traffic of one layer of a stage recomputing under ``mode``."""
+        """TP/SP traffic of one layer of the stage recomputing under ``mode``
+        (``memory.layer_modes``)."""
         hit = self._tp.get(mode)
         if hit is None:
-            model, _, config, calibration, framework = self._args
+            model, cluster, config, calibration, framework = self._args
+            gemm = (layer_forward(model, cluster, config, calibration, moe=model.is_moe,
+                                  framework=framework).gemm_s
+                    if config.async_tp and config.tp > 1 else 0.0)
             hit = self._tp[mode] = _tp_comm_per_layer_s(model, config, self.links.tp,
                                                         calibration, recompute=mode,
-                                                        framework=framework)
+                                                        framework=framework, gemm_s=gemm)
         return hit
 
     def layer(self, key: tuple[bool, str]) -> _LayerCost:

@@ -255,7 +255,8 @@ def setting_changes(plan: Plan, est: Estimate,
                     calibration: Calibration) -> list[SamePlanChange]:
     """Under torchtitan, the same plan with what it leaves off of the run settings the planner
     does not search: torch.compile of the blocks and the loss, float8 linears (bf16 plans
-    on GPUs with float8 tensor cores) and, with them, a float8 LM head (an untied one).
+    on GPUs with float8 tensor cores) and, with them, a float8 LM head (an untied one), and
+    async TP (compiled plans with sequence-parallel TP).
     Settings, not searched, because they are the user's call: compilation time, and float8's
     numerics."""
     if plan.framework != "torchtitan":
@@ -269,6 +270,8 @@ def setting_changes(plan: Plan, est: Estimate,
         changes.append(("--float8", config.replace(float8=True)))
     if config.float8 and not config.float8_head and not plan.model.tied_embeddings:
         changes.append(("--float8-head", config.replace(float8_head=True)))
+    if config.tp > 1 and config.sp and config.compile != "none" and not config.async_tp:
+        changes.append(("--async-tp", config.replace(async_tp=True)))
     return [SamePlanChange(change=name, base=est,
                            estimate=estimate(plan.model, plan.cluster, changed,
                                              framework=plan.framework,

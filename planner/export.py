@@ -693,7 +693,7 @@ def _torchtitan_parallelism(plan: Plan) -> dict[str, Any]:
         "data_parallel_shard_degree": 1 if ddp else config.dp,
         "fsdp_reshard_after_forward": "always" if config.zero_stage == 3 else "never",
         "tensor_parallel_degree": config.tp,
-        "enable_async_tensor_parallel": False,
+        "enable_async_tensor_parallel": config.async_tp and config.tp > 1,
         "pipeline_parallel_degree": config.pp,
         "context_parallel_degree": config.cp,
         "expert_parallel_degree": config.ep,

@@ -142,10 +142,12 @@ def _header(est: Estimate) -> str:
 
 
 def settings_text(cfg: ParallelConfig) -> str:
-    """torch.compile and float8 training where the plan sets them, as ``, ...`` parts."""
+    """torch.compile, float8 training and async TP where the plan sets them, as ``, ...``
+    parts."""
     float8 = "float8 linears and LM head" if cfg.float8_head else "float8 linears"
     parts = [f"torch.compile {cfg.compile}" if cfg.compile != "none" else "",
-             float8 if cfg.float8 else ""]
+             float8 if cfg.float8 else "",
+             "async TP" if cfg.async_tp and cfg.tp > 1 and cfg.sp else ""]
     return "".join(f", {part}" for part in parts if part)
 
 

@@ -30,7 +30,7 @@ every configuration ``meshplan estimate`` accepts, except where noted:
   innermost axis.
 
 Run settings (``SETTING_FIELDS``: torchtitan's selective policy, early-stopping recomputation,
-torch.compile, float8 training) are not searched: every configuration carries the user's.
+torch.compile, float8 training, async TP) are not searched: every configuration carries the user's.
 
 Search bounds (``search.py``) then discard candidates no split can make competitive; they
 never remove the optimum (tests/planner/test_brute_force.py checks that claim).
@@ -100,6 +100,9 @@ class SearchSpace:
     (``ParallelConfig.float8``; a setting, not searched; needs dtype bf16)."""
     float8_head: bool = False
     """With float8, the LM head in float8 too (``ParallelConfig.float8_head``; a setting)."""
+    async_tp: bool = False
+    """torchtitan's async TP wherever a configuration runs TP with sequence parallelism
+    (``ParallelConfig.async_tp``; a setting, not searched; needs compile)."""
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +124,9 @@ class SearchSpace:
         if self.float8_head and not self.float8:
             raise ValueError("float8_head (--float8-head) needs float8 training of the blocks "
                              "too (--float8)")
+        if self.async_tp and self.compile == "none":
+            raise ValueError("async_tp (--async-tp) needs torch.compile (--compile model or "
+                             "model+loss): micro-pipelined TP is a compiler pass")
 
 
 PIN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
@@ -141,7 +147,8 @@ def pins_of(space: SearchSpace) -> dict:
     return pins
 
 
-SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_head")
+SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_head",
+                  "async_tp")
 """Run settings every configuration of the space carries (recorded when not the default);
 each is a ``ParallelConfig`` field of the same name."""
 

@@ -125,6 +125,7 @@ OTHER_VALUES = {  # a second value of each field outside timing.LAYER_COMPUTE_FI
     "offload": "optimizer", "offload_device": "nvme", "recompute": "full", "selective_ac": "2",
     "layers_per_stage": (9, 7, 8, 8), "mesh_order": ("tp", "cp", "pp", "dp"),
     "float8_head": True,  # needs float8: checked on its own below, under torchtitan
+    "async_tp": True,  # needs compile: checked on its own below, under torchtitan
 }
 
 
@@ -164,5 +165,8 @@ def test_the_layer_compute_key_holds_every_field_it_reads(name, cluster_name, no
     if framework == "torchtitan":  # the LM head's float8 leaves the blocks' compute alone
         float8 = base.replace(float8=True)
         assert compute(float8.replace(float8_head=True)) == compute(float8)
+        # async TP changes the TP traffic, not the layers' compute
+        compiled = base.replace(compile="model")
+        assert compute(compiled.replace(async_tp=True)) == compute(compiled)
     # and the key is what tells layers apart: a field inside it does change the compute
     assert compute(base.replace(micro_batch_size=2 * base.micro_batch_size)) != want

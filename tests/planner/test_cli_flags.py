@@ -21,7 +21,8 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "zero_stage": "--zero", "offload": "--offload", "offload_device": "--offload-device",
          "recompute": "--recompute", "selective_ac": "--selective-ac",
          "recompute_early_stop": "--recompute-early-stop", "compile": "--compile",
-         "float8": "--float8", "float8_head": "--float8-head", "micro_batch_size": "--micro-batch",
+         "float8": "--float8", "float8_head": "--float8-head", "async_tp": "--async-tp",
+         "micro_batch_size": "--micro-batch",
          "global_batch_size": "--global-batch", "vpp": "--vpp", "seq_len": "--seq-len",
          "layers_per_stage": "--layers-per-stage", "mesh_order": "--mesh-order",
          "flash_attention": "--no-flash-attention", "dtype": "--dtype"}

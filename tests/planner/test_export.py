@@ -1085,6 +1085,18 @@ def test_torchtitan_float8_head_empties_the_filter():
                                                       "filter_fqns": []}}}
 
 
+def test_torchtitan_async_tp_where_the_plan_runs_tp():
+    """``parallelism.enable_async_tensor_parallel`` follows the plan's async_tp where it has
+    tensor parallelism (torchtitan ignores it without)."""
+    tp = {"tp": 2, "dp": 4, "sp": True}
+    plain = tomllib.loads(quietly(export.to_torchtitan, compiled_plan("torchtitan", **tp)))
+    fused = tomllib.loads(quietly(export.to_torchtitan,
+                                  compiled_plan("torchtitan", async_tp=True, **tp)))
+    assert plain["parallelism"]["enable_async_tensor_parallel"] is False
+    assert fused["parallelism"]["enable_async_tensor_parallel"] is True
+    assert fused["parallelism"]["tensor_parallel_degree"] == 2
+
+
 def test_megatron_refuses_a_float8_head():
     with pytest.raises(ValueError, match="output layer stays bf16"):
         quietly(export.to_megatron, compiled_plan("megatron", compile="none", float8_head=True))
