@@ -279,6 +279,10 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     else:
         gemm = _gemm_s(proj_flop + mlp_flop, 2 + mats, peak=peak, efficiency=gemm_efficiency,
                        overhead_s=device.matmul_overhead_s)
+    gemm += _memory_bound_gemm_s(model, config, tokens, moe=moe, bandwidth=bandwidth,
+                                 rate=peak * gemm_efficiency,
+                                 float8_rate=(cluster.gpu.peak("fp8") * gemm_efficiency
+                                              if config.float8 else 0.0))
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
                                                        causal=causal) / t
@@ -305,6 +309,35 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     last = recompute.last_mm_fraction(model, moe=moe)
     return LayerForward(gemm_s=gemm, core_s=core, rest_s=elementwise + host_ops,
                         recomputed_mm_fraction=fraction, last_mm_fraction=last)
+
+
+def _memory_bound_gemm_s(model: ModelSpec, config: ParallelConfig, tokens: float, *,
+                         moe: bool, bandwidth: float, rate: float, float8_rate: float) -> float:
+    """Seconds one layer's projections take beyond their FLOPs at ``rate`` because they are
+    memory-bound (the roofline model: Williams, Waterman and Patterson 2009): a [tokens, K] x
+    [K, N] product reads both operands and writes its output through HBM at ``bandwidth``, so
+    one whose arithmetic intensity (FLOPs per byte) is below the device's ridge point (rate /
+    bandwidth) takes its bytes' time. Narrow products meet it: grouped-query attention's k and
+    v projections sharded by TP (Llama 3 8B and 70B at TP 8: N = 128, about 125 FLOPs per
+    byte against a ridge near 335 on a 500 W HBM2e H100). Their backward products (input and
+    weight gradients) move the same three matrices, so the forward's share scales with the
+    rest (``BACKWARD_FACTOR``). Float8 linears (``float8_rate`` > 0) read 1-byte operands and
+    write 16-bit outputs; MoE experts are left out."""
+    t = config.tp
+    h = model.hidden_size
+    q, kv = model.q_size / t, model.kv_size / t
+    shapes = [(q, h), (kv, h), (kv, h), (h, q)]  # (N, K): wq, wk, wv, wo
+    if not moe:
+        f = model.ffn_hidden_size / t
+        shapes += [(f, h)] * (2 if model.activation == "swiglu" else 1) + [(h, f)]
+    out_bytes = config.bytes_per_activation
+    in_bytes = 1 if float8_rate else out_bytes
+    flop_rate = float8_rate or rate
+    extra = 0.0
+    for n, k in shapes:
+        moved = in_bytes * (tokens * k + k * n) + out_bytes * tokens * n
+        extra += max(0.0, moved / bandwidth - 2 * tokens * n * k / flop_rate)
+    return extra
 
 
 def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
