@@ -379,17 +379,17 @@ def _fused_exposed_s(comm_s: float, gemm_s: float, tp: int) -> float:
 
 
 def _projection_shares(model: ModelSpec) -> dict[str, float]:
-    """Each group of a layer's projections' share of its GEMM FLOPs (``layer_forward``'s
-    split): ``qkv``, ``k``, ``o``, ``up`` (gate and up), ``up_one`` (one of them) and
-    ``down``; the MLP's are 0 in MoE models (their experts are not tensor-parallel matmuls
-    that async TP fuses)."""
-    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    """Each group of a dense layer's projections' share of its GEMM FLOPs (``layer_forward``'s
+    split, ``moe=False``): ``qkv``, ``k``, ``o``, ``up`` (gate and up), ``up_one`` (one of
+    them) and ``down``; the MLP's are 0 in MoE models (their experts are not tensor-parallel
+    matmuls that async TP fuses)."""
+    h, q, kv, ffn = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
     mats = 3 if model.activation == "swiglu" else 2
-    ffn = 0 if model.is_moe else model.ffn_hidden_size
     total = h * (2 * q + 2 * kv) + mats * h * ffn
+    mlp = 0.0 if model.is_moe else 1.0
     return {"qkv": h * (q + 2 * kv) / total, "k": h * kv / total, "o": h * q / total,
-            "up": (mats - 1) * h * ffn / total, "up_one": h * ffn / total,
-            "down": h * ffn / total}
+            "up": mlp * (mats - 1) * h * ffn / total, "up_one": mlp * h * ffn / total,
+            "down": mlp * h * ffn / total}
 
 
 def _sp_collectives_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -683,7 +683,7 @@ class _StageCosts:
         hit = self._tp.get(mode)
         if hit is None:
             model, cluster, config, calibration, framework = self._args
-            gemm = (layer_forward(model, cluster, config, calibration, moe=model.is_moe,
+            gemm = (layer_forward(model, cluster, config, calibration, moe=False,
                                   framework=framework).gemm_s
                     if config.async_tp and config.tp > 1 else 0.0)
             hit = self._tp[mode] = _tp_comm_per_layer_s(model, config, self.links.tp,
