@@ -18,7 +18,7 @@ that the loss backward's three extra vocabulary-shard copies were missing from t
 measurement (a peak 36 % lower at 1,024 vocabulary rows, 8 x 64 tokens).
 
     python benchmarks/torchtitan_cpu_memory.py [--policy op|2|full|none] [--micro-batch 2]
-        [--dp 2] [--tp 1] [--vocab 256]
+        [--dp 2] [--tp 1] [--vocab 256] [--heads 4 2]
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ import torch.multiprocessing as mp
 STEPS = 3
 SEQ_LEN = 64
 TINY_VOCAB = 256
+TINY_HEADS = (4, 2)
+"""meshplan's ``tiny`` model's attention and key/value heads (``--heads`` changes them)."""
 TIMEOUT_S = 180
 
 
@@ -90,7 +92,7 @@ def _free_port() -> str:
 
 
 def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: int,
-            port: str, out_dir: str) -> None:
+            heads: tuple[int, int], port: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=dp * tp,
@@ -109,8 +111,8 @@ def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: i
     from meshplan.runtime.memory import PeakMemory
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("fsdp", "tp"))
-    args = TransformerModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=vocab,
-                                multiple_of=16, max_seq_len=SEQ_LEN)
+    args = TransformerModelArgs(dim=64, n_layers=4, n_heads=heads[0], n_kv_heads=heads[1],
+                                vocab_size=vocab, multiple_of=16, max_seq_len=SEQ_LEN)
     torch.manual_seed(0)
     peak = PeakMemory(torch.device("cpu"))
     _track_loss_parallel(peak)
@@ -147,10 +149,10 @@ def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: i
 
 
 def measure(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
-            vocab: int = TINY_VOCAB) -> list[int]:
+            vocab: int = TINY_VOCAB, heads: tuple[int, int] = TINY_HEADS) -> list[int]:
     """Per-rank peak bytes of torchtitan's step under ``policy``."""
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_worker, args=(policy, micro_batch, dp, tp, vocab,
+        context = mp.start_processes(_worker, args=(policy, micro_batch, dp, tp, vocab, heads,
                                                           _free_port(), tmp),
                                      nprocs=dp * tp, join=False, start_method="spawn")
         deadline = time.monotonic() + TIMEOUT_S
@@ -165,7 +167,7 @@ def measure(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
 
 
 def predict(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
-            vocab: int = TINY_VOCAB) -> float:
+            vocab: int = TINY_VOCAB, heads: tuple[int, int] = TINY_HEADS) -> float:
     import dataclasses
 
     from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
@@ -175,7 +177,8 @@ def predict(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
                             selective_ac=selective_ac, micro_batch_size=micro_batch,
                             global_batch_size=dp * micro_batch, seq_len=SEQ_LEN,
                             dtype="fp32")
-    model = dataclasses.replace(load_model("tiny"), vocab_size=vocab)
+    model = dataclasses.replace(load_model("tiny"), vocab_size=vocab, num_heads=heads[0],
+                                num_kv_heads=heads[1])
     est = estimate(model, load_cluster("cpu", nodes=1, gpus_per_node=dp * tp), config,
                    framework="torchtitan")
     return est.memory.peak_bytes
@@ -190,8 +193,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks (SP and loss parallelism on)")
     parser.add_argument("--vocab", type=int, default=TINY_VOCAB, help="vocabulary rows")
+    parser.add_argument("--heads", type=int, nargs=2, default=TINY_HEADS,
+                        metavar=("Q", "KV"), help="attention and key/value heads (tp divides "
+                        "both; the width stays 64)")
     args = parser.parse_args()
-    shape = dict(dp=args.dp, tp=args.tp, vocab=args.vocab)
+    shape = dict(dp=args.dp, tp=args.tp, vocab=args.vocab, heads=tuple(args.heads))
     peaks = measure(args.policy, args.micro_batch, **shape)
     predicted = predict(args.policy, args.micro_batch, **shape)
     for rank, measured in enumerate(peaks):
