@@ -546,3 +546,26 @@ def test_explain_prices_a_float8_head_for_an_untied_model(tmp_path):
                      framework="torchtitan")
     assert entries["--float8-head"]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
     assert entries["--float8-head"]["delta_s"] < 0
+
+
+def test_explain_prices_async_tp_for_a_compiled_tp_plan(tmp_path):
+    """A compiled torchtitan plan with sequence-parallel TP is offered ``--async-tp`` (priced
+    as the same plan with it); a plan with it already set is not."""
+    path = tmp_path / "plan.json"
+    argv = ["--model", "llama3-70b", "--cluster", "grand-teton-h100", "--nodes", "4",
+            "--global-batch", "16", "--framework", "torchtitan", "--compile", "model",
+            "--tp", "8", "--sp", "--deterministic"]
+    assert run_cli("plan", *argv, "-o", path).code == 0
+    result = run_cli("explain", path, "--time-limit", "5", "--json")
+    assert result.code == 0, result.err
+    entries = {w["change"]: w for w in json.loads(result.out)["what_if"]}
+    plan = read_plan(path)
+    again = estimate(plan.model, plan.cluster, plan.config.replace(async_tp=True),
+                     framework="torchtitan")
+    assert entries["--async-tp"]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
+    assert entries["--async-tp"]["delta_s"] < 0
+    fused = tmp_path / "fused.json"
+    assert run_cli("plan", *argv, "--async-tp", "-o", fused).code == 0
+    assert read_plan(fused).config.async_tp
+    result = run_cli("explain", fused, "--time-limit", "5", "--json")
+    assert "--async-tp" not in {w["change"] for w in json.loads(result.out)["what_if"]}
