@@ -90,11 +90,13 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
 
 
 def _check_settings(config: ParallelConfig) -> None:
-    """``UnsupportedPlan`` for torch.compile and float8 training: settings the cost model
-    prices as torchtitan runs them; this runtime trains eagerly in the plan's dtype."""
+    """``UnsupportedPlan`` for torch.compile, float8 training and async TP: settings the cost
+    model prices as torchtitan runs them; this runtime trains eagerly in the plan's dtype."""
     asked = [f"compile {config.compile!r}"] if config.compile != "none" else []
     if config.float8:
         asked.append("float8")
+    if config.async_tp:
+        asked.append("async TP")
     if asked:
         raise UnsupportedPlan(f"the plan's {' and '.join(asked)} "
                               f"{'are' if len(asked) > 1 else 'is'} not run by meshplan's "

@@ -126,6 +126,8 @@ def test_mesh_dims_reverse_the_plan_order():
     ({"float8": True}, "the plan's float8 is not run by meshplan's runtime"),
     ({"compile": "model+loss", "float8": True},
      "the plan's compile 'model\\+loss' and float8 are not run .* export the plan to torchtitan"),
+    ({"compile": "model", "async_tp": True, "tp": 2, "sp": True},
+     "the plan's compile 'model' and async TP are not run by meshplan's runtime"),
 ])
 def test_unsupported_plans_are_refused(changes, match):
     config = ParallelConfig(global_batch_size=8, seq_len=64, **changes)
