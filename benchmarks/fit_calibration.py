@@ -28,6 +28,7 @@ from meshplan.costmodel.reference import predict, reference_runs
 from meshplan.costmodel.timing import BACKWARD_FACTOR, layer_forward_s, stage_links, tp_comm_parts_s
 
 CALIBRATION_FILE = Path(__file__).resolve().parents[1] / "costmodel" / "data" / "calibration.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # Korthikanti et al. 2022 Table 4: one 22B layer (h 6144, 64 heads, s 2048, b 4) on tp 8,
 # forward and backward milliseconds per configuration.
@@ -68,7 +69,30 @@ against ~60 ms under ZeRO-2, ~0.42 s for its ~10.2 GB of fp16 parameters, ~25 GB
 fraction of what NVLink carries; PR #1188 names the causes (a synchronize before every
 gather, an explicit copy after it)."""
 GPU_KEYS = ("a100-80gb", "a100-40gb", "h100-sxm", "h100-hbm2e-96gb", "h200", "b200", "default")
-"""The GPUs of the two generations the fit covers (H200 and B200 take H100's values)."""
+"""The GPUs of the two generations the fit covers (H200 and B200 take H100's values, but for
+``MEASURED_DEVICE_FIELDS``)."""
+MEASURED_DEVICE_FIELDS = {"h200": ("eager_matmul_efficiency", "eager_flash_attention_efficiency",
+                                   "eager_flash_attention_half_seq")}
+"""Values of a device measured on the device itself (``--stage h200``), which the other stages
+keep instead of the generation's fitted ones."""
+H200_KERNELS = RESULTS / "gpu-kernels-h200-2026-12-04.json"
+"""SDPA's flash kernel on one H200 (torch 2.11, ``benchmarks/gpu_kernels.py``): forward and
+backward seconds, causal, head dim 128, 2k-8k tokens."""
+H200_RUNTIME = RESULTS / "gpu-h200-2026-12-04.json"
+"""meshplan's runtime on one H200 (``benchmarks/gpu_runtime.py``): Llama-3.2-1B, bf16,
+4 micro-batches of 2 x 2048 tokens per step, measured step per plan."""
+H200_RUNTIME_FIT_PLAN = "none"
+"""The runtime plan the H200's eager GEMM efficiency is solved on: no recomputation, bound by
+the device (its host issues a layer's kernels in a third of their run time); the ``full``
+plan is held out."""
+
+
+def _keep_measured(base: Calibration, devices: dict) -> dict:
+    """``devices`` with ``MEASURED_DEVICE_FIELDS`` taken back from ``base``."""
+    for key, names in MEASURED_DEVICE_FIELDS.items():
+        measured = {name: getattr(base.device(key), name) for name in names}
+        devices[key] = dataclasses.replace(devices[key], **measured)
+    return devices
 
 
 def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
@@ -86,6 +110,7 @@ def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
     devices.update({"a100-80gb": a100, "a100-40gb": a100, "h100-sxm": h100,
                     "h100-hbm2e-96gb": h100, "h200": h100, "b200": h100,
                     "default": a100})  # the GPUs of one generation share values
+    devices = _keep_measured(base, devices)
     factors = dict(base.framework_compute_factor, deepspeed=v["deepspeed_compute_factor"])
     return dataclasses.replace(
         base, devices=devices, elementwise_traffic_factor=v["elementwise_traffic_factor"],
@@ -108,7 +133,7 @@ def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibrati
             eager_flash_attention_efficiency=v[f"{generation}_eager_flash_attention_efficiency"],
             prefetch_overlap=v["gpu_prefetch_overlap"],
             prefetch_contention=v["gpu_prefetch_contention"])
-    return dataclasses.replace(base, devices=devices)
+    return dataclasses.replace(base, devices=_keep_measured(base, devices))
 
 
 def zero3_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
@@ -118,6 +143,49 @@ def zero3_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibrati
         base, zero3_path_bytes_per_s=dict(base.zero3_path_bytes_per_s,
                                           deepspeed=DEEPSPEED_ZERO3_PATH_BYTES_PER_S),
         zero3_path_rank_s=dict(base.zero3_path_rank_s, deepspeed=float(x[0])))
+
+
+def h200_measured(base: Calibration) -> Calibration:
+    """``base`` with the H200's eager values measured on an H200 (``MEASURED_DEVICE_FIELDS``).
+
+    * Fused attention: SDPA's flash kernel timed forward and backward (``H200_KERNELS``, its
+      ``efficiency`` counts 3 forward passes of FLOPs); in the cost model's terms the pair costs
+      ``1 + timing.FLASH_BACKWARD_FACTOR`` forwards, so each point's efficiency is the
+      measured one times 3.5 / 3; ``a s / (s + h)`` is fitted to the points (least squares).
+    * GEMMs: the eager efficiency at which meshplan's runtime's ``H200_RUNTIME_FIT_PLAN``
+      plan is predicted at its measured step (bisection).
+    """
+    import scipy.optimize
+
+    from meshplan.costmodel import estimate
+    from meshplan.costmodel.timing import FLASH_BACKWARD_FACTOR
+    rows = json.loads(H200_KERNELS.read_text())["rows"]
+    points = [(int(row["case"].split("s=")[1].split()[0]),
+               row["efficiency"] * (1 + FLASH_BACKWARD_FACTOR) / 3) for row in rows
+              if row["group"] == "attention" and row["case"].startswith("flash ")
+              and " d=128 " in row["case"]]
+    seqs, effs = (np.array(values, dtype=float) for values in zip(*points))
+    (top, half), _ = scipy.optimize.curve_fit(lambda s, a, h: a * s / (s + h), seqs, effs,
+                                              p0=(effs.max(), 1000.0))
+    measured = {row["plan"]: row["measured_step_s"]
+                for row in json.loads(H200_RUNTIME.read_text())}
+    model = load_model("llama3.2-1b")
+    cluster = load_cluster("dgx-h200", nodes=1, gpus_per_node=1)
+    config = ParallelConfig(global_batch_size=8, micro_batch_size=2, seq_len=2048, dtype="bf16",
+                            recompute="none")
+
+    def with_values(matmul: float) -> Calibration:
+        device = dataclasses.replace(base.device("h200"), eager_matmul_efficiency=matmul,
+                                     eager_flash_attention_efficiency=float(top),
+                                     eager_flash_attention_half_seq=float(half))
+        return dataclasses.replace(base, devices=dict(base.devices, h200=device))
+
+    def gap(matmul: float) -> float:
+        step = estimate(model, cluster, config, framework="meshplan",
+                        calibration=with_values(matmul)).time.step_s
+        return step / measured[H200_RUNTIME_FIT_PLAN] - 1
+
+    return with_values(scipy.optimize.brentq(gap, 0.3, 0.95, xtol=1e-6))
 
 
 def is_deepspeed_zero3(run) -> bool:
@@ -210,15 +278,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="update calibration.json")
-    parser.add_argument("--stage", choices=("all", "main", "eager", "zero3"), default="all",
+    parser.add_argument("--stage", choices=("all", "main", "eager", "zero3", "h200"),
+                        default="all",
                         help="fit the non-eager parameters, the eager ones, DeepSpeed's ZeRO-3 "
-                             "path, or all three in turn")
+                             "path, or all three in turn; or set the H200's eager values "
+                             "from its own measurements (h200)")
     args = parser.parse_args()
     fitted = default_calibration()
     stages = {"all": ("main", "eager", "zero3"), "main": ("main",), "eager": ("eager",),
-              "zero3": ("zero3",)}[args.stage]
+              "zero3": ("zero3",), "h200": ("h200",)}[args.stage]
     for stage in stages:
-        fitted = fit(fitted, eager=stage == "eager", zero3=stage == "zero3")
+        fitted = (h200_measured(fitted) if stage == "h200" else
+                  fit(fitted, eager=stage == "eager", zero3=stage == "zero3"))
     rows = (residuals(fitted)[1] + residuals(fitted, eager=True)[1]
             + residuals(fitted, zero3=True)[1])
     for name, predicted, published in rows:

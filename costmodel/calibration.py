@@ -81,6 +81,13 @@ class DeviceCalibration:
     """Fraction of dense peak fused attention reaches when an eager PyTorch framework calls it
     (the flash-attn package or SDPA's flash kernels, against the cuDNN / Transformer Engine
     kernels of Megatron-LM and Llama 3's stack); None: ``flash_attention_efficiency``."""
+    eager_flash_attention_half_seq: float | None = None
+    """Sequence length at which the eager fused attention reaches half of
+    ``eager_flash_attention_efficiency``: over s keys it runs at that efficiency times
+    ``s / (s + eager_flash_attention_half_seq)`` (each query block's fixed prologue and
+    epilogue amortised over more keys), as SDPA's flash kernel measured on a device across
+    sequence lengths shows. None: one efficiency at every length (values fitted on training
+    runs of one typical length)."""
     prefetch_overlap: float | None = None
     """Fraction of a micro-batch's compute that FSDP-style per-block collectives (all-gather
     of the next block, reduce-scatter of the last, prefetched on their own stream) hide
@@ -123,11 +130,15 @@ class DeviceCalibration:
             return self.eager_matmul_efficiency
         return self.matmul_efficiency
 
-    def fused_attention_efficiency(self, eager: bool) -> float:
-        """``eager_flash_attention_efficiency`` for an eager framework when set, else
-        ``flash_attention_efficiency``."""
+    def fused_attention_efficiency(self, eager: bool, seq_len: float | None = None) -> float:
+        """``eager_flash_attention_efficiency`` for an eager framework when set (over
+        ``seq_len`` keys, times ``s / (s + eager_flash_attention_half_seq)`` where that is
+        set), else ``flash_attention_efficiency``."""
         if eager and self.eager_flash_attention_efficiency is not None:
-            return self.eager_flash_attention_efficiency
+            if self.eager_flash_attention_half_seq is None or seq_len is None:
+                return self.eager_flash_attention_efficiency
+            return (self.eager_flash_attention_efficiency * seq_len
+                    / (seq_len + self.eager_flash_attention_half_seq))
         return self.flash_attention_efficiency
 
     def __post_init__(self) -> None:
@@ -137,7 +148,8 @@ class DeviceCalibration:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
         if self.prefetch_overlap is not None and not 0 <= self.prefetch_overlap <= 1:
             raise ValueError(f"prefetch_overlap must be in [0, 1], got {self.prefetch_overlap!r}")
-        for name in ("gemm_half_rows", "fresh_page_bytes_per_s"):
+        for name in ("gemm_half_rows", "fresh_page_bytes_per_s",
+                     "eager_flash_attention_half_seq"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
@@ -298,6 +310,7 @@ DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "eager_matmul_efficiency": EFFICIENCY, "eager_flash_attention_efficiency": EFFICIENCY,
     "prefetch_overlap": FRACTION, "prefetch_contention": FRACTION,
     "optimizer_params_per_s": POSITIVE, "gemm_half_rows": POSITIVE,
+    "eager_flash_attention_half_seq": POSITIVE,
     "fresh_page_bytes_per_s": POSITIVE,
     "op_overhead_s": NON_NEGATIVE, "host_op_s": NON_NEGATIVE,
     "collective_call_s": NON_NEGATIVE,

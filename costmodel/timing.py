@@ -286,7 +286,7 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
                                                        causal=causal) / t
-    efficiency = (device.fused_attention_efficiency(eager_kernels(framework))
+    efficiency = (device.fused_attention_efficiency(eager_kernels(framework), config.seq_len)
                   if config.flash_attention else device.attention_efficiency)
     core = _gemm_s(attention_flop, 2, peak=peak, efficiency=efficiency,
                    overhead_s=device.matmul_overhead_s)

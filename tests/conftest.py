@@ -50,3 +50,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def published() -> dict[str, dict[str, Any]]:
     """Every published case by id."""
     return {case["id"]: case for case in _published_cases()}
+
+
+def benchmark_module(name: str):
+    """``benchmarks/NAME.py`` loaded as a module (``benchmarks/`` is not a package)."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"meshplan_benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

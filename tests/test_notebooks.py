@@ -8,7 +8,6 @@ another Python), with cwd = notebooks/ and the Agg matplotlib backend.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from meshplan.costmodel import load_model
+from tests.conftest import benchmark_module
 
 nbformat = pytest.importorskip("nbformat", reason="needs the 'notebooks' extra")
 nbclient = pytest.importorskip("nbclient", reason="needs the 'notebooks' extra")
@@ -86,12 +86,8 @@ def test_figures_script_writes_memory_bars(tmp_path):
 
 
 def _figures_module():
-    """benchmarks/figures.py as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("meshplan_figures",
-                                                  ROOT / "benchmarks" / "figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/figures.py as a module."""
+    return benchmark_module("figures")
 
 
 def test_zero_dp_table_shrinks_with_sharding():

@@ -19,9 +19,6 @@ KNOWN_SHORTFALLS = {
     # the rows in KNOWN_OUTLIERS run 16-28 % slower than predicted.
     "mosaicml-a100": (0.06, 0.29, 0.05),
     "mosaicml-h100": (0.06, 0.19, 0.05),
-    # torchtitan's own tables: the mean and bias hold (+5.0 %, its H200 rows pull it up); its
-    # H200 row on 32 GPUs in KNOWN_OUTLIERS runs 16 % faster than predicted
-    "torchtitan-fsdp2": (0.06, 0.16, 0.05),
     # torchtitan's long-context table (8B, 32K-262K tokens, FSDP + CP, compiled, float8, full
     # AC): 2-35 % slower predicted than measured, not monotonic in the CP degree (the CP 2 row
     # is the fastest relative to the model); attention-bound steps
@@ -45,12 +42,6 @@ KNOWN_OUTLIERS = {
     # capacity (117-119 %), so it over-predicts their activations too
     "mosaicml-a100-40-1b-s2048-g32", "mosaicml-a100-80-760m-s512-g8",
     "mosaicml-a100-80-760m-s1024-g8",
-    # torchtitan June 2025 (torch 2.8) on H200s, compiled, every linear float8: 14-16 % faster
-    # than predicted (the 64-GPU row is at 14.3 %), while the same configuration on
-    # torchtitan's 500 W H100s (December 2024) is 5-6 % slower; the eager GEMM and attention
-    # efficiencies were fitted on 2023-24 software (mostly MosaicML's H100 rows) and do not
-    # follow the newer kernels
-    "torchtitan-llama3.1-8b-fsdp32-h200-compile-float8",
     # torchtitan's long-context rows without CP (32K) and with CP 2 (64K): see KNOWN_SHORTFALLS
     "torchtitan-llama3.1-8b-fsdp8-cp1-s32768-h100", "torchtitan-llama3.1-8b-fsdp4-cp2-s65536-h100",
 }
