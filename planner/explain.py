@@ -257,8 +257,8 @@ def setting_changes(plan: Plan, est: Estimate,
     does not search: torch.compile of the blocks and the loss, float8 linears (bf16 plans
     on GPUs with float8 tensor cores) and, with them, a float8 LM head (an untied one), and
     async TP (compiled plans with sequence-parallel TP).
-    Settings, not searched, because they are the user's call: compilation time, and float8's
-    numerics."""
+    Settings, not searched, because they are the user's call: compilation time, float8's
+    numerics and async TP's symmetric memory."""
     if plan.framework != "torchtitan":
         return []
     config = plan.config

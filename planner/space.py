@@ -30,7 +30,8 @@ every configuration ``meshplan estimate`` accepts, except where noted:
   innermost axis.
 
 Run settings (``SETTING_FIELDS``: torchtitan's selective policy, early-stopping recomputation,
-torch.compile, float8 training, async TP) are not searched: every configuration carries the user's.
+torch.compile, float8 training, async TP) are not searched: every configuration carries the
+user's.
 
 Search bounds (``search.py``) then discard candidates no split can make competitive; they
 never remove the optimum (tests/planner/test_brute_force.py checks that claim).

@@ -42,5 +42,6 @@ def test_the_h200_values_are_what_its_measurements_give():
     # the other stages copy H100's values to H200 but for the measured ones
     x = np.array([p[1] for p in fit.EAGER_PARAMETERS])
     eager = fit.eager_calibration_from_vector(cal, x)
-    assert eager.device("h200").eager_matmul_efficiency == cal.device("h200").eager_matmul_efficiency
+    h200 = cal.device("h200")
+    assert eager.device("h200").eager_matmul_efficiency == h200.eager_matmul_efficiency
     assert eager.device("h100-sxm").eager_matmul_efficiency == x[1]
