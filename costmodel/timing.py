@@ -29,7 +29,7 @@ from meshplan.costmodel import collectives as coll
 from meshplan.costmodel import composition
 from meshplan.costmodel import eager
 from meshplan.costmodel import recompute
-from meshplan.costmodel.recompute import LayerForward
+from meshplan.costmodel.recompute import LayerForward, stops_early
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.calls import (DDP_BUCKET_BYTES, LOSS_REDUCTION_CALLS, buckets,
@@ -358,9 +358,15 @@ def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     the collectives its recomputation issues again (``tp_recompute_s``)."""
     forward, backward = tp_comm_parts_s(model, config, link, calibration, framework=framework,
                                         gemm_s=gemm_s)
-    again = (forward if recompute == "full" else
-             tp_recompute_s(model, config, link, calibration, gemm_s=gemm_s)
-             if recompute == "op" and framework == "torchtitan" else 0.0)
+    if recompute == "full":
+        again = forward - (_last_tp_collective_s(model, config, link, calibration,
+                                                 gemm_s=gemm_s)
+                           if framework in DTENSOR_TP_FRAMEWORKS
+                           and stops_early(framework, config) else 0.0)
+    elif recompute == "op" and framework == "torchtitan":
+        again = tp_recompute_s(model, config, link, calibration, gemm_s=gemm_s)
+    else:
+        again = 0.0
     return forward + again + backward
 
 
@@ -401,6 +407,24 @@ def _sp_collectives_s(model: ModelSpec, config: ParallelConfig, link: coll.Group
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     gathered = size / config.bytes_per_activation if config.float8 else size
     return coll.all_gather_s(link, gathered, **effs), coll.reduce_scatter_s(link, size, **effs)
+
+
+def _last_tp_collective_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | None,
+                          calibration: Calibration, *, gemm_s: float) -> float:
+    """The forward's last TP collective, which a recomputation that stops early does not run
+    again (backward reads the down projection's input, not its output): with SP the MLP's
+    reduce-scatter (under async TP what its fusion with w2 exposes), without SP its
+    all-reduce."""
+    if config.tp == 1 or link is None:
+        return 0.0
+    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+    if not config.sp:
+        return coll.all_reduce_s(link, size, intra_eff=calibration.nvlink_efficiency,
+                                 inter_eff=calibration.network_efficiency)
+    _, scatter = _sp_collectives_s(model, config, link, calibration)
+    if config.async_tp:
+        return _fused_exposed_s(scatter, _projection_shares(model)["down"] * gemm_s, config.tp)
+    return scatter
 
 
 def tp_recompute_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | None,

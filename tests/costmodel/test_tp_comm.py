@@ -48,6 +48,18 @@ def test_torchtitan_sp_waits_for_four_collectives_per_block_pass(recompute, forw
     assert got.time.tp_comm_s == pytest.approx(32 * (forwards + 1) * 2 * pair, rel=1e-9)
 
 
+def test_full_recomputation_that_stops_early_skips_the_last_reduce_scatter():
+    """Stopping early (torch's non-reentrant checkpoint default; meshplan's runtime always),
+    the recomputed forward ends at w2's input: its reduce-scatter is not run again."""
+    model, cluster, config, cal, link, effs, hidden = _setup(recompute="full",
+                                                             recompute_early_stop=True)
+    scatter = coll.reduce_scatter_s(link, hidden, **effs)
+    pair = coll.all_gather_s(link, hidden, **effs) + scatter
+    for framework in ("torchtitan", "meshplan"):
+        got = estimate(model, cluster, config, framework=framework, calibration=cal)
+        assert got.time.tp_comm_s == pytest.approx(32 * (3 * 2 * pair - scatter), rel=1e-9)
+
+
 def test_torchtitan_op_policy_gathers_again_what_it_does_not_save():
     """torchtitan's per-op policy saves the reduce-scatters' outputs, not the all-gathers':
     its recomputation gathers both block inputs again (2 more all-gathers per layer)."""
