@@ -36,6 +36,25 @@ def default_dtype(device_key: str) -> str:
     return "fp32" if device_key == CPU_DEVICE_KEY else "bf16"
 
 
+def check_run_settings(*, compile_mode: str, float8: bool, float8_head: bool, async_tp: bool,
+                       dtype: str) -> None:
+    """Raise ValueError (one line) for run settings that cannot go together: an unknown
+    torch.compile mode, float8 outside bf16, a float8 head without float8 blocks, async TP
+    without torch.compile (``ParallelConfig`` and the planner's ``SearchSpace`` both check)."""
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
+                         f"{compile_mode!r}")
+    if float8 and dtype != "bf16":
+        raise ValueError(f"float8 training needs dtype bf16 (its casts start from bf16), "
+                         f"got {dtype!r}")
+    if float8_head and not float8:
+        raise ValueError("float8_head (--float8-head) needs float8 training of the blocks "
+                         "too (--float8)")
+    if async_tp and compile_mode == "none":
+        raise ValueError("async_tp (--async-tp) needs torch.compile (--compile model or "
+                         "model+loss): micro-pipelined TP is a compiler pass")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How one training step is laid out on the cluster."""
@@ -155,18 +174,9 @@ class ParallelConfig:
             raise ValueError(f"seq_len {self.seq_len} is not divisible by cp {self.cp}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be bf16, fp16 or fp32, got {self.dtype!r}")
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
-                             f"{self.compile!r}")
-        if self.float8 and self.dtype != "bf16":
-            raise ValueError(f"float8 training needs dtype bf16 (its casts start from bf16), "
-                             f"got {self.dtype!r}")
-        if self.float8_head and not self.float8:
-            raise ValueError("float8_head (--float8-head) needs float8 training of the blocks "
-                             "too (--float8)")
-        if self.async_tp and self.compile == "none":
-            raise ValueError("async_tp (--async-tp) needs torch.compile (--compile model or "
-                             "model+loss): micro-pipelined TP is a compiler pass")
+        check_run_settings(compile_mode=self.compile, float8=self.float8,
+                           float8_head=self.float8_head, async_tp=self.async_tp,
+                           dtype=self.dtype)
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: configurations key the planner's caches, which

@@ -409,6 +409,14 @@ def _sp_collectives_s(model: ModelSpec, config: ParallelConfig, link: coll.Group
     return coll.all_gather_s(link, gathered, **effs), coll.reduce_scatter_s(link, size, **effs)
 
 
+def _hidden_all_reduce_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
+                         calibration: Calibration) -> float:
+    """Seconds of one all-reduce of the layer's hidden state (TP without SP)."""
+    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+    return coll.all_reduce_s(link, size, intra_eff=calibration.nvlink_efficiency,
+                             inter_eff=calibration.network_efficiency)
+
+
 def _last_tp_collective_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | None,
                           calibration: Calibration, *, gemm_s: float) -> float:
     """The forward's last TP collective, which a recomputation that stops early does not run
@@ -417,10 +425,8 @@ def _last_tp_collective_s(model: ModelSpec, config: ParallelConfig, link: coll.G
     all-reduce."""
     if config.tp == 1 or link is None:
         return 0.0
-    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
     if not config.sp:
-        return coll.all_reduce_s(link, size, intra_eff=calibration.nvlink_efficiency,
-                                 inter_eff=calibration.network_efficiency)
+        return _hidden_all_reduce_s(model, config, link, calibration)
     _, scatter = _sp_collectives_s(model, config, link, calibration)
     if config.async_tp:
         return _fused_exposed_s(scatter, _projection_shares(model)["down"] * gemm_s, config.tp)
@@ -440,9 +446,7 @@ def tp_recompute_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLin
     if config.tp == 1 or link is None:
         return 0.0
     if not config.sp:
-        size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
-        return coll.all_reduce_s(link, size, intra_eff=calibration.nvlink_efficiency,
-                                 inter_eff=calibration.network_efficiency)
+        return _hidden_all_reduce_s(model, config, link, calibration)
     gather, _ = _sp_collectives_s(model, config, link, calibration)
     if not config.async_tp:
         return 2 * gather

@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshplan.costmodel import ClusterSpec, ModelSpec, ParallelConfig
-from meshplan.costmodel.config import COMPILE_MODES, OFFLOAD_DEVICES, RECOMPUTE_MODES
+from meshplan.costmodel.config import OFFLOAD_DEVICES, RECOMPUTE_MODES, check_run_settings
 
 MESH_ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
 ONE_REPLICA_ZERO = (0, 3)
@@ -116,18 +116,10 @@ class SearchSpace:
         if bad or not self.recompute_modes:
             raise ValueError(f"recompute modes must be among {RECOMPUTE_MODES}, got "
                              f"{self.recompute_modes}")
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
-                             f"{self.compile!r}")
-        if self.float8 and self.dtype != "bf16":  # else every configuration would be refused
-            raise ValueError(f"float8 training needs dtype bf16 (its casts start from bf16), "
-                             f"got {self.dtype!r}")
-        if self.float8_head and not self.float8:
-            raise ValueError("float8_head (--float8-head) needs float8 training of the blocks "
-                             "too (--float8)")
-        if self.async_tp and self.compile == "none":
-            raise ValueError("async_tp (--async-tp) needs torch.compile (--compile model or "
-                             "model+loss): micro-pipelined TP is a compiler pass")
+        # checked once here, else every configuration of the space would be refused
+        check_run_settings(compile_mode=self.compile, float8=self.float8,
+                           float8_head=self.float8_head, async_tp=self.async_tp,
+                           dtype=self.dtype)
 
 
 PIN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",

@@ -125,6 +125,16 @@ def test_megatron_sp_keeps_its_fitted_count(recompute, pairs):
 
 # ----- async TP (torchtitan's enable_async_tensor_parallel) --------------------------------------
 
+def _slow_link(cal):
+    """``cal`` with NVLink 200x slower, so that every TP transfer outlasts its matmuls."""
+    return dataclasses.replace(cal, nvlink_efficiency=cal.nvlink_efficiency / 200)
+
+
+def _vanilla_and_fused(model, cluster, config, cal):
+    """torchtitan's estimates of ``config`` without and with async TP."""
+    return tuple(estimate(model, cluster, config.replace(async_tp=fused), framework="torchtitan",
+                          calibration=cal) for fused in (False, True))
+
 def _shares(model):
     """Each projection group's share of a Llama layer's GEMM FLOPs, from its dimensions."""
     h, q, kv, ffn = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
@@ -139,7 +149,7 @@ def test_async_tp_on_a_slow_link_hides_seven_eighths_of_each_fused_matmul():
     w2), in backward the input-gradient matmuls of wo and w2; the backward's two
     reduce-scatters (of summed gradients) stay whole."""
     model, cluster, config, cal, _, effs, hidden = _setup(compile="model", async_tp=True)
-    slow = dataclasses.replace(cal, nvlink_efficiency=cal.nvlink_efficiency / 200)
+    slow = _slow_link(cal)
     link = calibrated_links(stage_links(cluster, config, 0), slow, cluster.gpu.key).tp
     effs = dict(intra_eff=slow.nvlink_efficiency, inter_eff=slow.network_efficiency)
     gather = coll.all_gather_s(link, hidden, **effs)
@@ -160,9 +170,7 @@ def test_async_tp_on_h100_hides_part_of_the_traffic_and_never_the_backward_scatt
                             global_batch_size=16, seq_len=8192, recompute="full",
                             compile="model")
     cal = default_calibration()
-    vanilla = estimate(model, cluster, config, framework="torchtitan", calibration=cal)
-    fused = estimate(model, cluster, config.replace(async_tp=True), framework="torchtitan",
-                     calibration=cal)
+    vanilla, fused = _vanilla_and_fused(model, cluster, config, cal)
     link = calibrated_links(stage_links(cluster, config, 0), cal, cluster.gpu.key).tp
     scatter = coll.reduce_scatter_s(link, 2 * 4 * 8192 * 8192, intra_eff=cal.nvlink_efficiency,
                                     inter_eff=cal.network_efficiency)
@@ -174,9 +182,7 @@ def test_async_tp_on_h100_hides_part_of_the_traffic_and_never_the_backward_scatt
 @pytest.mark.parametrize("changes", [dict(sp=False), dict(tp=1, dp=8, global_batch_size=16)])
 def test_async_tp_changes_nothing_without_sp_collectives(changes):
     model, cluster, config, cal, *_ = _setup(compile="model", **changes)
-    vanilla = estimate(model, cluster, config, framework="torchtitan", calibration=cal)
-    fused = estimate(model, cluster, config.replace(async_tp=True), framework="torchtitan",
-                     calibration=cal)
+    vanilla, fused = _vanilla_and_fused(model, cluster, config, cal)
     assert fused.time.step_s == vanilla.time.step_s
 
 
@@ -197,10 +203,8 @@ def test_async_tp_fuses_only_the_attention_projections_of_an_moe_model():
                             global_batch_size=1, seq_len=4096, recompute="none",
                             compile="model")
     cal = default_calibration()
-    slow = dataclasses.replace(cal, nvlink_efficiency=cal.nvlink_efficiency / 200)
-    vanilla = estimate(model, cluster, config, framework="torchtitan", calibration=slow)
-    fused = estimate(model, cluster, config.replace(async_tp=True), framework="torchtitan",
-                     calibration=slow)
+    slow = _slow_link(cal)
+    vanilla, fused = _vanilla_and_fused(model, cluster, config, slow)
     h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
     dense_gemm = layer_forward(model, cluster, config, slow, moe=False,
                                framework="torchtitan").gemm_s

@@ -508,27 +508,36 @@ def test_explain_names_compile_and_float8(tmp_path):
         ", torch.compile model+loss, float8 linears"), first
 
 
+def _what_ifs(path) -> dict[str, dict]:
+    """``explain PATH --json``'s what-ifs by change."""
+    result = run_cli("explain", path, "--time-limit", "5", "--json")
+    assert result.code == 0, result.err
+    return {w["change"]: w for w in json.loads(result.out)["what_if"]}
+
+
+def _assert_priced(entries: dict[str, dict], path, change: str, **settings) -> None:
+    """The what-if ``change`` is the plan at ``path`` with ``settings``, as ``estimate``
+    prices it under torchtitan, and it is faster."""
+    plan = read_plan(path)
+    again = estimate(plan.model, plan.cluster, plan.config.replace(**settings),
+                     framework="torchtitan")
+    assert entries[change]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
+    assert entries[change]["delta_s"] < 0
+
+
 def test_explain_prices_the_torchtitan_settings_a_plan_leaves_off(tmp_path):
     """Under torchtitan, explain's what-ifs hold the same plan with torch.compile (blocks and
     loss) and with float8 linears, each as ``estimate`` prices it; a plan that sets both gets
     neither line."""
     path = tmp_path / "plan.json"
     assert run_cli("plan", *H100_TORCHTITAN, "-o", path).code == 0
-    result = run_cli("explain", path, "--time-limit", "5", "--json")
-    assert result.code == 0, result.err
-    entries = {w["change"]: w for w in json.loads(result.out)["what_if"]}
-    plan = read_plan(path)
-    for change, settings in (("--compile model+loss", dict(compile="model+loss")),
-                             ("--float8", dict(float8=True))):
-        again = estimate(plan.model, plan.cluster, plan.config.replace(**settings),
-                         framework="torchtitan")
-        assert entries[change]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
-        assert entries[change]["delta_s"] < 0
+    entries = _what_ifs(path)
+    _assert_priced(entries, path, "--compile model+loss", compile="model+loss")
+    _assert_priced(entries, path, "--float8", float8=True)
     both = tmp_path / "both.json"
     assert run_cli("plan", *H100_TORCHTITAN, "--compile", "model+loss", "--float8",
                    "-o", both).code == 0
-    result = run_cli("explain", both, "--time-limit", "5", "--json")
-    changes = {w["change"] for w in json.loads(result.out)["what_if"]}
+    changes = set(_what_ifs(both))
     assert not changes & {"--compile model+loss", "--float8"}
     # a float8 head is offered beside float8 blocks, where the model's head is its own
     assert read_plan(both).model.tied_embeddings and "--float8-head" not in changes
@@ -538,14 +547,7 @@ def test_explain_prices_a_float8_head_for_an_untied_model(tmp_path):
     path = tmp_path / "plan.json"
     argv = ["--model", "llama3-8b", *H100_TORCHTITAN[2:]]
     assert run_cli("plan", *argv, "--float8", "-o", path).code == 0
-    result = run_cli("explain", path, "--time-limit", "5", "--json")
-    assert result.code == 0, result.err
-    entries = {w["change"]: w for w in json.loads(result.out)["what_if"]}
-    plan = read_plan(path)
-    again = estimate(plan.model, plan.cluster, plan.config.replace(float8_head=True),
-                     framework="torchtitan")
-    assert entries["--float8-head"]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
-    assert entries["--float8-head"]["delta_s"] < 0
+    _assert_priced(_what_ifs(path), path, "--float8-head", float8_head=True)
 
 
 def test_explain_prices_async_tp_for_a_compiled_tp_plan(tmp_path):
@@ -556,16 +558,8 @@ def test_explain_prices_async_tp_for_a_compiled_tp_plan(tmp_path):
             "--global-batch", "16", "--framework", "torchtitan", "--compile", "model",
             "--tp", "8", "--sp", "--deterministic"]
     assert run_cli("plan", *argv, "-o", path).code == 0
-    result = run_cli("explain", path, "--time-limit", "5", "--json")
-    assert result.code == 0, result.err
-    entries = {w["change"]: w for w in json.loads(result.out)["what_if"]}
-    plan = read_plan(path)
-    again = estimate(plan.model, plan.cluster, plan.config.replace(async_tp=True),
-                     framework="torchtitan")
-    assert entries["--async-tp"]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
-    assert entries["--async-tp"]["delta_s"] < 0
+    _assert_priced(_what_ifs(path), path, "--async-tp", async_tp=True)
     fused = tmp_path / "fused.json"
     assert run_cli("plan", *argv, "--async-tp", "-o", fused).code == 0
     assert read_plan(fused).config.async_tp
-    result = run_cli("explain", fused, "--time-limit", "5", "--json")
-    assert "--async-tp" not in {w["change"] for w in json.loads(result.out)["what_if"]}
+    assert "--async-tp" not in _what_ifs(fused)
