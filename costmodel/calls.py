@@ -140,6 +140,31 @@ def zero3_gather_passes(framework: str, config: ParallelConfig, recompute: str) 
     return 2 if config.pp == 1 else 1
 
 
+def fsdp2_syncs_once_per_step(framework: str, config: ParallelConfig) -> bool:
+    """Whether the stage's FSDP2 all-gathers and reduce-scatters run once per step rather than
+    per micro-batch: ZeRO-2/3 under a pipeline in the frameworks that build it from FSDP2 and
+    ``torch.distributed.pipelining`` (meshplan's runtime and torchtitan, both with
+    ``reshard_after_forward=False`` in a pipeline stage). The pipeline stage turns gradient
+    sync and resharding off for every micro-batch's backward
+    (``PipelineStage.backward_maybe_with_nosync``: ``set_requires_gradient_sync(False)``,
+    ``set_reshard_after_backward(False)``) and, after the last one, runs every FSDP group's
+    ``post_backward`` itself (``perform_reduce_grad``; torch 2.5-2.6 did it inside the last
+    backward call): one reduce-scatter per group and step, after all the stage's compute,
+    and one all-gather per group, in the first micro-batch's forward. Counted on the CPU with
+    torch 2.13 (pp 2 x dp 2, FSDP2 blocks, 4 micro-batches of 1F1B): 3 reduce-scatters and 3
+    all-gathers per step for 3 blocks, where per micro-batch syncing would issue 12 of each.
+    Meanwhile each micro-batch's 16-bit gradients are added to fp32 accumulators
+    (``FSDP2_ACCUMULATE_BYTES``)."""
+    return (framework in ("meshplan", "torchtitan") and config.pp > 1
+            and config.zero_stage >= 2 and config.dp * config.cp > 1)
+
+
+def fsdp2_groups(params_layers: int, root_params: float) -> int:
+    """FSDP2 groups of a stage: one per transformer block, plus the root group where the
+    stage holds parameters outside the blocks (embedding, final norm and head)."""
+    return params_layers + (1 if root_params > 0 else 0)
+
+
 def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, stage: int, *,
                                     framework: str, recompute: str) -> CollectiveCalls:
     """Collective calls of one micro-batch on a rank of ``stage``, counted as the meshplan
@@ -159,7 +184,9 @@ def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, st
     one ``_allgather_param`` per parameter), the tensors of ``zero3_fetch_batches`` per layer
     (one per traced layer) and the embedding or head on an end stage, in each pass, and
     reduce-scatters each one's gradient on its own (``_reduce_scatter_gradients``: one
-    ``reduce_scatter`` per parameter, DeepSpeed 0.3.13). Not counted: ZeRO-1's per-parameter broadcasts
+    ``reduce_scatter`` per parameter, DeepSpeed 0.3.13). FSDP2 inside a pipeline stage issues
+    none per micro-batch (``fsdp2_syncs_once_per_step``; ``timing.dp_step_s`` charges its
+    once-per-step calls). Not counted: ZeRO-1's per-parameter broadcasts
     (``ZeroRedundancyOptimizer``, once per step) and ``replicate``'s gradient all-reduces
     under TP; they need the parameter tensor count.
     """
@@ -175,7 +202,8 @@ def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, st
                      tp_reduce_scatter=layers * scatters + (edges if config.sp else 0))
     if config.pp > 1:
         calls["pp_send_recv"] = config.vpp * (int(stage > 0) + int(stage < config.pp - 1))
-    if config.zero_stage >= 2 and config.dp * config.cp > 1:
+    if config.zero_stage >= 2 and config.dp * config.cp > 1 \
+            and not fsdp2_syncs_once_per_step(framework, config):
         passes = zero3_gather_passes(framework, config, recompute) \
             if config.zero_stage == 3 else 1
         if framework == "deepspeed" and config.zero_stage == 3:

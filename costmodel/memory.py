@@ -96,7 +96,8 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
     if model.is_traced:  # every layer is in the graph; the largest is taken model-wide
         dense = float(sum(model.layer_params(i) for i in stage_layer_range(model, config, stage)))
         return StageParams(dense=dense, expert=0.0,
-                           largest_layer=float(traced.largest_layer_params(model)))
+                           largest_layer=float(traced.largest_layer_params(model)),
+                           layers=len(stage_layer_range(model, config, stage)))
     layers = stage_layer_range(model, config, stage)
     key = (id(model), config.tp, config.ep, config.pp, stage == 0, stage == config.pp - 1,
            layers.start, layers.stop)

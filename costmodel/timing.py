@@ -34,6 +34,7 @@ from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.calls import (DDP_BUCKET_BYTES, LOSS_REDUCTION_CALLS, buckets,
                                       call_overhead_s, collective_calls_per_microbatch,
+                                      fsdp2_groups, fsdp2_syncs_once_per_step,
                                       gradient_bucketing, latency_steps, zero3_fetch_batches,
                                       zero3_gather_passes, zero_call_latency_s)
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
@@ -860,6 +861,8 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     network_latency = zero_call_latency_s(calls, links.dp) if zero else 0.0
     zero_calls_s += _zero_fresh_pages_s(config, cluster, calibration, params=params,
                                         framework=framework, recompute=mode)
+    zero_calls_s += fsdp2_accumulate_s(config, cluster, calibration, params=params,
+                                       framework=framework)
     device = calibration.device(cluster.gpu.key)
     if zero and framework == "deepspeed" and config.zero_stage == 3:
         # DeepSpeed's own gather path, one module ahead of compute: bytes and latency alike
@@ -978,8 +981,10 @@ def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
     parameter all-gathers of every pass that gathers (3: ``calls.zero3_gather_passes``), at
     the ring's bandwidth. The calls' latency is charged apart (``calls.zero_call_latency_s``),
     once per call the framework issues. Up to ``dp_overlap`` of the micro-batch's compute
-    can hide the traffic."""
-    if config.zero_stage < 2 or link.size == 1:
+    can hide the traffic. None per micro-batch where FSDP2 syncs once per step inside a
+    pipeline stage (``calls.fsdp2_syncs_once_per_step``; ``dp_step_s`` charges it)."""
+    if (config.zero_stage < 2 or link.size == 1
+            or fsdp2_syncs_once_per_step(framework, config)):
         return 0.0
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     total = params.dense + params.expert
@@ -1088,6 +1093,8 @@ def _zero_fresh_pages_s(config: ParallelConfig, cluster: ClusterSpec,
         else 1
     nbytes = total * (2 * gathers * config.bytes_per_activation
                       + grad_comm_bytes(framework, config.dtype))
+    if fsdp2_syncs_once_per_step(framework, config):  # once per step, spread over its
+        nbytes /= config.grad_accum_steps              # micro-batches
     return fresh_pages_s(cluster, calibration, nbytes)
 
 
@@ -1175,13 +1182,17 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
 
     ZeRO 0/1: gradient all-reduce (reduce-scatter + all-gather of parameters for 1, same
     volume); ZeRO-2: the all-gather of updated parameters. The gradient reduction can hide
-    behind the last micro-batch's backward up to ``dp_overlap``.
+    behind the last micro-batch's backward up to ``dp_overlap``. FSDP2 inside a pipeline
+    stage: its once-per-step reduce-scatters and all-gathers (``_pipelined_fsdp2_step_s``).
     """
     if link.size == 1:
         return 0.0, 0.0
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     grad_bytes = grad_comm_bytes(framework, config.dtype)
     total_params = params.dense + params.expert
+    if fsdp2_syncs_once_per_step(framework, config):
+        return _pipelined_fsdp2_step_s(config, calibration, params=params, link=link,
+                                       framework=framework, gpu_key=gpu_key, effs=effs)
     if config.zero_stage == 0:
         comm = coll.all_reduce_s(link, total_params * grad_bytes, **effs)
     elif config.zero_stage == 1:
@@ -1200,6 +1211,53 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
         comm -= terms[0][2]
     hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0
     return comm, hideable
+
+
+FSDP2_ACCUMULATE_BYTES = 10
+"""HBM bytes per parameter of adding a micro-batch's 16-bit gradient to FSDP2's fp32 accumulator
+while gradient sync is off (``FSDPParam.accumulate_unsharded_grad_if_needed``,
+``unsharded_accumulated_grad += grad``: read 4 and 2, write 4). The first micro-batch's
+gradient is converted instead (``to_accumulated_grad_if_needed``: read 2, write 4)."""
+FSDP2_FIRST_ACCUMULATE_BYTES = 6
+
+
+def fsdp2_accumulate_s(config: ParallelConfig, cluster: ClusterSpec, calibration: Calibration,
+                       *, params: StageParams, framework: str) -> float:
+    """Seconds per micro-batch (the step's mean) of FSDP2's fp32 gradient accumulation inside a
+    pipeline stage (``calls.fsdp2_syncs_once_per_step``): each group's post-backward adds the
+    micro-batch's 16-bit unsharded gradients to fp32 accumulators on the compute stream (the
+    reduce dtype is fp32 in meshplan's runtime and torchtitan), so compute cannot hide it. 0
+    elsewhere, and for fp32 training (nothing to convert)."""
+    if not fsdp2_syncs_once_per_step(framework, config) or config.dtype == "fp32":
+        return 0.0
+    m = config.grad_accum_steps
+    per_param = (FSDP2_FIRST_ACCUMULATE_BYTES + (m - 1) * FSDP2_ACCUMULATE_BYTES) / m
+    bandwidth = cluster.gpu.hbm_bytes_per_s * calibration.device(cluster.gpu.key).memory_efficiency
+    return per_param * (params.dense + params.expert) / bandwidth
+
+
+def _pipelined_fsdp2_step_s(config: ParallelConfig, calibration: Calibration, *,
+                            params: StageParams, link: coll.GroupLink, framework: str,
+                            gpu_key: str, effs: dict) -> tuple[float, float]:
+    """(traffic, hideable) of FSDP2's once-per-step collectives inside a pipeline stage
+    (``calls.fsdp2_syncs_once_per_step``). Every group reduce-scatters its fp32 gradients after
+    the stage's last backward, when no compute is left to hide them. Every group all-gathers
+    its parameters in the first micro-batch's forward, where FSDP2's prefetching hides each
+    gather behind the blocks before it, all but the first block's: that one is waited for
+    (prefetched gathers taken as hidden outright; a micro-batch whose block computes faster
+    than its gather would wait more). Each call pays its ring latency and the host cost of
+    its latency steps (``Calibration.call_s``). Nothing of it is hideable: the reduce-scatter
+    has no compute left beside it, and the hidden gathers are not charged."""
+    groups = fsdp2_groups(params.layers, params.root)
+    total = params.dense + params.expert
+    scatter = coll.reduce_scatter_s(link, total * grad_comm_bytes(framework, config.dtype), **effs)
+    block = params.largest_block or params.largest_layer
+    first_gather = coll.all_gather_s(link, zero3_gather_bytes(config, params) * block / total,
+                                     **effs) if total else 0.0
+    latency = (groups - 1) * coll.call_latency_s("reduce_scatter", link)
+    host = groups * calibration.call_s(gpu_key) * (
+        latency_steps("reduce_scatter", link.size) + latency_steps("all_gather", link.size))
+    return scatter + first_gather + latency + host, 0.0
 
 
 def dp_bucket_terms(config: ParallelConfig, calibration: Calibration, *, params: StageParams,

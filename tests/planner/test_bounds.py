@@ -15,6 +15,7 @@ import pytest
 
 from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
                                 load_model)
+from meshplan.costmodel.calls import fsdp2_syncs_once_per_step
 from meshplan.costmodel.memory import stage_memory
 from meshplan.planner import search as search_module
 from meshplan.planner.bounds import sampled_stages, split_bound, stage_caps
@@ -225,8 +226,11 @@ def test_the_invariants_the_search_bounds_rest_on(case):
             none = terms(n, "none")[0]
             assert t1.zero_comm_s >= none.zero_comm_s * (1 - 1e-12)
             assert t1.offload_raw_s >= none.offload_raw_s * (1 - 1e-12)
-    # the property has something to check: these cases' raw traffic is not 0
-    assert terms(4, "none")[0].zero_comm_s > 0 or kwargs["zero_stage"] < 2
+    # the property has something to check: these cases' raw traffic is not 0, except where
+    # FSDP2 inside a pipeline stage syncs once per step (none per micro-batch)
+    assert (terms(4, "none")[0].zero_comm_s > 0 or kwargs["zero_stage"] < 2
+            or fsdp2_syncs_once_per_step(framework,
+                                         ParallelConfig(**kwargs, global_batch_size=batch)))
 
 
 

@@ -254,7 +254,9 @@ def test_falling_below_the_minimum_stops_clearly_and_keeps_the_checkpoint(
     marker, env = elastic_env
     _reset(marker)
     plan = _plan(tmp_path / "two-nodes.json", nodes=2, gpus_per_node=1)
-    conf = RDZV_CONF.replace("join_timeout=90", "join_timeout=8")
+    # long enough for both nodes to import torch and meet at the first rendezvous on a busy
+    # machine (8 s was not); the survivor waits it out once more after the kill
+    conf = RDZV_CONF.replace("join_timeout=90", "join_timeout=20")
     job = Job(tmp_path, plan, free_port, nnodes="2:3", nproc=1, env=env, rdzv_conf=conf)
     job.start_node()
     job.start_node()

@@ -20,7 +20,7 @@ def _host_ops():
     return module
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)  # ~50 s on a quiet 2-core machine: bf16 weight gradients on the CPU
 def test_the_runtime_block_dispatches_the_ops_the_cost_model_charges():
     counts = _host_ops().count_ops("llama3.2-1b", autocast=True)
     none = counts["none"]["forward"] + counts["none"]["backward"]
