@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from meshplan.costmodel import load_model
+from meshplan.costmodel import ModelSpec, load_model
 from meshplan.runtime.model import Block
 from meshplan.runtime.parallelize import _selective_policy
 
@@ -67,10 +67,15 @@ def _forward(block: Block, x: torch.Tensor, mode: str, autocast: bool) -> torch.
             create_selective_checkpoint_contexts, _selective_policy))
 
 
-def count_ops(model_name: str, *, autocast: bool, tokens: int = 32) -> dict[str, dict[str, int]]:
-    """{mode: {"forward": n, "backward": n}} ATen ops of one block of ``model_name`` for one
-    micro-batch (the backward count includes the recomputation it triggers)."""
-    spec = dataclasses.replace(load_model(model_name), num_layers=1)
+def count_ops(model: str | ModelSpec, *, autocast: bool,
+              tokens: int = 32) -> dict[str, dict[str, int]]:
+    """{mode: {"forward": n, "backward": n}} ATen ops of one block of ``model`` (a catalog
+    name or a spec) for one micro-batch (the backward count includes the recomputation it
+    triggers). The counts follow the block's structure, not its widths: Llama-3.2-1B narrowed
+    to hidden 256 (4 heads, 1 KV head, ffn 1024) dispatches the same 95 / 153, 92 / 305 and
+    99 / 299 ops as at full width, in a second instead of 48 on a 2-core CPU."""
+    spec = dataclasses.replace(load_model(model) if isinstance(model, str) else model,
+                               num_layers=1)
     block = Block(spec)
     x = torch.randn(1, tokens, spec.hidden_size, requires_grad=True)
     out = {}
