@@ -154,7 +154,7 @@ def fsdp2_syncs_once_per_step(framework: str, config: ParallelConfig) -> bool:
     torch 2.13 (pp 2 x dp 2, FSDP2 blocks, 4 micro-batches of 1F1B): 3 reduce-scatters and 3
     all-gathers per step for 3 blocks, where per micro-batch syncing would issue 12 of each.
     Meanwhile each micro-batch's 16-bit gradients are added to fp32 accumulators
-    (``FSDP2_ACCUMULATE_BYTES``)."""
+    (``timing.FSDP2_ACCUMULATE_BYTES``)."""
     return (framework in ("meshplan", "torchtitan") and config.pp > 1
             and config.zero_stage >= 2 and config.dp * config.cp > 1)
 
