@@ -159,10 +159,11 @@ def fsdp2_syncs_once_per_step(framework: str, config: ParallelConfig) -> bool:
             and config.zero_stage >= 2 and config.dp * config.cp > 1)
 
 
-def fsdp2_groups(params_layers: int, root_params: float) -> int:
+def fsdp2_groups(layers: int, root: float) -> int:
     """FSDP2 groups of a stage: one per transformer block, plus the root group where the
-    stage holds parameters outside the blocks (embedding, final norm and head)."""
-    return params_layers + (1 if root_params > 0 else 0)
+    stage holds something outside the blocks (``root`` > 0: the embedding, final norm and
+    head, by parameter count or by how many of the two ends the stage is)."""
+    return layers + (1 if root > 0 else 0)
 
 
 def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, stage: int, *,
@@ -212,7 +213,7 @@ def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, st
             tensors = layers * per_layer + edges
             calls.update(zero_all_gather=tensors * passes, zero_reduce_scatter=tensors)
         else:
-            groups = layers + (1 if edges else 0)
+            groups = fsdp2_groups(layers, edges)
             calls.update(zero_all_gather=groups * passes, zero_reduce_scatter=groups)
     return CollectiveCalls(**calls)
 

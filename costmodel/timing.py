@@ -1188,11 +1188,11 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
     if link.size == 1:
         return 0.0, 0.0
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
-    grad_bytes = grad_comm_bytes(framework, config.dtype)
-    total_params = params.dense + params.expert
     if fsdp2_syncs_once_per_step(framework, config):
         return _pipelined_fsdp2_step_s(config, calibration, params=params, link=link,
                                        framework=framework, gpu_key=gpu_key, effs=effs)
+    grad_bytes = grad_comm_bytes(framework, config.dtype)
+    total_params = params.dense + params.expert
     if config.zero_stage == 0:
         comm = coll.all_reduce_s(link, total_params * grad_bytes, **effs)
     elif config.zero_stage == 1:

@@ -4,22 +4,12 @@ the ATen ops the runtime's own block dispatches (``benchmarks/host_ops.py``'s co
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from meshplan.costmodel import load_model
 from meshplan.costmodel.timing import HOST_OP_EQUIVALENTS
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _host_ops():
-    spec = importlib.util.spec_from_file_location("host_ops", ROOT / "benchmarks" / "host_ops.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import benchmark_module
 
 
 @pytest.mark.timeout(120)
@@ -28,7 +18,7 @@ def test_the_runtime_block_dispatches_the_ops_the_cost_model_charges():
     # counts do not depend on the widths, and the full-width bf16 backward takes ~50 s here
     narrow = dataclasses.replace(load_model("llama3.2-1b"), hidden_size=256, num_heads=4,
                                  num_kv_heads=1, ffn_hidden_size=1024)
-    counts = _host_ops().count_ops(narrow, autocast=True)
+    counts = benchmark_module("host_ops").count_ops(narrow, autocast=True)
     none = counts["none"]["forward"] + counts["none"]["backward"]
     assert none == pytest.approx(HOST_OP_EQUIVALENTS["none"], rel=0.05)
     for mode in ("full", "selective"):  # the recomputation dispatches the forward again
