@@ -10,7 +10,23 @@ the host AdamW step). This script times each on the GPU it runs on, in bf16:
   layers (``[tokens, h] x [h, n]``) at 512 to 16,384 tokens, and an 8192-cube;
 - ``attention``: causal SDPA forward and forward+backward with the flash backend and, where
   torch has it, cuDNN's, at sequence 2k-8k and head size 64/128 (FLOPs counted as the cost
-  model counts them: causal forward ``2 * 2 * s * q / 2`` per token, backward twice forward);
+  model counts them: causal forward ``2 * 2 * s * q / 2`` per token, backward twice forward),
+  and at 16k and 32k tokens (one sequence a call);
+- ``tp_gemm``: the projections one GPU runs at tensor-parallel degree 8 (Llama-3-8B, -70B,
+  Llama-3.1-405B; k and v 128 wide, the 8B's output projection K = 512) on 32,768 rows, each
+  as its forward product and the two backward products (input gradient, weight gradient),
+  beside the cost model's seconds for that product (GEMM efficiency, call cost and the
+  roofline excess of ``timing.gemm_memory_excess_s``): the narrow products where the
+  torchtitan TP rows are predicted short;
+- ``ring``: one rank's share of load-balanced ring attention at context-parallel degree 2, 4
+  and 8 on one GPU (the collectives left out): every step's fused attention call on the
+  chunk pair the round-robin layout gives it (step 0 causal over both local chunks; from a
+  lower rank the first half of the keys, from a higher one the second half of the queries),
+  the output and log-sum-exp merged in fp32 after each step (``out - sigmoid(lse_b - lse)
+  (out - out_b)``, ``lse - logsigmoid(lse - lse_b)``, a half merged back by concatenation),
+  the key / value buffer flattened for the next rank each step, and the backward's fp32
+  gradient accumulators, for the first and the last rank; beside ``cp`` causal calls of the
+  local length (the same FLOPs): what the ring costs beyond its FLOPs;
 - ``launch``: back-to-back tiny kernels (the GPU-side cost of one launch) and a 256-cube GEMM;
 - ``float8``: the Llama-3-8B layer products in float8 (``torch._scaled_mm``, tensorwise scales,
   bf16 out) at 4,096 and 16,384 tokens against the float8 peak, beside the cost model's
@@ -24,7 +40,7 @@ the host AdamW step). This script times each on the GPU it runs on, in bf16:
 Each figure is the median of several timed repeats (CUDA events, after warm-up calls), printed
 beside the cost model's value for the catalog GPU (``--gpu``, default ``h200``) under the
 built-in calibration. Writes ``gpu-kernels-<gpu>-<date>.{md,json}`` under ``--out``.
-About one minute on one H200.
+About two minutes on one H200.
 
     python benchmarks/gpu_kernels.py [--gpu h200] [--out DIR]
     python benchmarks/gpu_kernels.py --dry-run   # CPU: tiny sizes, fp32; tests the plumbing
@@ -57,9 +73,20 @@ LAYERS = {  # name: (hidden, q size, kv size, ffn hidden), from the models' conf
     "llama3-70b": (8192, 8192, 1024, 28672),
 }
 TOKENS = (512, 2048, 4096, 8192, 16384)
-ATTENTION = ((2048, 128), (4096, 128), (8192, 128), (4096, 64))
-"""(sequence, head size) of the attention cases; 16,384 tokens a call (batch = 16384 / s) and
-16 query heads of 128 (32 of 64), 8 key-value heads of 128 (16 of 64)."""
+ATTENTION = ((2048, 128), (4096, 128), (8192, 128), (4096, 64), (16384, 128), (32768, 128))
+"""(sequence, head size) of the attention cases; 16,384 tokens a call (batch = 16384 / s; one
+sequence of s beyond) and 16 query heads of 128 (32 of 64), 8 key-value heads of 128 (16 of
+64)."""
+TP_LAYERS = {  # name: (hidden, q size, kv size, ffn hidden), sharded 8 ways
+    "llama3-8b": (4096, 4096, 1024, 14336),
+    "llama3-70b": (8192, 8192, 1024, 28672),
+    "llama3.1-405b": (16384, 16384, 1024, 53248),
+}
+TP, TP_ROWS = 8, 32768
+RING_CP = (2, 4, 8)
+RING_LOCAL, RING_HEADS, RING_HEAD = 8192, 32, 128
+"""Ring attention: 8,192 local tokens per rank, 32 heads of 128 (Llama-3-8B's 32 query heads,
+its key / value heads repeated to 32 as torchtitan does before the attention call)."""
 
 
 class Timer:
@@ -185,6 +212,187 @@ def attention_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dr
     return rows
 
 
+def tp_gemm_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dry_run: bool,
+                 peak: float, hbm: float, cal) -> list[dict]:
+    """``tp_gemm``: each projection of a TP-sharded layer as its three products (see the
+    module docstring), measured and as the cost model prices one product."""
+    from meshplan.costmodel.timing import gemm_memory_excess_s
+
+    layers = {"tiny": (128, 128, 32, 256)} if dry_run else TP_LAYERS
+    tp, m = (4, 64) if dry_run else (TP, TP_ROWS)
+    rate = peak * cal.gemm_efficiency(True) * cal.row_efficiency(m)
+    bandwidth = hbm * cal.memory_efficiency
+    size = torch.finfo(dtype).bits // 8
+    rows = []
+    for model, (h, q, kv, ffn) in layers.items():
+        shapes = {"wq": (h, q // tp), "wk": (h, kv // tp), "wv": (h, kv // tp),
+                  "wo": (q // tp, h), "w1": (h, ffn // tp), "w2": (ffn // tp, h)}
+        for name, (k, n) in shapes.items():
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            w = torch.randn(k, n, device=device, dtype=dtype)
+            dy = torch.randn(m, n, device=device, dtype=dtype)
+            products = {"forward": (lambda: torch.matmul(x, w), (m, k, n)),
+                        "input grad": (lambda: torch.matmul(dy, w.t()), (m, n, k)),
+                        "weight grad": (lambda: torch.matmul(x.t(), dy), (k, m, n))}
+            for kind, (fn, (rows_, inner, cols)) in products.items():
+                seconds = timer(fn)
+                flop = 2.0 * m * k * n
+                predicted = (flop / rate + cal.matmul_overhead_s + gemm_memory_excess_s(
+                    rows_, inner, cols, in_bytes=size, out_bytes=size, bandwidth=bandwidth,
+                    rate=rate))
+                intensity = flop / (size * (rows_ * inner + inner * cols + rows_ * cols))
+                rows.append(dict(group="tp_gemm", case=f"{model} tp{tp} {name} {kind} "
+                                 f"[{rows_}x{inner}]x[{inner}x{cols}]",
+                                 seconds=seconds, efficiency=flop / seconds / peak,
+                                 flop_per_byte=intensity, ridge=rate / bandwidth,
+                                 predicted_s=predicted, measured_over_predicted=seconds
+                                 / predicted))
+            del x, w, dy
+    return rows
+
+
+def _flash_ops(device: torch.device):
+    """(forward, backward) of the fused attention op torch's ring attention calls per step,
+    as ``forward(q, k, v, causal) -> (out, lse, context)`` and ``backward(dout, q, k, v, out,
+    lse, causal, context) -> (dq, dk, dv)``: the CUDA flash kernel, or its CPU counterpart."""
+    aten = torch.ops.aten
+    if device.type == "cuda":
+        def forward(q, k, v, causal):
+            out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal)
+            return out, lse, (cq, ck, mq, mk, seed, offset)
+
+        def backward(dout, q, k, v, out, lse, causal, context):
+            cq, ck, mq, mk, seed, offset = context
+            return aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset)
+    else:
+        def forward(q, k, v, causal):
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+            return out, lse, None
+
+        def backward(dout, q, k, v, out, lse, causal, context):
+            return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, causal)
+    return forward, backward
+
+
+def _ring_chunks(rank: int, step: int):
+    """Which halves of the local query and of the arriving key/value chunk pair a rank's
+    step attends with under the round-robin layout: (query half or None for all, key/value
+    half or None for all, causal)."""
+    if step == 0:
+        return None, None, True
+    source = rank - step  # negative: the chunk came from a higher rank
+    return (None, 0, False) if source >= 0 else (1, None, False)
+
+
+def _half(t: torch.Tensor, which: int | None) -> torch.Tensor:
+    return t if which is None else t.chunk(2, dim=2)[which]
+
+
+def _merge_back(whole: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+    """``whole`` with its second half along the sequence replaced by ``half`` (a new tensor,
+    by concatenation, as the ring's partial update does)."""
+    return torch.cat([whole.chunk(2, dim=2)[0], half], dim=2)
+
+
+def ring_forward(q, kv_steps, *, rank: int, forward):
+    """One rank's ring attention forward on one device (see the module docstring):
+    ``kv_steps[i]`` is the (key, value) chunk pair the rank holds at step ``i`` (its own at
+    step 0, then rank - i's, wrapping). Returns (out, lse, per-step saved context for
+    ``ring_backward``)."""
+    cp = len(kv_steps)
+    out = lse = None
+    saved = []
+    for step, (k, v) in enumerate(kv_steps):
+        if step < cp - 1:
+            torch.cat([k.flatten(), v.flatten()])  # the buffer sent to the next rank
+        qh, kvh, causal = _ring_chunks(rank, step)
+        block_out, block_lse, context = forward(_half(q, qh), _half(k, kvh), _half(v, kvh),
+                                                causal)
+        saved.append((qh, kvh, causal, context))
+        lse_dtype = block_lse.dtype
+        block_out, block_lse = block_out.float(), block_lse.float().unsqueeze(-1)
+        if out is None:
+            out, lse = block_out, block_lse
+            continue
+        o, s = _half(out, qh), _half(lse, qh)
+        o = o - torch.sigmoid(block_lse - s) * (o - block_out)
+        s = s - torch.nn.functional.logsigmoid(s - block_lse)
+        out, lse = (o, s) if qh is None else (_merge_back(out, o), _merge_back(lse, s))
+    return out.to(q.dtype), lse.squeeze(-1).to(lse_dtype), saved
+
+
+def ring_backward(dout, q, kv_steps, out, lse, saved, *, backward):
+    """One rank's ring attention backward: each step's fused backward on its chunks, the
+    fp32 query gradient accumulated, the key/value gradients added into the fp32 buffer that
+    travels with the chunk pair and flattened for the next rank (here the rank's own buffer
+    stands in for the arriving one: the same bytes). Returns the query gradient."""
+    cp = len(kv_steps)
+    k0, v0 = kv_steps[0]
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = torch.zeros_like(k0, dtype=torch.float32)
+    dv = torch.zeros_like(v0, dtype=torch.float32)
+    for step, ((k, v), (qh, kvh, causal, context)) in enumerate(zip(kv_steps, saved)):
+        if step < cp - 1:
+            torch.cat([k.flatten(), v.flatten()])
+        gq, gk, gv = backward(_half(dout, qh), _half(q, qh), _half(k, kvh), _half(v, kvh),
+                              _half(out, qh), _half(lse, qh).contiguous(), causal, context)
+        if kvh is None:
+            dk, dv = dk + gk, dv + gv
+        else:  # first half of the chunk pair's gradients, the whole rebuilt by concatenation
+            dk = torch.cat([dk.chunk(2, dim=2)[0] + gk, dk.chunk(2, dim=2)[1]], dim=2)
+            dv = torch.cat([dv.chunk(2, dim=2)[0] + gv, dv.chunk(2, dim=2)[1]], dim=2)
+        buffer = torch.cat([dk.flatten(), dv.flatten()])  # sent on to the next rank
+        dk, dv = buffer[:dk.numel()].view_as(dk), buffer[dk.numel():].view_as(dv)
+        if qh is None:
+            dq += gq
+        else:
+            dq = _merge_back(dq, dq.chunk(2, dim=2)[1] + gq)
+    return dq.to(q.dtype)
+
+
+def ring_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dry_run: bool,
+              peak: float, cal) -> list[dict]:
+    """``ring``: one rank's ring attention against ``cp`` plain causal calls of the local
+    length (the same FLOPs), forward and forward + backward."""
+    forward, backward = _flash_ops(device)
+    local, heads, head = (32, 2, 16) if dry_run else (RING_LOCAL, RING_HEADS, RING_HEAD)
+    shape = (1, heads, local, head)
+    q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype) for _ in range(4))
+    fwd_flop = local * 2 * 2 * local * heads * head / 2  # causal, as the cost model counts
+
+    def plain_both():
+        out, lse, context = forward(q, k, v, True)
+        backward(dout, q, k, v, out, lse, True, context)
+
+    plain_fwd = timer(lambda: forward(q, k, v, True), calls=3, repeats=3)
+    plain = timer(plain_both, calls=3, repeats=3)
+    rows = [dict(group="ring", case=f"plain causal s={local} h={heads} d={head}",
+                 forward_s=plain_fwd, seconds=plain,
+                 efficiency=3 * fwd_flop / plain / peak)]
+    for cp in ((2, 4) if dry_run else RING_CP):
+        for rank in (0, cp - 1):
+            def fwd(cp=cp, rank=rank):
+                return ring_forward(q, [(k, v)] * cp, rank=rank, forward=forward)
+
+            def both(fwd=fwd, cp=cp):
+                out, lse, saved = fwd()
+                ring_backward(dout, q, [(k, v)] * cp, out, lse, saved, backward=backward)
+
+            fwd_s = timer(fwd, calls=2, repeats=3)
+            both_s = timer(both, calls=2, repeats=3)
+            rows.append(dict(group="ring", case=f"cp={cp} rank={rank} s_local={local}",
+                             forward_s=fwd_s, seconds=both_s,
+                             forward_over_plain=fwd_s / (cp * plain_fwd),
+                             over_plain=both_s / (cp * plain),
+                             efficiency=3 * cp * fwd_flop / both_s / peak,
+                             predicted_efficiency=cal.fused_attention_efficiency(
+                                 True, cp * local)))
+    return rows
+
+
 def launch_rows(timer: Timer, device: torch.device, dtype: torch.dtype, cal) -> list[dict]:
     calls = 2000 if device.type == "cuda" else 20
     tiny = torch.zeros(1, device=device, dtype=dtype)
@@ -277,7 +485,8 @@ def host_rows(timer: Timer, device: torch.device, *, dry_run: bool, pcie: float,
 
 def markdown(rows: list[dict], title: str) -> str:
     lines = [f"# {title}", ""]
-    for group in ("gemm", "attention", "launch", "float8", "elementwise", "host"):
+    for group in ("gemm", "tp_gemm", "attention", "ring", "launch", "float8", "elementwise",
+                  "host"):
         part = [row for row in rows if row["group"] == group]
         if not part:
             continue
@@ -332,6 +541,10 @@ def main() -> int:
                                         cal=cal)),
              ("attention", lambda: attention_rows(timer, device, dtype, dry_run=args.dry_run,
                                                   peak=peak, cal=cal)),
+             ("tp_gemm", lambda: tp_gemm_rows(timer, device, dtype, dry_run=args.dry_run,
+                                              peak=peak, hbm=gpu.hbm_bytes_per_s, cal=cal)),
+             ("ring", lambda: ring_rows(timer, device, dtype, dry_run=args.dry_run, peak=peak,
+                                        cal=cal)),
              ("launch", lambda: launch_rows(timer, device, dtype, cal)),
              ("float8", lambda: float8_rows(timer, device, dry_run=args.dry_run,
                                             peak=peak if args.dry_run else gpu.peak("fp8"),

@@ -334,11 +334,17 @@ def _memory_bound_gemm_s(model: ModelSpec, config: ParallelConfig, tokens: float
     out_bytes = config.bytes_per_activation
     in_bytes = 1 if float8_rate else out_bytes
     flop_rate = float8_rate or rate
-    extra = 0.0
-    for n, k in shapes:
-        moved = in_bytes * (tokens * k + k * n) + out_bytes * tokens * n
-        extra += max(0.0, moved / bandwidth - 2 * tokens * n * k / flop_rate)
-    return extra
+    return sum(gemm_memory_excess_s(tokens, k, n, in_bytes=in_bytes, out_bytes=out_bytes,
+                                    bandwidth=bandwidth, rate=flop_rate) for n, k in shapes)
+
+
+def gemm_memory_excess_s(rows: float, k: float, n: float, *, in_bytes: float,
+                         out_bytes: float, bandwidth: float, rate: float) -> float:
+    """Seconds a ``[rows, k] x [k, n]`` product takes beyond ``2 rows k n / rate`` because
+    moving its operands and output through HBM at ``bandwidth`` takes longer (the roofline
+    model: the larger of the two times, so 0 for a product above the ridge point)."""
+    moved = in_bytes * (rows * k + k * n) + out_bytes * rows * n
+    return max(0.0, moved / bandwidth - 2 * rows * n * k / rate)
 
 
 def layer_forward_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,

@@ -137,8 +137,8 @@ def test_kernels_dry_run_writes_every_group(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     [result] = tmp_path.glob("gpu-kernels-dryrun-cpu-*.json")
     rows = json.loads(result.read_text())["rows"]
-    assert {row["group"] for row in rows} == {"gemm", "attention", "launch", "float8",
-                                              "elementwise", "host"}
+    assert {row["group"] for row in rows} == {"gemm", "tp_gemm", "attention", "ring", "launch",
+                                              "float8", "elementwise", "host"}
     assert not [row for row in rows if "error" in row]
     assert all(row["seconds"] > 0 for row in rows)
     assert (tmp_path / result.name.replace(".json", ".md")).exists()
@@ -157,3 +157,36 @@ def test_memory_breakdown_on_the_cpu_adds_up_to_its_peak(tmp_path):
     assert [row["mode"] for row in rows] == ["none", "selective", "full"]
     for row in rows:
         assert sum(row["composition"].values()) == row["tracked_peak_bytes"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_emulation_computes_causal_attention(cp):
+    """``gpu_kernels.py``'s ring group times one rank's ring attention; its chunk choices and
+    merges are checked here against plain causal attention over the whole sequence: with each
+    rank holding the round-robin pair of chunks (r, 2 cp - 1 - r) and the arriving key/value
+    pairs of ranks r - 1, r - 2, ..., every rank's merged output and query gradient equal the
+    full causal attention's rows (CPU flash kernels, fp32)."""
+    from tests.conftest import benchmark_module
+
+    kernels = benchmark_module("gpu_kernels")
+    forward, backward = kernels._flash_ops(torch.device("cpu"))
+    torch.manual_seed(0)
+    chunk, heads, head = 8, 2, 16
+    q, k, v, dout = (torch.randn(1, heads, 2 * cp * chunk, head) for _ in range(4))
+    q.requires_grad_(True)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    [full_dq] = torch.autograd.grad(full, [q], dout)
+
+    def local(t, rank):
+        parts = t.chunk(2 * cp, dim=2)
+        return torch.cat([parts[rank], parts[2 * cp - 1 - rank]], dim=2)
+
+    for rank in range(cp):
+        steps = [(local(k, (rank - i) % cp), local(v, (rank - i) % cp)) for i in range(cp)]
+        q_r = local(q.detach(), rank)
+        out, lse, saved = kernels.ring_forward(q_r, steps, rank=rank, forward=forward)
+        torch.testing.assert_close(out, local(full.detach(), rank), rtol=1e-4, atol=1e-5)
+        dq = kernels.ring_backward(local(dout, rank), q_r, steps, out, lse, saved,
+                                   backward=backward)
+        torch.testing.assert_close(dq, local(full_dq, rank), rtol=1e-4, atol=1e-5)
