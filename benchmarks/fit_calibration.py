@@ -57,7 +57,7 @@ EAGER_PARAMETERS = (  # fitted on the eager (FSDP trainer) fit runs only, the re
     ("a100_eager_flash_attention_efficiency", 0.35, 0.1, 0.9),
     ("h100_eager_flash_attention_efficiency", 0.25, 0.1, 0.9),
     ("gpu_prefetch_overlap", 0.5, 0.0, 1.0),
-    ("gpu_prefetch_contention", 0.3, 0.0, 1.0),
+    ("gpu_prefetch_contention_bytes", 2.4, 0.0, 8.0),
 )
 ZERO3_PARAMETERS = (  # fitted on the DeepSpeed ZeRO-3 fit runs only, the rest held fixed
     ("deepspeed_zero3_path_rank_s", 5e-6, 0.0, 5e-5),
@@ -122,7 +122,8 @@ def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
 def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
     """``base`` with the eager-framework values of ``EAGER_PARAMETERS`` set to ``x``: each
     generation's eager GEMM and fused-attention efficiency (H200 and B200 take H100's), and the
-    prefetched collectives' overlap and contention on every GPU."""
+    prefetched collectives' overlap and contention (``prefetch_contention_bytes``) on every
+    GPU."""
     v = {name: float(value) for (name, *_), value in zip(EAGER_PARAMETERS, x)}
     devices = dict(base.devices)
     for key in GPU_KEYS:
@@ -132,7 +133,7 @@ def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibrati
             eager_matmul_efficiency=v[f"{generation}_eager_matmul_efficiency"],
             eager_flash_attention_efficiency=v[f"{generation}_eager_flash_attention_efficiency"],
             prefetch_overlap=v["gpu_prefetch_overlap"],
-            prefetch_contention=v["gpu_prefetch_contention"])
+            prefetch_contention_bytes=v["gpu_prefetch_contention_bytes"])
     return dataclasses.replace(base, devices=_keep_measured(base, devices))
 
 
@@ -316,7 +317,7 @@ FIT_SOURCE = (
     "and 32k tokens on 8 GPUs of each kind, MPT-1B and 3B on 512 H100s; torchtitan's Llama 2 "
     "13B on 64 A100s and Llama 3.1 8B on 8 Grand Teton H100s): each generation's "
     "eager GEMM and fused-attention efficiency, and the prefetched FSDP collectives' overlap "
-    "and contention. Then DeepSpeed ZeRO-3's per-rank call cost on its two fit rows "
+    "and contention (HBM bytes per byte on the ring). Then DeepSpeed ZeRO-3's per-rank call cost on its two fit rows "
     "(Narayanan et al. 2021 Table 2: 174.6B on 768 A100s, 529.6B on 2,240), its gather "
     "path rate cited (DeepSpeed #1174: 25 GB/s per GPU).")
 

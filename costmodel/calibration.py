@@ -101,7 +101,15 @@ class DeviceCalibration:
     prefetch_contention: float = 0.0
     """Fraction of its own duration an overlapped prefetched collective still costs the
     compute it runs beside: NCCL's kernels occupy SMs and HBM bandwidth while the GEMMs run
-    (``timing.prefetches_blocks``). 0: overlap is free."""
+    (``timing.prefetches_blocks``). 0: overlap is free. Used where
+    ``prefetch_contention_bytes`` is None."""
+    prefetch_contention_bytes: float | None = None
+    """HBM bytes an overlapped prefetched collective moves for every byte it carries on its
+    ring's links (reading its send buffer, writing what arrives, reading the local chunk a
+    reduce-scatter adds): the compute beside it loses that traffic's HBM time, so the
+    collective costs ``min(1, prefetch_contention_bytes * bus / hbm)`` of its own duration
+    (``timing.prefetch_contention``): about half inside an NVLink node, a few percent for a
+    ring of one rank per node at one NIC's rate. None: ``prefetch_contention``."""
     gemm_half_rows: float | None = None
     """Rows (tokens of the micro-batch) at which a GEMM reaches half of its large-matrix
     efficiency: a product with M rows runs at ``efficiency * M / (M + gemm_half_rows)``
@@ -153,6 +161,9 @@ class DeviceCalibration:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
+        if self.prefetch_contention_bytes is not None and self.prefetch_contention_bytes < 0:
+            raise ValueError(f"prefetch_contention_bytes must be >= 0, got "
+                             f"{self.prefetch_contention_bytes!r}")
         if self.optimizer_params_per_s is not None and self.optimizer_params_per_s <= 0:
             raise ValueError(f"optimizer_params_per_s must be positive, got "
                              f"{self.optimizer_params_per_s!r}")
@@ -309,6 +320,7 @@ DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "matmul_efficiency": EFFICIENCY, "matmul_overhead_s": NON_NEGATIVE,
     "eager_matmul_efficiency": EFFICIENCY, "eager_flash_attention_efficiency": EFFICIENCY,
     "prefetch_overlap": FRACTION, "prefetch_contention": FRACTION,
+    "prefetch_contention_bytes": NON_NEGATIVE,
     "optimizer_params_per_s": POSITIVE, "gemm_half_rows": POSITIVE,
     "eager_flash_attention_half_seq": POSITIVE,
     "fresh_page_bytes_per_s": POSITIVE,

@@ -883,10 +883,12 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         # as that share of all the traffic paid outright and the rest hidden in proportion
         # (``k r + (1-k) max(0, r - h)`` = ``max(k r, r - (1-k) h)``, the overlapped part
         # costing k of itself)
-        keep = 1 - device.prefetch_contention
+        contention = prefetch_contention(cluster, calibration, links.dp)
+        keep = 1 - contention
         traffic = zero + network_latency
-        zero, hidden = keep * traffic, keep * device.prefetch_overlap * compute
-        zero_latency = zero_calls_s + device.prefetch_contention * traffic
+        hideable = device.prefetch_overlap * compute
+        zero, hidden = keep * traffic, keep * hideable
+        zero_latency = zero_calls_s + contention * traffic
     else:
         zero_latency = zero_calls_s + network_latency
         hidden = calibration.dp_overlap * compute
@@ -897,6 +899,29 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                      offload_hidden_s=calibration.offload_overlap * compute if offload else 0.0,
                      zero_latency_s=zero_latency, host_wait_s=host_wait,
                      offload_wait_s=blocking)
+
+
+def prefetch_contention(cluster: ClusterSpec, calibration: Calibration,
+                        link: coll.GroupLink) -> float:
+    """Fraction of its own duration an overlapped FSDP-style prefetched collective of the
+    group ``link`` costs the compute it runs beside (``DeviceCalibration``).
+
+    With ``prefetch_contention_bytes`` (k): the ring's HBM traffic, k bytes for every byte it
+    moves on its links, competes with the GEMMs for the device's memory, so the cost is that
+    traffic's HBM time, ``min(1, k * bus / hbm)`` of the collective's duration: ``bus`` the
+    ring's bytes per second (``collectives.effective_bytes_per_s``: the slower of the in-node
+    link and the node's parallel NIC channels), ``hbm`` the device's achieved HBM bandwidth.
+    A ring inside a node, or one spanning nodes with every GPU's own NIC in parallel, runs at
+    NVLink-class rates (0.15-0.25 of HBM's on DGX-class nodes); a group of one rank per node
+    (FSDP under TP 8) runs at one NIC's rate and costs a few percent. Without it, the fixed
+    ``prefetch_contention``."""
+    device = calibration.device(cluster.gpu.key)
+    if device.prefetch_contention_bytes is None or link.size < 2:
+        return device.prefetch_contention
+    bus = coll.effective_bytes_per_s(link, intra_eff=calibration.nvlink_efficiency,
+                                     inter_eff=calibration.network_efficiency)
+    hbm = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    return min(1.0, device.prefetch_contention_bytes * bus / hbm)
 
 
 def traced_layer_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
