@@ -23,7 +23,7 @@ KNOWN_SHORTFALLS = {
     # AC): 2-35 % slower predicted than measured, not monotonic in the CP degree (the CP 2 row
     # is the fastest relative to the model); attention-bound steps
     "torchtitan-cp": (0.16, 0.35, 0.16),
-    # torchtitan's 405B 3D table (async TP, PP 8, full AC stopping early): both rows 12-13 %
+    # torchtitan's 405B 3D table (async TP, PP 8, full AC stopping early): both rows 13-14 %
     # faster predicted than measured. Both schedules' steps give one per-micro-batch stage
     # time (1F1B 15 t, interleaved 11.5 t: t = 2.7 s) that the model puts at 2.35 s; the same
     # mesh with one 32K sequence per micro-batch (the 4D table's CP 1 row) comes out 4 % long
