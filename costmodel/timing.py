@@ -382,6 +382,44 @@ DTENSOR_TP_FRAMEWORKS = ("torchtitan", "meshplan")
 collective is waited for (``tp_comm_parts_s``)."""
 
 
+def sp_reorder_copies_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                        calibration: Calibration, *, recompute: str, framework: str) -> float:
+    """Seconds of one layer's copies that DTensor's sequence parallelism adds on the compute
+    stream, per micro-batch, under ``recompute``.
+
+    DTensor shards the hidden state ``[b, s, h]`` on the sequence (``Shard(1)``), while NCCL
+    gathers and scatters along the leading dimension: torch's functional reduce-scatter first
+    concatenates the input's sequence chunks along dimension 0, and its all-gather, which
+    gathers into ``[tp b, s / tp, h]``, re-concatenates the chunks along the sequence
+    (``torch.cat(torch.chunk(x, tp, 0), 1)``) unless that is a view, which it is for one
+    sequence per micro-batch (``torch/distributed/_functional_collectives.py``,
+    ``all_gather_single``, ``reduce_scatter_single``; earlier torch copied then too): such a
+    copy reads and writes the whole gathered hidden state on the compute stream
+    (``tests/costmodel/test_sp_copies.py`` counts them on 2 gloo ranks). Per layer: the
+    forward's two all-gathers (block inputs; 1-byte elements under float8 TP) and two
+    reduce-scatters (block outputs), the backward's mirror images (in the compute dtype), and
+    what the recomputation runs again (full: the forward's, the last reduce-scatter skipped
+    when it stops early; torchtitan's per-op policy: the two all-gathers). Megatron-LM keeps
+    the sequence first (``[s, b, h]``), so its collectives need no such copy; nor do
+    all-reduces (TP without SP)."""
+    if framework not in DTENSOR_TP_FRAMEWORKS or config.tp == 1 or not config.sp:
+        return 0.0
+    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+    gathered = 0.0
+    if config.micro_batch_size > 1:
+        gathered = size / config.bytes_per_activation if config.float8 else size
+    forward = 2 * (2 * gathered) + 2 * (2 * size)
+    backward = 2 * (2 * size) + (2 * (2 * size) if config.micro_batch_size > 1 else 0.0)
+    if recompute == "full":
+        again = forward - (2 * size if stops_early(framework, config) else 0.0)
+    elif recompute == "op" and framework == "torchtitan":
+        again = 2 * (2 * gathered)
+    else:
+        again = 0.0
+    device = calibration.device(cluster.gpu.key)
+    return (forward + backward + again) / (cluster.gpu.hbm_bytes_per_s * device.memory_efficiency)
+
+
 def _fused_exposed_s(comm_s: float, gemm_s: float, tp: int) -> float:
     """What a collective fused with matmuls under async TP still exposes: torch's
     micro-pipelined ``fused_all_gather_matmul`` multiplies the rank's own shard while the
@@ -776,6 +814,9 @@ def _layer_compute(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
     extra += fresh_pages_s(cluster, calibration, layer_rank_params(model, config, moe=moe)
                            * config.bytes_per_activation)
     compute = (1 + BACKWARD_FACTOR) * parts.total_s + extra
+    # DTensor's sequence-parallel collectives re-lay the hidden state out on the compute stream
+    compute += sp_reorder_copies_s(model, cluster, config, calibration, recompute=mode,
+                                   framework=framework)
     device = calibration.device(cluster.gpu.key)
     host_wait = 0.0
     if device.host_op_s and eager_kernels(framework):
