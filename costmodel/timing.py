@@ -920,15 +920,14 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         hidden, zero_latency = zero - exposed, zero_calls_s
     elif device.prefetch_overlap is not None and prefetches_blocks(framework, config):
         # the next block's gather is in flight while this one computes: its latency hides
-        # too; the part it overlaps still costs ``prefetch_contention`` of its time, written
-        # as that share of all the traffic paid outright and the rest hidden in proportion
-        # (``k r + (1-k) max(0, r - h)`` = ``max(k r, r - (1-k) h)``, the overlapped part
-        # costing k of itself)
+        # too; the part it overlaps still costs k = ``prefetch_contention`` (the ring's HBM
+        # traffic) of its time, written as that share of all the traffic paid outright and
+        # the rest hidden in proportion (``k r + (1-k) max(0, r - h)`` =
+        # ``max(k r, r - (1-k) h)``, the overlapped part costing k of itself)
         contention = prefetch_contention(cluster, calibration, links.dp)
         keep = 1 - contention
         traffic = zero + network_latency
-        hideable = device.prefetch_overlap * compute
-        zero, hidden = keep * traffic, keep * hideable
+        zero, hidden = keep * traffic, keep * device.prefetch_overlap * compute
         zero_latency = zero_calls_s + contention * traffic
     else:
         zero_latency = zero_calls_s + network_latency
