@@ -404,16 +404,17 @@ def sp_reorder_copies_s(model: ModelSpec, cluster: ClusterSpec, config: Parallel
     all-reduces (TP without SP)."""
     if framework not in DTENSOR_TP_FRAMEWORKS or config.tp == 1 or not config.sp:
         return 0.0
-    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
-    gathered = 0.0
-    if config.micro_batch_size > 1:
-        gathered = size / config.bytes_per_activation if config.float8 else size
-    forward = 2 * (2 * gathered) + 2 * (2 * size)
-    backward = 2 * (2 * size) + (2 * (2 * size) if config.micro_batch_size > 1 else 0.0)
+    gathered, size = _sp_state_bytes(model, config)
+    copies_gathers = config.micro_batch_size > 1  # one sequence: the all-gather's cat is a view
+    gather_copy = 2 * gathered if copies_gathers else 0.0  # read and written once
+    scatter_copy = 2 * size
+    forward = 2 * gather_copy + 2 * scatter_copy
+    # backward: each all-gather's gradient is reduce-scattered, each reduce-scatter's gathered
+    backward = 2 * scatter_copy + (2 * scatter_copy if copies_gathers else 0.0)
     if recompute == "full":
-        again = forward - (2 * size if stops_early(framework, config) else 0.0)
+        again = forward - (scatter_copy if stops_early(framework, config) else 0.0)
     elif recompute == "op" and framework == "torchtitan":
-        again = 2 * (2 * gathered)
+        again = 2 * gather_copy
     else:
         again = 0.0
     device = calibration.device(cluster.gpu.key)
@@ -448,10 +449,16 @@ def _sp_collectives_s(model: ModelSpec, config: ParallelConfig, link: coll.Group
     """(all-gather, reduce-scatter) seconds of one SP collective of the layer's hidden state
     under DTensor: under float8 training the all-gathers move 1-byte elements
     (``tp_comm_parts_s``)."""
-    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+    gathered, size = _sp_state_bytes(model, config)
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
-    gathered = size / config.bytes_per_activation if config.float8 else size
     return coll.all_gather_s(link, gathered, **effs), coll.reduce_scatter_s(link, size, **effs)
+
+
+def _sp_state_bytes(model: ModelSpec, config: ParallelConfig) -> tuple[float, float]:
+    """(forward all-gather, reduce-scatter) bytes of one SP collective's gathered hidden state
+    (``b s h / cp`` elements): under float8 TP the forward all-gathers carry 1-byte elements."""
+    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+    return (size / config.bytes_per_activation if config.float8 else size), size
 
 
 def _hidden_all_reduce_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
