@@ -299,6 +299,30 @@ def backward_workspace_bytes(model: ModelSpec, config: ParallelConfig, *,
     return (activation_grads + weight) / config.tp
 
 
+def sp_input_grad_scatter_bytes(model: ModelSpec, config: ParallelConfig, *,
+                                element_bytes: int | None = None) -> float:
+    """Bytes a block's backward holds above its stored and recomputed activations while it
+    reduce-scatters the gradient of a sequence-parallel all-gather's output (DTensor's SP, as
+    torchtitan shards it; 0 without SP): the whole-sequence gradient of the gathered input
+    (``b s h / cp``, in the activation dtype, not divided by TP), the copy torch's functional
+    reduce-scatter makes of it to lay the sequence chunks along dim 0 (``torch.cat``, whatever
+    the micro-batch; ``timing.sp_reorder_copies_s`` prices its time), and the scattered
+    result (``b s h / (cp t)``). The MLP's input is the first such gradient a block's
+    backward reaches, with the whole recomputed block still alive; beside the SwiGLU's two
+    ffn-wide gradients (``backward_workspace_bytes``) it is the larger once ``2 t h``
+    exceeds ``2 f`` less a shard, which Llama shapes reach at TP 4 and above. Measured on
+    torchtitan 0.2.2's code path on this CPU (``benchmarks/torchtitan_cpu_memory.py``, width
+    64, ffn 176, 64 x 64 tokens, full AC): the peak falls inside that reduce-scatter, holding
+    the gradient (1 MiB), its copy (1 MiB) and the scattered shard beside the recomputed
+    block. ``element_bytes``: the gradient's element size where it is not the activation
+    dtype (fp32 under meshplan's autocast, whose gathered norm outputs are fp32)."""
+    if not config.sp or config.tp == 1:
+        return 0.0
+    whole = (element_bytes or config.bytes_per_activation) * tokens_per_microbatch(config) \
+        * model.hidden_size
+    return 2 * whole + whole / config.tp
+
+
 def in_flight_microbatches(config: ParallelConfig, stage: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at its peak, in whole-stage units.
 

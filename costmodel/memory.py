@@ -554,15 +554,20 @@ def _autocast_phases(model: ModelSpec, config: ParallelConfig, stage: int, param
 
 def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
     """What a block's backward adds once the loss's logits are freed: the backward workspace
-    (``activations.backward_workspace_bytes``) and, under autocast, the recomputation's weight
+    (``activations.backward_workspace_bytes``, or under SP the reduce-scatter of the MLP
+    input's gradient where that holds more, ``activations.sp_input_grad_scatter_bytes``: the
+    runtime shards the sequence with DTensor, as torchtitan does) and, under autocast, the recomputation's weight
     casts (``recompute_cast_bytes``), less the loss's logit copies on the last stage (whose
     loss phase ``stage_memory`` counts on its own, without the recomputation workspace: the
     loss is freed before a block of the stage recomputes)."""
     fp32 = config.dtype == "fp32"
-    workspace = act.backward_workspace_bytes(model, config,
-                                             weight_grad_bytes=_weight_grad_bytes(config),
-                                             accumulating=config.grad_accum_steps > 1)
-    if runtime_autocast("meshplan", config):
+    autocast = runtime_autocast("meshplan", config)
+    workspace = max(act.backward_workspace_bytes(model, config,
+                                                 weight_grad_bytes=_weight_grad_bytes(config),
+                                                 accumulating=config.grad_accum_steps > 1),
+                    act.sp_input_grad_scatter_bytes(model, config,
+                                                    element_bytes=4 if autocast else None))
+    if autocast:
         workspace += recompute_cast_bytes(model, config, stage)
     if stage == config.pp - 1:  # the loss phase is its own (``stage_memory``)
         return workspace - act.logit_bytes(model, config, copies=logit_copies("meshplan", fp32),
@@ -612,7 +617,10 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
       its recomputation rebuilt, the two ffn-wide gradients of the SwiGLU backward
       (``activations.backward_workspace_bytes``), the block's gathered parameters and the
       next block's prefetched ones, the down projection's fresh gradient, and the previous
-      block's fp32 reduce-scatter input, still in flight on the reduce-scatter stream;
+      block's fp32 reduce-scatter input, still in flight on the reduce-scatter stream; or,
+      under sequence parallelism, where the MLP's backward reduce-scatters its gathered
+      input's whole-sequence gradient and the copy torch makes of it, whichever of the two
+      holds more (``activations.sp_input_grad_scatter_bytes``: the latter from TP 4 on);
     * the end of a block's backward: the stored activations less the loss's and the block's
       gather and gradient buffers (``torchtitan_fsdp_buffer_bytes``), what its recomputation
       rebuilt freed again.
@@ -664,7 +672,8 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
         mid_block = in_block
     forward_backward = states.params + states.optimizer + live_grads + recv + max(
         activations + at_loss if last else 0.0,
-        activations - loss + mid_block + workspace + swiglu_grads,
+        activations - loss + mid_block + workspace
+        + max(swiglu_grads, act.sp_input_grad_scatter_bytes(model, config)),
         activations - loss + in_block)
     step = states.params + states.grads + states.optimizer + recv + (
         buffers if config.zero_stage <= 1 else 0.0)
