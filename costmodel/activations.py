@@ -261,8 +261,8 @@ def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
     the vocabulary-parallel shard; ``logit_copies`` says how many fp32-sized logit tensors the
     framework's loss keeps alive (1 for Megatron's fused vocab-parallel cross entropy), and
     ``vocab_parallel`` False means the logits are gathered to the full vocabulary first.
-    ``gathered_head_input`` (torchtitan under SP: its ``output`` is ``ColwiseParallel`` with
-    ``input_layouts=Shard(1)``): the LM head's input is the all-gathered final-norm output, kept
+    ``gathered_head_input`` (torchtitan and meshplan's runtime under SP: their LM head is
+    ``ColwiseParallel`` with ``input_layouts=Shard(1)``): the LM head's input is the all-gathered final-norm output, kept
     whole for the head's weight gradient, while the norm's input stays a sequence shard.
     """
     tokens = tokens_per_microbatch(config)

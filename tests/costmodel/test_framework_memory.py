@@ -17,7 +17,7 @@ from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.estimate import estimate
 from meshplan.costmodel.hardware import load_cluster
 from meshplan.costmodel.frameworks import pipeline_recv_buffer_bytes
-from meshplan.costmodel.memory import stage_activation_bytes
+from meshplan.costmodel.memory import last_stage_head_bytes, stage_activation_bytes
 from meshplan.costmodel.memory_runs import compare, memory_runs
 from meshplan.costmodel.models import load_model
 from meshplan.testing import usage_error
@@ -235,6 +235,22 @@ def test_torchtitan_sp_peak_moves_to_the_input_gradient_scatter_from_tp_4(monkey
     monkeypatch.setattr(act, "sp_input_grad_scatter_bytes", lambda *_a, **_k: 0.0)
     assert with_scatter[2] == peak(2)
     assert with_scatter[8] - peak(8) == pytest.approx(4 * tokens * (2.125 * 64 - 2 * 22))
+
+
+def test_dtensor_heads_keep_their_gathered_input_under_sp():
+    """torchtitan's and meshplan's LM heads are ``ColwiseParallel(input_layouts=Shard(1))``:
+    under SP the head keeps the whole gathered final-norm output (b s h) beside the norm's
+    sequence-shard input (b s h / t); Megatron keeps two sequence shards."""
+    model = load_model("tiny")  # h 64
+    config = ParallelConfig(tp=2, sp=True, micro_batch_size=2, global_batch_size=8,
+                            seq_len=64, dtype="fp32")
+    whole = 4 * 128 * 64  # fp32 bytes of 2 x 64 tokens x 64
+    for framework, h_part in (("meshplan", whole * 1.5), ("torchtitan", whole * 1.5),
+                              ("megatron", 2 * whole / 2)):
+        logits = last_stage_head_bytes(model, config, framework) - h_part
+        without_sp = dataclasses.replace(config, sp=False)
+        assert logits == pytest.approx(
+            last_stage_head_bytes(model, without_sp, framework) - 2 * whole), framework
 
 
 PIPELINED_RUNS = ("meshplan-cpu-llama0.32b-pp2-dp4-zero3-stage0",

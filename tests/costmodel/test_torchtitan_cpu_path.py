@@ -36,20 +36,21 @@ def test_the_2d_path_reproduces_its_row_and_counts_the_loss_temporaries(monkeypa
     assert max(peaks) == pytest.approx(run.measured, rel=0.03)
 
 
-TP8_ROW = "torchtitan-cpu-tiny-h8-kv8-fsdp1-tp8-full-mb64"
+TP4_ROW = "torchtitan-cpu-tiny-h8-kv8-fsdp1-tp4-full-mb64"
 
 
 @pytest.mark.timeout(300)
-def test_the_tp8_path_reproduces_its_row(monkeypatch):
-    """TP 8 with SP, 64 x 64 tokens, full AC: a whole-sequence hidden state (1 MiB) outweighs
-    the ffn-wide shards, so the peak is the MLP input gradient's reduce-scatter
+def test_the_tp4_path_reproduces_its_row(monkeypatch):
+    """TP 4 with SP, 64 x 64 tokens, full AC (4 ranks, lighter than the TP 8 rows on a busy
+    machine): a whole-sequence hidden state (1 MiB) outweighs the ffn-wide shards, so the
+    peak is the MLP input gradient's reduce-scatter
     (``activations.sp_input_grad_scatter_bytes``); re-measured on torchtitan's own step, the
-    row (and with it the model's -1.4 % against it) still holds."""
+    row (and with it the model's -1.7 % against it; -9 % without that term) still holds."""
     if importlib.util.find_spec("torchtitan") is None:  # the export extra
         pytest.skip("torchtitan is not installed")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     benchmark = importlib.import_module("torchtitan_cpu_memory")
-    (run,) = [r for r in memory_runs() if r.id == TP8_ROW]
-    peaks = benchmark.measure("full", 64, dp=1, tp=8, heads=(8, 8))
-    assert len(peaks) == 8
+    (run,) = [r for r in memory_runs() if r.id == TP4_ROW]
+    peaks = benchmark.measure("full", 64, dp=1, tp=4, heads=(8, 8))
+    assert len(peaks) == 4
     assert max(peaks) == pytest.approx(run.measured, rel=0.03)
