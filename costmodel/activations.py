@@ -262,8 +262,9 @@ def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
     framework's loss keeps alive (1 for Megatron's fused vocab-parallel cross entropy), and
     ``vocab_parallel`` False means the logits are gathered to the full vocabulary first.
     ``gathered_head_input`` (torchtitan and meshplan's runtime under SP: their LM head is
-    ``ColwiseParallel`` with ``input_layouts=Shard(1)``): the LM head's input is the all-gathered final-norm output, kept
-    whole for the head's weight gradient, while the norm's input stays a sequence shard.
+    ``ColwiseParallel`` with ``input_layouts=Shard(1)``): the LM head's input is the
+    all-gathered final-norm output, kept whole for the head's weight gradient, while the norm's
+    input stays a sequence shard.
     """
     tokens = tokens_per_microbatch(config)
     act = config.bytes_per_activation
@@ -309,8 +310,9 @@ def sp_input_grad_scatter_bytes(model: ModelSpec, config: ParallelConfig, *,
     the micro-batch; ``timing.sp_reorder_copies_s`` prices its time), and the scattered
     result (``b s h / (cp t)``). The MLP's input is the first such gradient a block's
     backward reaches, with the whole recomputed block still alive; beside the SwiGLU's two
-    ffn-wide gradients (``backward_workspace_bytes``) it is the larger once ``2 t h``
-    exceeds ``2 f`` less a shard, which Llama shapes reach at TP 4 and above. Measured on
+    ffn-wide gradients (``backward_workspace_bytes``, ``2 f / t`` per token) it is the
+    larger once ``2 t h + h`` exceeds ``2 f``: from TP 4 on for Llama shapes (f = 3.25-3.5 h)
+    and the tiny model (f = 2.75 h). Measured on
     torchtitan 0.2.2's code path on this CPU (``benchmarks/torchtitan_cpu_memory.py``, width
     64, ffn 176, 64 x 64 tokens, full AC): the peak falls inside that reduce-scatter, holding
     the gradient (1 MiB), its copy (1 MiB) and the scattered shard beside the recomputed

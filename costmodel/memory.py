@@ -564,10 +564,10 @@ def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) 
     """What a block's backward adds once the loss's logits are freed: the backward workspace
     (``activations.backward_workspace_bytes``, or under SP the reduce-scatter of the MLP
     input's gradient where that holds more, ``activations.sp_input_grad_scatter_bytes``: the
-    runtime shards the sequence with DTensor, as torchtitan does) and, under autocast, the recomputation's weight
-    casts (``recompute_cast_bytes``), less the loss's logit copies on the last stage (whose
-    loss phase ``stage_memory`` counts on its own, without the recomputation workspace: the
-    loss is freed before a block of the stage recomputes)."""
+    runtime shards the sequence with DTensor, as torchtitan does) and, under autocast, the
+    recomputation's weight casts (``recompute_cast_bytes``), less the loss's logit copies on
+    the last stage (whose loss phase ``stage_memory`` counts on its own, without the
+    recomputation workspace: the loss is freed before a block of the stage recomputes)."""
     fp32 = config.dtype == "fp32"
     autocast = runtime_autocast("meshplan", config)
     workspace = max(act.backward_workspace_bytes(model, config,

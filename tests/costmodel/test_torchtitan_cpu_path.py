@@ -1,13 +1,13 @@
-"""torchtitan's own FSDP x TP code path on this CPU, measured again and held to its memory row.
+"""torchtitan's own FSDP x TP code path on this CPU, measured again and held to its memory rows.
 
 ``benchmarks/torchtitan_cpu_memory.py`` runs torchtitan 0.2.2's llama3 model with its
 ``apply_tp`` (SP, loss parallelism), ``apply_ac`` and ``apply_fsdp`` on four gloo ranks; the
 peaks it measured are rows of ``costmodel/data/memory_runs.json``. Re-measured here, the peak
 must match the row within 3 % (gloo's timing has moved one rank by 1.5 %); at 64 sequences per
-rank (TP 4), within one whole-sequence activation above it (``WHOLE_SEQUENCE_BYTES``). The row chosen peaks at the
-loss backward, so the match also needs loss parallelism's local temporaries counted: without
-them its three extra vocabulary-shard copies go missing and the peak reads 12-13 % lower
-(1,985,476 and 2,001,860 B in two runs, against 2,271,432).
+rank (TP 4), within one whole-sequence activation above it (``WHOLE_SEQUENCE_BYTES``). The
+FSDP x TP 2 row chosen peaks at the loss backward, so the match also needs loss parallelism's
+local temporaries counted: without them its three extra vocabulary-shard copies go missing and
+the peak reads 12-13 % lower (1,985,476 and 2,001,860 B in two runs, against 2,271,432).
 """
 
 from __future__ import annotations
