@@ -300,8 +300,7 @@ def backward_workspace_bytes(model: ModelSpec, config: ParallelConfig, *,
     return (activation_grads + weight) / config.tp
 
 
-def sp_input_grad_scatter_bytes(model: ModelSpec, config: ParallelConfig, *,
-                                element_bytes: int | None = None) -> float:
+def sp_input_grad_scatter_bytes(model: ModelSpec, config: ParallelConfig) -> float:
     """Bytes a block's backward holds above its stored and recomputed activations while it
     reduce-scatters the gradient of a sequence-parallel all-gather's output (DTensor's SP, as
     torchtitan shards it; 0 without SP): the whole-sequence gradient of the gathered input
@@ -316,12 +315,10 @@ def sp_input_grad_scatter_bytes(model: ModelSpec, config: ParallelConfig, *,
     torchtitan 0.2.2's code path on this CPU (``benchmarks/torchtitan_cpu_memory.py``, width
     64, ffn 176, 64 x 64 tokens, full AC): the peak falls inside that reduce-scatter, holding
     the gradient (1 MiB), its copy (1 MiB) and the scattered shard beside the recomputed
-    block. ``element_bytes``: the gradient's element size where it is not the activation
-    dtype (fp32 under meshplan's autocast, whose gathered norm outputs are fp32)."""
+    block, whose SwiGLU tensors torchtitan's MLP still holds there."""
     if not config.sp or config.tp == 1:
         return 0.0
-    whole = (element_bytes or config.bytes_per_activation) * tokens_per_microbatch(config) \
-        * model.hidden_size
+    whole = config.bytes_per_activation * tokens_per_microbatch(config) * model.hidden_size
     return 2 * whole + whole / config.tp
 
 
