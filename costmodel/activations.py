@@ -311,11 +311,11 @@ def sp_input_grad_scatter_bytes(model: ModelSpec, config: ParallelConfig) -> flo
     backward reaches, with the whole recomputed block still alive; beside the SwiGLU's two
     ffn-wide gradients (``backward_workspace_bytes``, ``2 f / t`` per token) it is the
     larger once ``2 t h + h`` exceeds ``2 f``: from TP 4 on for Llama shapes (f = 3.25-3.5 h)
-    and the tiny model (f = 2.75 h). Measured on
-    torchtitan 0.2.2's code path on this CPU (``benchmarks/torchtitan_cpu_memory.py``, width
-    64, ffn 176, 64 x 64 tokens, full AC): the peak falls inside that reduce-scatter, holding
-    the gradient (1 MiB), its copy (1 MiB) and the scattered shard beside the recomputed
-    block, whose SwiGLU tensors torchtitan's MLP still holds there."""
+    and the tiny model (f = 2.75 h). Measured on torchtitan 0.2.2's code path on this CPU
+    (``benchmarks/torchtitan_cpu_memory.py``, width 64, ffn 176, 64 x 64 tokens, full AC):
+    the peak falls inside that reduce-scatter, holding the gradient (1 MiB), its copy (1 MiB)
+    and the scattered shard beside the recomputed block, whose SwiGLU tensors torchtitan's MLP
+    still holds there."""
     if not config.sp or config.tp == 1:
         return 0.0
     whole = config.bytes_per_activation * tokens_per_microbatch(config) * model.hidden_size
