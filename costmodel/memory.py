@@ -568,9 +568,9 @@ def _block_backward_bytes(model: ModelSpec, config: ParallelConfig, stage: int) 
     loss is freed before a block of the stage recomputes). Under SP the runtime's MLP has
     freed its ffn-wide tensors by the time it reduce-scatters its input's gradient (measured
     at TP 4, 32 x 64 tokens, a 64-row vocabulary so that a block sets the peak, full
-    recomputation: 4.65 MB live there against the 5.94 MB peak
-    in the recomputed forward), so torchtitan's ``activations.sp_input_grad_scatter_bytes``
-    moment does not set its peak."""
+    recomputation: 4.65 MB live there against the 5.94 MB peak in the recomputed forward),
+    so torchtitan's ``activations.sp_input_grad_scatter_bytes`` moment does not set its
+    peak."""
     fp32 = config.dtype == "fp32"
     workspace = act.backward_workspace_bytes(model, config,
                                              weight_grad_bytes=_weight_grad_bytes(config),
