@@ -300,6 +300,12 @@ def backward_workspace_bytes(model: ModelSpec, config: ParallelConfig, *,
     return (activation_grads + weight) / config.tp
 
 
+def hidden_state_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """Bytes of one micro-batch's whole hidden state on a rank (``b s h / cp`` elements in the
+    activation dtype): what an SP collective gathers or scatters, a TP all-reduce reduces."""
+    return config.bytes_per_activation * tokens_per_microbatch(config) * model.hidden_size
+
+
 def sp_input_grad_scatter_bytes(model: ModelSpec, config: ParallelConfig) -> float:
     """Bytes a block's backward holds above its stored and recomputed activations while it
     reduce-scatters the gradient of a sequence-parallel all-gather's output (DTensor's SP, as
@@ -318,7 +324,7 @@ def sp_input_grad_scatter_bytes(model: ModelSpec, config: ParallelConfig) -> flo
     still holds there."""
     if not config.sp or config.tp == 1:
         return 0.0
-    whole = config.bytes_per_activation * tokens_per_microbatch(config) * model.hidden_size
+    whole = hidden_state_bytes(model, config)
     return 2 * whole + whole / config.tp
 
 

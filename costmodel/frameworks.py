@@ -342,6 +342,14 @@ def eager_autograd(framework: str) -> bool:
     return framework in ("meshplan", "torchtitan")
 
 
+DTENSOR_TP_FRAMEWORKS = ("torchtitan", "meshplan")
+"""Frameworks whose tensor parallelism is DTensor's (``parallelize_module``): every TP
+collective is waited for (``timing.tp_comm_parts_s``), and under SP the LM head is
+``ColwiseParallel`` with a sequence-sharded input, keeping its all-gathered input whole for
+its weight gradient (torchtitan's ``output`` plan; meshplan's ``runtime/parallelize.py``
+``_edge_plan``; ``memory.last_stage_head_bytes``)."""
+
+
 def eager_kernels(framework: str) -> bool:
     """Whether the framework launches its GEMMs and element-wise kernels from eager PyTorch
     modules (FSDP-style trainers: torchtitan without compile, Composer/llm-foundry, meshplan's

@@ -15,8 +15,8 @@ from meshplan.costmodel import activations as act
 from meshplan.costmodel import traced
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
-from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, StateBytes,
-                                  deepspeed_host_bytes_per_node,
+from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, DTENSOR_TP_FRAMEWORKS,
+                                  StateBytes, deepspeed_host_bytes_per_node,
                                   deepspeed_zero3_extra_buffer_bytes, eager_autograd,
                                   framework_buffer_bytes, kept_stage_output_copies, logit_copies,
                                   model_state_bytes,
@@ -244,22 +244,16 @@ def loss_logit_copies(framework: str, config: ParallelConfig) -> float:
                         compiled_loss=config.compile == "model+loss", loss_parallel=config.tp > 1)
 
 
-DTENSOR_HEAD_FRAMEWORKS = ("torchtitan", "meshplan")
-"""Frameworks whose LM head is DTensor's ``ColwiseParallel`` with a sequence-sharded input under
-SP (torchtitan's ``output`` plan; meshplan's ``runtime/parallelize.py`` ``_edge_plan``): the head
-keeps its all-gathered input whole for its weight gradient."""
-
-
 def last_stage_head_bytes(model: ModelSpec, config: ParallelConfig, framework: str) -> float:
     """What the last stage holds for the LM head and the loss beyond its layers' activations:
     the head's inputs and the framework's loss copies of the logits
     (``activations.head_activation_bytes``; torchtitan's compiled loss and loss parallelism,
-    and the all-gathered head input under SP, ``DTENSOR_HEAD_FRAMEWORKS``), and the stage
+    and the all-gathered head input under SP, ``frameworks.DTENSOR_TP_FRAMEWORKS``), and the stage
     outputs the pipeline schedule keeps."""
     head = act.head_activation_bytes(
         model, config, logit_copies=loss_logit_copies(framework, config),
         vocab_parallel=vocab_parallel_loss(framework),
-        gathered_head_input=(framework in DTENSOR_HEAD_FRAMEWORKS and config.sp
+        gathered_head_input=(framework in DTENSOR_TP_FRAMEWORKS and config.sp
                              and config.tp > 1))
     return head + act.logit_bytes(model, config,
                                   copies=kept_stage_output_copies(framework, config.pp),

@@ -38,7 +38,7 @@ from meshplan.costmodel.calls import (DDP_BUCKET_BYTES, LOSS_REDUCTION_CALLS, bu
                                       gradient_bucketing, latency_steps, zero3_fetch_batches,
                                       zero3_gather_passes, zero_call_latency_s)
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
-from meshplan.costmodel.frameworks import eager_kernels
+from meshplan.costmodel.frameworks import DTENSOR_TP_FRAMEWORKS, eager_kernels
 from meshplan.costmodel.layout import ep_group, order_strides, rank_of, strides
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
@@ -377,11 +377,6 @@ def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     return forward + again + backward
 
 
-DTENSOR_TP_FRAMEWORKS = ("torchtitan", "meshplan")
-"""Frameworks whose tensor parallelism is DTensor's (``parallelize_module``): every TP
-collective is waited for (``tp_comm_parts_s``)."""
-
-
 def sp_reorder_copies_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                         calibration: Calibration, *, recompute: str, framework: str) -> float:
     """Seconds of one layer's copies that DTensor's sequence parallelism adds on the compute
@@ -457,15 +452,14 @@ def _sp_collectives_s(model: ModelSpec, config: ParallelConfig, link: coll.Group
 def _sp_state_bytes(model: ModelSpec, config: ParallelConfig) -> tuple[float, float]:
     """(forward all-gather, reduce-scatter) bytes of one SP collective's gathered hidden state
     (``b s h / cp`` elements): under float8 TP the forward all-gathers carry 1-byte elements."""
-    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+    size = act.hidden_state_bytes(model, config)
     return (size / config.bytes_per_activation if config.float8 else size), size
 
 
 def _hidden_all_reduce_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
                          calibration: Calibration) -> float:
     """Seconds of one all-reduce of the layer's hidden state (TP without SP)."""
-    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
-    return coll.all_reduce_s(link, size, intra_eff=calibration.nvlink_efficiency,
+    return coll.all_reduce_s(link, act.hidden_state_bytes(model, config), intra_eff=calibration.nvlink_efficiency,
                              inter_eff=calibration.network_efficiency)
 
 
@@ -542,7 +536,7 @@ def tp_comm_parts_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLi
     """
     if config.tp == 1 or link is None:
         return 0.0, 0.0
-    size = config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
+    size = act.hidden_state_bytes(model, config)
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     if framework not in DTENSOR_TP_FRAMEWORKS:
         one = (coll.all_gather_s(link, size, **effs) + coll.reduce_scatter_s(link, size, **effs)
