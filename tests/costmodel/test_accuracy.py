@@ -28,6 +28,12 @@ KNOWN_SHORTFALLS = {
     # give one per-micro-batch stage time; the same mesh with one 32K sequence per
     # micro-batch (the 4D table's CP 1 row) comes out 7 % long
     "torchtitan-3d": (0.07, 0.08, 0.07),
+    # fms-fsdp's compiled table (FSDP1 + torch.compile, Llama 2 13B-70B on 128 A100s / 96 H100s):
+    # 2-12 % slower predicted than measured where the eager table of the same runs
+    # (family fms-fsdp) holds within 7 % with no bias to speak of; its full-AC rows on A100
+    # measure HFU 0.74, above the eager GEMM efficiency the model gives every eager trainer
+    # (0.735 of peak), so part of what compiling gains there is not modelled
+    "fms-fsdp-compile": (0.08, 0.12, 0.06),
 }
 KNOWN_OUTLIERS = {
     # runs at the edge of device memory (predicted reserved peak 89-97 % of the GPU): the
@@ -75,7 +81,8 @@ def test_only_the_known_outliers_exceed_15_percent(errors):
 
 FAMILIES = ("narayanan-t1", "korthikanti", "mt-nlg", "llama3", "narayanan-t2-zero3",
             "narayanan-t2-ptdp", "mosaicml-h100", "mosaicml-a100", "torchtitan-fsdp2",
-            "torchtitan-cp", "torchtitan-2d", "torchtitan-3d", "torchtitan-4d", "torchtitan-tp")
+            "torchtitan-cp", "torchtitan-2d", "torchtitan-3d", "torchtitan-4d", "torchtitan-tp",
+            "fms-fsdp", "fms-fsdp-compile")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
