@@ -82,7 +82,7 @@ def test_only_the_known_outliers_exceed_15_percent(errors):
 FAMILIES = ("narayanan-t1", "korthikanti", "mt-nlg", "llama3", "narayanan-t2-zero3",
             "narayanan-t2-ptdp", "mosaicml-h100", "mosaicml-a100", "torchtitan-fsdp2",
             "torchtitan-cp", "torchtitan-2d", "torchtitan-3d", "torchtitan-4d", "torchtitan-tp",
-            "fms-fsdp", "fms-fsdp-compile")
+            "fms-fsdp", "fms-fsdp-compile", "mosaicml-h100-fp8")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
