@@ -162,26 +162,48 @@ for the backward, each reading bf16 and writing float8."""
 
 
 def float8_cast_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bool = False,
-                      tokens: float) -> float:
+                      tokens: float, transformer_engine: bool = False) -> float:
     """HBM bytes of one layer's float8 casts on one rank for ``tokens`` tokens, forward and
     backward together: every float8 linear of the block casts its input, its weight and its
     output gradient. Those are the q, k, v and output projections and the MLP's matrices
     (TP-sharded widths); an MoE layer's experts are not ``nn.Linear`` modules (the linear
-    converter leaves them, and the router, in bf16), so there only the projections count."""
+    converter leaves them, and the router, in bf16), so there only the projections count.
+
+    ``transformer_engine``: Megatron-LM's Transformer Engine linears under the per-tensor
+    current-scaling recipe meshplan's Megatron-LM export asks for (``--fp8-recipe
+    tensorwise``): each activation and gradient cast needs its tensor's max-abs first, as
+    torchao's eager casts do; but Megatron-core marks a step's first micro-batch
+    (``set_is_first_microbatch``), on which TE casts the weights and caches their float8
+    copies for the step's other micro-batches, so the weights are left out here and cast once
+    per step (``timing.te_weight_cast_s``). (Delayed scaling, TE's older default, takes the
+    amax from a history instead and skips the max-abs pass.)"""
     t = config.tp
     h = model.hidden_size
     q, kv = model.q_size / t, model.kv_size / t
     activation = FLOAT8_INPUT_BYTES + (0 if config.compile != "none" else FLOAT8_AMAX_BYTES)
     inputs = 3 * h + q  # x into q, k and v; the attention output into its projection
     grads = q + 2 * kv + h
-    weights = h * (2 * q + 2 * kv)
     if not moe:
         mats = 3 if model.activation == "swiglu" else 2
         f = model.ffn_hidden_size / t
         inputs += (mats - 1) * h + f  # the MLP's input matrices, then its inner width
         grads += (mats - 1) * f + h
-        weights += mats * h * f
-    return activation * (inputs + grads) * tokens + FLOAT8_WEIGHT_BYTES * weights
+    weights = 0.0 if transformer_engine else FLOAT8_WEIGHT_BYTES * float8_weight_elements(
+        model, config, moe=moe)
+    return activation * (inputs + grads) * tokens + weights
+
+
+def float8_weight_elements(model: ModelSpec, config: ParallelConfig, *, moe: bool) -> float:
+    """Weight elements of one layer's float8 linears on one rank (TP shards): the attention
+    projections, and the MLP's matrices but in an MoE layer (``float8_cast_bytes``)."""
+    t = config.tp
+    h = model.hidden_size
+    q, kv = model.q_size / t, model.kv_size / t
+    weights = h * (2 * q + 2 * kv)
+    if not moe:
+        mats = 3 if model.activation == "swiglu" else 2
+        weights += mats * h * model.ffn_hidden_size / t
+    return weights
 
 
 def float8_head_cast_bytes(model: ModelSpec, config: ParallelConfig, *, tokens: float) -> float:

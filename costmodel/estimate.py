@@ -17,7 +17,7 @@ from meshplan.costmodel.model import ModelSpec
 from meshplan.costmodel.timing import (BACKWARD_FACTOR, Links, StageTime, calibrated_links,
                                        dp_bucket_terms, dp_step_s, optimizer_step_s,
                                        stage_link_signature, stage_links,
-                                       stage_microbatch_time)
+                                       stage_microbatch_time, te_weight_cast_s)
 
 SCHEMA_VERSION = schema.ESTIMATE
 
@@ -97,7 +97,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     check_fits_model(config, model, num_gpus=cluster.num_gpus)
     check_framework_options(framework, compile_mode=config.compile, float8=config.float8,
-                            async_tp=config.async_tp,
+                            async_tp=config.async_tp, float8_head=config.float8_head,
                             peak_flop_per_s=cluster.gpu.peak_flop_per_s, gpu_key=cluster.gpu.key)
     if config.float8_head and model.tied_embeddings:
         raise ValueError(f"--float8-head needs an LM head of its own; model "
@@ -207,6 +207,8 @@ def stage_once(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, s
                              gpu_key=cluster.gpu.key)
     opt, off = optimizer_step_s(config, cluster, calibration, params=params,
                                 framework=framework)
+    if framework == "megatron" and config.float8:  # Transformer Engine's per-step weight casts
+        opt += te_weight_cast_s(model, cluster, config, calibration, stage=stage)
     return comm, hidden, opt, off
 
 

@@ -468,18 +468,30 @@ def deepspeed_host_bytes_per_node(*, total_params: float, zero_stage: int, offlo
     return total_params * max(4 * gpus_per_node, per_param / nodes) * factor
 
 
+FLOAT8_FRAMEWORKS = ("torchtitan", "megatron")
+"""Frameworks whose float8 training the cost model prices: torchtitan's torchao float8
+linears, and Megatron-LM's Transformer Engine linears (``--fp8-recipe tensorwise``, per-tensor
+current scaling, the weights cast on a step's first micro-batch and cached for the rest:
+``eager.float8_cast_bytes``)."""
+
+
 def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                             peak_flop_per_s: dict[str, float], gpu_key: str,
-                            async_tp: bool = False) -> None:
+                            async_tp: bool = False, float8_head: bool = False) -> None:
     """Raise ValueError (one line) when the plan asks for what the framework's model does not
-    cover: torch.compile, float8 training and async TP are modelled as torchtitan runs them,
-    and float8 needs float8 tensor cores (an ``fp8`` peak in the GPU catalog: H100 and
-    later)."""
+    cover: torch.compile, async TP and a float8 LM head are modelled as torchtitan runs them,
+    float8 training of the blocks as torchtitan and Megatron-LM run it
+    (``FLOAT8_FRAMEWORKS``), and float8 needs float8 tensor cores (an ``fp8`` peak in the GPU
+    catalog: H100 and later)."""
     asked = [flag for flag, on in (("--compile", compile_mode != "none"),
-                                   ("--float8", float8), ("--async-tp", async_tp)) if on]
+                                   ("--float8-head", float8_head), ("--async-tp", async_tp))
+             if on]
     if asked and framework != "torchtitan":
         raise ValueError(f"{' and '.join(asked)} {'are' if len(asked) > 1 else 'is'} modelled "
                          f"for --framework torchtitan only, got --framework {framework}")
+    if float8 and framework not in FLOAT8_FRAMEWORKS:
+        raise ValueError(f"--float8 is modelled for --framework "
+                         f"{' and '.join(FLOAT8_FRAMEWORKS)} only, got --framework {framework}")
     if float8 and "fp8" not in peak_flop_per_s:
         raise ValueError(f"--float8 needs float8 tensor cores; GPU {gpu_key!r} has none "
                          f"(its peaks: {', '.join(sorted(peak_flop_per_s))})")

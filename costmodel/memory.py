@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from meshplan.costmodel import activations as act
 from meshplan.costmodel import traced
+from meshplan.costmodel.eager import float8_weight_elements
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, DTENSOR_TP_FRAMEWORKS,
@@ -479,6 +480,14 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
             compute_bytes=4 if config.dtype == "fp32" else 2)
     persistent = buffers if framework in ("meshplan", "torchtitan") and \
         config.zero_stage <= 1 else 0.0
+    if framework == "megatron" and config.float8:
+        # Transformer Engine keeps each float8 linear's weight cast in both layouts (1 byte
+        # each) from a step's first micro-batch to its end (``timing.te_weight_cast_s``)
+        cache = 2 * sum(float8_weight_elements(model, config,
+                                               moe=model.is_moe and model.is_moe_layer(i))
+                        for i in stage_layer_range(model, config, stage))
+        buffers += cache
+        persistent += cache
     buffers += gloo_held_gather_bytes(model, config, framework, cluster.gpu.key)
     recv = stage_recv_buffer_bytes(model, config, stage, framework)
     gathered = buffers + recv  # gather and gradient buffers with the pipeline's

@@ -275,7 +275,8 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
                         efficiency=gemm_efficiency, overhead_s=device.matmul_overhead_s)
                 + _gemm_s(proj_flop + mlp_flop - fp8_flop, mats if moe else 0, peak=peak,
                           efficiency=gemm_efficiency, overhead_s=device.matmul_overhead_s)
-                + eager.float8_cast_bytes(model, config, moe=moe, tokens=tokens)
+                + eager.float8_cast_bytes(model, config, moe=moe, tokens=tokens,
+                                          transformer_engine=framework == "megatron")
                 / (1 + BACKWARD_FACTOR) / bandwidth)
     else:
         gemm = _gemm_s(proj_flop + mlp_flop, 2 + mats, peak=peak, efficiency=gemm_efficiency,
@@ -459,7 +460,8 @@ def _sp_state_bytes(model: ModelSpec, config: ParallelConfig) -> tuple[float, fl
 def _hidden_all_reduce_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
                          calibration: Calibration) -> float:
     """Seconds of one all-reduce of the layer's hidden state (TP without SP)."""
-    return coll.all_reduce_s(link, act.hidden_state_bytes(model, config), intra_eff=calibration.nvlink_efficiency,
+    return coll.all_reduce_s(link, act.hidden_state_bytes(model, config),
+                             intra_eff=calibration.nvlink_efficiency,
                              inter_eff=calibration.network_efficiency)
 
 
@@ -1352,6 +1354,21 @@ def dp_bucket_terms(config: ParallelConfig, calibration: Calibration, *, params:
     return ((amount, bucket, sum(coll.call_latency_s(op, link) for op in ops)),
             (grad_bytes, DDP_BUCKET_BYTES,
              calibration.call_s(gpu_key) * latency_steps("all_reduce", link.size)))
+
+
+def te_weight_cast_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                     calibration: Calibration, *, stage: int) -> float:
+    """Seconds of one step's float8 weight casts on ``stage`` under Megatron-LM's float8
+    training (Transformer Engine): on the step's first micro-batch every float8 linear of the
+    stage's layers casts its weight to float8 in both layouts and keeps them for the other
+    micro-batches (``eager.float8_cast_bytes``; ``eager.FLOAT8_WEIGHT_BYTES`` per element),
+    once per step whatever the number of micro-batches."""
+    elements = sum(eager.float8_weight_elements(model, config,
+                                                moe=model.is_moe and model.is_moe_layer(i))
+                   for i in stage_layer_range(model, config, stage))
+    device = calibration.device(cluster.gpu.key)
+    return (eager.FLOAT8_WEIGHT_BYTES * elements
+            / (cluster.gpu.hbm_bytes_per_s * device.memory_efficiency))
 
 
 def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: Calibration,

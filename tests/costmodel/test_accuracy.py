@@ -34,6 +34,11 @@ KNOWN_SHORTFALLS = {
     # measure HFU 0.74, above the eager GEMM efficiency the model gives every eager trainer
     # (0.735 of peak), so part of what compiling gains there is not modelled
     "fms-fsdp-compile": (0.08, 0.12, 0.06),
+    # NeMo 24.07's FP8 table on DGX H100 (Megatron-core + Transformer Engine, delayed scaling),
+    # priced as the export's current scaling: the TP 1 rows run 4-18 % slower than predicted
+    # (GPT-3 5B the most), the TP 2-4 rows from -10 % to +11 %; no float8 GEMM or Transformer
+    # Engine rate has been measured for this project
+    "nemo-h100-fp8": (0.09, 0.18, 0.06),
 }
 KNOWN_OUTLIERS = {
     # runs at the edge of device memory (predicted reserved peak 89-97 % of the GPU): the
@@ -48,6 +53,8 @@ KNOWN_OUTLIERS = {
     "mosaicml-a100-80-760m-s1024-g8",
     # torchtitan's long-context rows without CP (32K) and with CP 2 (64K): see KNOWN_SHORTFALLS
     "torchtitan-llama3.1-8b-fsdp8-cp1-s32768-h100", "torchtitan-llama3.1-8b-fsdp4-cp2-s65536-h100",
+    # NeMo's GPT-3 5B float8 row (64 GPUs, data parallel only): see KNOWN_SHORTFALLS
+    "nemo-h100-fp8-gpt3-5b-g64",
 }
 """Runs allowed beyond the 15 % bound (every other run must stay within it)."""
 
@@ -82,7 +89,7 @@ def test_only_the_known_outliers_exceed_15_percent(errors):
 FAMILIES = ("narayanan-t1", "korthikanti", "mt-nlg", "llama3", "narayanan-t2-zero3",
             "narayanan-t2-ptdp", "mosaicml-h100", "mosaicml-a100", "torchtitan-fsdp2",
             "torchtitan-cp", "torchtitan-2d", "torchtitan-3d", "torchtitan-4d", "torchtitan-tp",
-            "fms-fsdp", "fms-fsdp-compile", "mosaicml-h100-fp8")
+            "fms-fsdp", "fms-fsdp-compile", "mosaicml-h100-fp8", "nemo-h100-fp8")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

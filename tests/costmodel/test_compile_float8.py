@@ -170,12 +170,19 @@ def test_compile_speedup_comes_from_the_element_wise_kernels():
 
 
 @pytest.mark.parametrize("framework", ["megatron", "deepspeed", "meshplan", "ideal"])
-def test_compile_and_float8_are_torchtitan_options(framework):
+def test_compile_and_the_float8_head_are_torchtitan_options(framework):
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
-    with pytest.raises(ValueError, match="--framework torchtitan only"):
-        estimate(model, cluster, _config(float8=True), framework=framework)
     with pytest.raises(ValueError, match="--compile is modelled"):
         estimate(model, cluster, _config(compile="model"), framework=framework)
+    with pytest.raises(ValueError, match="--float8-head is modelled for --framework torchtitan"):
+        estimate(model, cluster, _config(float8=True, float8_head=True), framework=framework)
+
+
+@pytest.mark.parametrize("framework", ["deepspeed", "meshplan", "ideal"])
+def test_float8_is_a_torchtitan_and_megatron_option(framework):
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    with pytest.raises(ValueError, match="--framework torchtitan and megatron only"):
+        estimate(model, cluster, _config(float8=True), framework=framework)
 
 
 def test_float8_needs_float8_tensor_cores():
@@ -191,10 +198,10 @@ def test_config_rejects_unknown_compile_mode_and_float8_outside_bf16():
         _config(float8=True, dtype="fp16")
 
 
-def test_cli_float8_under_megatron_is_one_line_exit_2():
+def test_cli_float8_under_deepspeed_is_one_line_exit_2():
     message = usage_error("estimate", "--model", "llama3-8b", "--cluster", "dgx-h100",
-                          "--framework", "megatron", "--global-batch", "16", "--float8")
-    assert message.startswith("meshplan: error:") and "torchtitan only" in message
+                          "--framework", "deepspeed", "--global-batch", "16", "--float8")
+    assert message.startswith("meshplan: error:") and "torchtitan and megatron only" in message
     assert "\n" not in message.strip()
 
 

@@ -1044,7 +1044,7 @@ def test_torchtitan_exports_its_checkpointing_settings(torchtitan, tmp_path):
 # ----- torch.compile and float8 (ParallelConfig.compile, ParallelConfig.float8) -----------------
 PLAN_COMPILED = {**PLAN_ZERO3_OFFLOAD, "offload": "none", "compile": "model+loss", "float8": True}
 """The ZeRO-3 plan with torchtitan's torch.compile of the blocks and the loss and float8
-training of the blocks' linears (the cost model prices both under torchtitan only)."""
+training of the blocks' linears (the cost model prices compile under torchtitan only)."""
 TORCHTITAN_FLOAT8_TABLE = {"enable_fsdp_float8_all_gather": True,
                            "precompute_float8_dynamic_scale_for_fsdp": True,
                            "filter_fqns": ["output"]}

@@ -1,0 +1,79 @@
+"""float8 training under --framework megatron: Transformer Engine's linears as Megatron-LM
+drives them (``--fp8-recipe tensorwise``, the recipe meshplan's export writes).
+
+Byte counts are written out here linear by linear from what TE does (a max-abs pass and a
+cast-transpose per activation and gradient, the weights cast on a step's first micro-batch
+and kept in both layouts until its end), not read from the code under test; the NeMo
+throughputs are in ``costmodel/data/reference_runs.json`` (family ``nemo-h100-fp8``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.costmodel import default_calibration, eager
+from meshplan.costmodel.config import ParallelConfig
+from meshplan.costmodel.estimate import estimate
+from meshplan.costmodel.hardware import load_cluster
+from meshplan.costmodel.models import load_model
+from meshplan.testing import run_cli
+
+H, Q, KV, F, LAYERS = 4096, 4096, 1024, 14336, 32  # Llama 3 8B
+WEIGHTS_PER_LAYER = H * Q + 2 * H * KV + Q * H + 3 * H * F  # wq wk wv wo, w1 w3 w2
+
+
+def _config(**changes) -> ParallelConfig:
+    base = dict(dp=8, zero_stage=1, recompute="none", micro_batch_size=1, global_batch_size=8,
+                seq_len=8192)
+    return ParallelConfig(**{**base, **changes})
+
+
+def test_te_casts_activations_and_gradients_per_micro_batch_but_not_the_weights():
+    """Per element of each linear's input and output gradient: a max-abs read (2 bytes), then
+    a read of the bf16 tensor and two float8 writes (row- and column-major): 6 bytes."""
+    model = load_model("llama3-8b")
+    tokens = 8192
+    inputs = 3 * H + Q + 2 * H + F  # into wq, wk, wv; wo; w1, w3; w2
+    grads = Q + 2 * KV + H + 2 * F + H  # out of the same seven linears
+    expected = 6 * (inputs + grads) * tokens
+    assert eager.float8_cast_bytes(model, _config(float8=True), tokens=tokens,
+                                   transformer_engine=True) == pytest.approx(expected, rel=1e-12)
+    # torchao (torchtitan, eager) casts the weights on every micro-batch on top: a max-abs
+    # pass and two casts, 2 + 3 + 3 bytes per weight element
+    assert eager.float8_cast_bytes(model, _config(float8=True), tokens=tokens) \
+        == pytest.approx(expected + 8 * WEIGHTS_PER_LAYER, rel=1e-12)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_te_casts_the_weights_once_per_step(micro_batches):
+    """The step's one weight cast (8 bytes per weight element of every layer, at the device's
+    calibrated HBM rate) is the whole difference of the once-per-step term, whatever the
+    number of micro-batches."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    calibration = default_calibration()
+    gbs = 8 * micro_batches
+    bf16 = estimate(model, cluster, _config(global_batch_size=gbs), framework="megatron")
+    fp8 = estimate(model, cluster, _config(global_batch_size=gbs, float8=True),
+                   framework="megatron")
+    rate = (cluster.gpu.hbm_bytes_per_s
+            * calibration.device(cluster.gpu.key).memory_efficiency)
+    assert fp8.time.optimizer_s - bf16.time.optimizer_s == pytest.approx(
+        8 * WEIGHTS_PER_LAYER * LAYERS / rate, rel=1e-9)
+    assert fp8.time.step_s < bf16.time.step_s
+
+
+def test_te_keeps_each_weight_in_float8_twice_through_the_step():
+    """A float8 copy and its transpose, one byte each, of every block linear's weight: the
+    only memory difference from the bf16 plan under Megatron-LM."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    bf16 = estimate(model, cluster, _config(), framework="megatron")
+    fp8 = estimate(model, cluster, _config(float8=True), framework="megatron")
+    assert fp8.memory.peak_bytes - bf16.memory.peak_bytes == pytest.approx(
+        2 * WEIGHTS_PER_LAYER * LAYERS, rel=1e-12)
+
+
+def test_cli_estimates_a_megatron_float8_plan():
+    result = run_cli("estimate", "--model", "llama3-8b", "--cluster", "dgx-h100",
+                     "--framework", "megatron", "--global-batch", "16", "--float8")
+    assert result.code == 0, result.err
+    assert "float8 linears" in result.out
