@@ -80,6 +80,13 @@ def stage_layer_range(model: ModelSpec, config: ParallelConfig, stage: int) -> r
     return range(start, start + layers[stage])
 
 
+def stage_float8_weight_elements(model: ModelSpec, config: ParallelConfig, stage: int) -> float:
+    """Weight elements of the float8 linears of ``stage``'s layers on one rank
+    (``eager.float8_weight_elements`` layer by layer)."""
+    return sum(float8_weight_elements(model, config, moe=model.is_moe and model.is_moe_layer(i))
+               for i in stage_layer_range(model, config, stage))
+
+
 def layer_rank_params(model: ModelSpec, config: ParallelConfig, *, moe: bool) -> float:
     """Parameters of one layer on one rank: split over tp, expert weights over tp * ep."""
     if not moe:
@@ -483,9 +490,7 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     if framework == "megatron" and config.float8:
         # Transformer Engine keeps each float8 linear's weight cast in both layouts (1 byte
         # each) from a step's first micro-batch to its end (``timing.te_weight_cast_s``)
-        cache = 2 * sum(float8_weight_elements(model, config,
-                                               moe=model.is_moe and model.is_moe_layer(i))
-                        for i in stage_layer_range(model, config, stage))
+        cache = 2 * stage_float8_weight_elements(model, config, stage)
         buffers += cache
         persistent += cache
     buffers += gloo_held_gather_bytes(model, config, framework, cluster.gpu.key)

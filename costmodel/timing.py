@@ -43,7 +43,8 @@ from meshplan.costmodel.layout import ep_group, order_strides, rank_of, strides
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import (LAYER_FIELDS, StageParams, layer_modes,
-                                       layer_rank_params, stage_layer_range, stage_params)
+                                       layer_rank_params, stage_float8_weight_elements,
+                                       stage_layer_range, stage_params)
 from meshplan.costmodel.model import ModelSpec
 
 BACKWARD_FACTOR = 2.0
@@ -1066,20 +1067,23 @@ def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
                         **effs)
     if config.zero_stage == 3:
         passes = zero3_gather_passes(framework, config, recompute)
-        comm += passes * _bandwidth_s("all_gather", link, zero3_gather_bytes(config, params),
+        comm += passes * _bandwidth_s("all_gather", link,
+                                      zero3_gather_bytes(config, params, framework=framework),
                                       **effs)
     return comm
 
 
-def zero3_gather_bytes(config: ParallelConfig, params: StageParams) -> float:
+def zero3_gather_bytes(config: ParallelConfig, params: StageParams, *,
+                       framework: str = "torchtitan") -> float:
     """Bytes one ZeRO-3 all-gather pass of a stage moves: its parameters in the compute dtype,
     except under float8 training, where torchtitan gathers the blocks' float8 linears' weights
     already cast to float8 (``enable_fsdp_float8_all_gather``; 1 byte; the blocks' norm
     weights, a few thousandths of a percent of a block, are counted with them). Experts are
     not float8 linears (``eager.float8_cast_bytes``). A float8 LM head
-    (``ParallelConfig.float8_head``) is gathered in float8 too."""
+    (``ParallelConfig.float8_head``) is gathered in float8 too. Other frameworks gather in
+    the compute dtype (Transformer Engine casts after the gather)."""
     total = params.dense + params.expert
-    if config.float8:
+    if config.float8 and framework == "torchtitan":
         bf16 = params.root + params.expert - (params.head if config.float8_head else 0.0)
         return bf16 * config.bytes_per_activation + (total - bf16)
     return total * config.bytes_per_activation
@@ -1326,8 +1330,9 @@ def _pipelined_fsdp2_step_s(config: ParallelConfig, calibration: Calibration, *,
     total = params.dense + params.expert
     scatter = coll.reduce_scatter_s(link, total * grad_comm_bytes(framework, config.dtype), **effs)
     block = params.largest_block or params.largest_layer
-    first_gather = coll.all_gather_s(link, zero3_gather_bytes(config, params) * block / total,
-                                     **effs) if total else 0.0
+    first_gather = coll.all_gather_s(
+        link, zero3_gather_bytes(config, params, framework=framework) * block / total,
+        **effs) if total else 0.0
     latency = (groups - 1) * coll.call_latency_s("reduce_scatter", link)
     host = groups * calibration.call_s(gpu_key) * (
         latency_steps("reduce_scatter", link.size) + latency_steps("all_gather", link.size))
@@ -1363,9 +1368,7 @@ def te_weight_cast_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelCon
     stage's layers casts its weight to float8 in both layouts and keeps them for the other
     micro-batches (``eager.float8_cast_bytes``; ``eager.FLOAT8_WEIGHT_BYTES`` per element),
     once per step whatever the number of micro-batches."""
-    elements = sum(eager.float8_weight_elements(model, config,
-                                                moe=model.is_moe and model.is_moe_layer(i))
-                   for i in stage_layer_range(model, config, stage))
+    elements = stage_float8_weight_elements(model, config, stage)
     device = calibration.device(cluster.gpu.key)
     return (eager.FLOAT8_WEIGHT_BYTES * elements
             / (cluster.gpu.hbm_bytes_per_s * device.memory_efficiency))

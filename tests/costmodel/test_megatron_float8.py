@@ -77,3 +77,16 @@ def test_cli_estimates_a_megatron_float8_plan():
                      "--framework", "megatron", "--global-batch", "16", "--float8")
     assert result.code == 0, result.err
     assert "float8 linears" in result.out
+
+
+def test_only_torchtitan_gathers_zero3_weights_in_float8():
+    """torchtitan all-gathers its float8 linears' weights already cast (1 byte); Transformer
+    Engine casts after the gather, which moves the compute dtype (2 bytes) of every weight."""
+    from meshplan.costmodel.memory import stage_params
+    from meshplan.costmodel.timing import zero3_gather_bytes
+    model = load_model("llama3-8b")
+    config = _config(zero_stage=3, float8=True)
+    params = stage_params(model, config, 0)
+    total = params.dense + params.expert
+    assert zero3_gather_bytes(config, params, framework="megatron") == 2 * total
+    assert zero3_gather_bytes(config, params, framework="torchtitan") < 2 * total
