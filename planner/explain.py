@@ -19,6 +19,7 @@ from typing import Any
 
 from meshplan.costmodel import Calibration, ParallelConfig, estimate
 from meshplan.costmodel.estimate import Estimate
+from meshplan.costmodel.frameworks import FLOAT8_FRAMEWORKS
 from meshplan.planner.elasticity import Elasticity, FailureModel, IntervalCost, failure_cost
 from meshplan.planner.plan import Plan
 from meshplan.planner.report import settings_text
@@ -253,24 +254,28 @@ def what_ifs(plan: Plan, est: Estimate, space: SearchSpace, calibration: Calibra
 
 def setting_changes(plan: Plan, est: Estimate,
                     calibration: Calibration) -> list[SamePlanChange]:
-    """Under torchtitan, the same plan with what it leaves off of the run settings the planner
-    does not search: torch.compile of the blocks and the loss, float8 linears (bf16 plans
-    on GPUs with float8 tensor cores) and, with them, a float8 LM head (an untied one), and
-    async TP (compiled plans with sequence-parallel TP).
+    """The same plan with what it leaves off of the run settings the planner does not search,
+    where the framework's model prices them: under torchtitan, torch.compile of the blocks
+    and the loss, float8 linears (bf16 plans on GPUs with float8 tensor cores) and, with
+    them, a float8 LM head (an untied one), and async TP (compiled plans with
+    sequence-parallel TP); under Megatron-LM, float8 linears (Transformer Engine).
     Settings, not searched, because they are the user's call: compilation time, float8's
     numerics and async TP's symmetric memory."""
-    if plan.framework != "torchtitan":
+    if plan.framework not in FLOAT8_FRAMEWORKS:
         return []
     config = plan.config
+    torchtitan = plan.framework == "torchtitan"
     changes = []
-    if config.compile != "model+loss":
+    if torchtitan and config.compile != "model+loss":
         changes.append(("--compile model+loss", config.replace(compile="model+loss")))
     if not config.float8 and config.dtype == "bf16" \
             and "fp8" in plan.cluster.gpu.peak_flop_per_s:
         changes.append(("--float8", config.replace(float8=True)))
-    if config.float8 and not config.float8_head and not plan.model.tied_embeddings:
+    if torchtitan and config.float8 and not config.float8_head \
+            and not plan.model.tied_embeddings:
         changes.append(("--float8-head", config.replace(float8_head=True)))
-    if config.tp > 1 and config.sp and config.compile != "none" and not config.async_tp:
+    if torchtitan and config.tp > 1 and config.sp and config.compile != "none" \
+            and not config.async_tp:
         changes.append(("--async-tp", config.replace(async_tp=True)))
     return [SamePlanChange(change=name, base=est,
                            estimate=estimate(plan.model, plan.cluster, changed,

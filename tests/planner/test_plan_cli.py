@@ -543,6 +543,23 @@ def test_explain_prices_the_torchtitan_settings_a_plan_leaves_off(tmp_path):
     assert read_plan(both).model.tied_embeddings and "--float8-head" not in changes
 
 
+def test_explain_prices_float8_for_a_megatron_plan(tmp_path):
+    """Under Megatron-LM only float8 (Transformer Engine) is offered, priced as ``estimate``
+    prices the same plan with it under megatron; compile, a float8 head and async TP are
+    torchtitan's."""
+    path = tmp_path / "plan.json"
+    argv = [*H100_TORCHTITAN[:-2], "megatron", "--deterministic"]
+    assert argv[argv.index("--framework") + 1] == "megatron"
+    assert run_cli("plan", *argv, "-o", path).code == 0
+    entries = _what_ifs(path)
+    plan = read_plan(path)
+    again = estimate(plan.model, plan.cluster, plan.config.replace(float8=True),
+                     framework="megatron")
+    assert entries["--float8"]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
+    assert entries["--float8"]["delta_s"] < 0
+    assert not set(entries) & {"--compile model+loss", "--float8-head", "--async-tp"}
+
+
 def test_explain_prices_a_float8_head_for_an_untied_model(tmp_path):
     path = tmp_path / "plan.json"
     argv = ["--model", "llama3-8b", *H100_TORCHTITAN[2:]]
