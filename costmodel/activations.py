@@ -43,7 +43,8 @@ def tokens_per_microbatch(config: ParallelConfig) -> int:
 def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recompute: str,
                            moe: bool = False, eager: bool = False,
                            rope_tables: bool = True, autocast: bool = False,
-                           fused_norm: bool = True, compiled: bool = False) -> float:
+                           fused_norm: bool = True, compiled: bool = False,
+                           float8_inputs: bool = False) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank.
 
     ``eager``: unfused PyTorch modules (meshplan's runtime) also keep, per layer, SiLU's output
@@ -86,6 +87,11 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     (``benchmarks/torchtitan_saved_tensors.py --policy none --compile``, the tensors the
     compiled graph saves: h 256, ffn 704, 4 x 256 tokens, fp32): 14,966,784 bytes beyond the
     block input, what this counts.
+
+    ``float8_inputs`` (Megatron-LM's float8 training): Transformer Engine's linears keep their
+    inputs as they cast them for the float8 GEMMs, one byte per element instead of the
+    compute dtype's two: the QKV and first MLP matmuls' inputs (the norms' outputs, kept
+    sequence-split under SP), the output projection's input and the down projection's.
     """
     t, act = config.tp, config.bytes_per_activation
     tokens = tokens_per_microbatch(config)
@@ -129,6 +135,9 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
         elif model.norm == "rmsnorm":
             seq_split += 2 * act * tokens * h
     total = seq_split / seq_div + (attention + mlp) / t + casts
+    if float8_inputs and not eager and not moe:
+        ffn = model.ffn_hidden_size
+        total -= (act - 1) * tokens * (2 * h / seq_div + (model.q_size + ffn) / t)
     if eager and config.sp and t > 1 and not autocast:
         # DTensor's SP -> TP all-gather hands the QKV and first MLP matmuls a gathered input,
         # which autograd keeps whole (Megatron keeps the sequence shard and gathers again).

@@ -292,7 +292,7 @@ def layer_modes(config: ParallelConfig, framework: str, stage: int, layers: int)
 
 
 LAYER_FIELDS = ("tp", "cp", "sp", "micro_batch_size", "seq_len", "flash_attention", "dtype",
-                "compile")
+                "compile", "float8")
 """The ``ParallelConfig`` fields one layer's activation bytes depend on: ``activations``'
 per-layer functions read no other (tests/costmodel/test_memory_caches.py checks it)."""
 _layer_fields = operator.itemgetter(*LAYER_FIELDS)
@@ -412,7 +412,8 @@ def _uncached_layer_bytes(model: ModelSpec, config: ParallelConfig, framework: s
                                       rope_tables=framework != "torchtitan", autocast=autocast,
                                       fused_norm=device_key != CPU_DEVICE_KEY,
                                       compiled=framework == "torchtitan"
-                                      and config.compile != "none")
+                                      and config.compile != "none",
+                                      float8_inputs=framework == "megatron" and config.float8)
 
 
 def recompute_workspace_bytes(model: ModelSpec, config: ParallelConfig, stage: int, *,

@@ -783,7 +783,7 @@ class _StageCosts:
         return cost
 
 
-LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop", "float8")
+LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop")
 """The ``ParallelConfig`` fields one layer's compute (``_layer_compute``) depends on: its
 activations' (``memory.LAYER_FIELDS``), the expert split of its weight gradients and whether
 full recomputation stops early (tests/costmodel/test_stage_costs_cache.py checks that no other
