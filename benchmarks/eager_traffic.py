@@ -35,7 +35,7 @@ from torchtitan_cpu_memory import _stub_moe_kernels  # noqa: E402
 ATEN = torch.ops.aten
 MOVES_NO_DATA = {"view", "_unsafe_view", "transpose", "t", "permute", "expand", "unsqueeze",
                  "squeeze", "slice", "select", "as_strided", "alias", "detach", "split",
-                 "unbind", "view_as_complex", "view_as_real", "reshape", "empty", "randn_like"}
+                 "unbind", "view_as_complex", "view_as_real", "reshape", "empty"}
 """Ops that make views or fresh buffers: no HBM traffic of their own."""
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
