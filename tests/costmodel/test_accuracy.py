@@ -39,6 +39,13 @@ KNOWN_SHORTFALLS = {
     # (GPT-3 5B the most), the TP 2-4 rows from -10 % to +11 %; no float8 GEMM or Transformer
     # Engine rate has been measured for this project
     "nemo-h100-fp8": (0.09, 0.18, 0.06),
+    # Megatron-LM's H100 weak-scaling table (Megatron-Core r0.8.0, GPT 1.7B-462B, DP 48, with
+    # its data-parallel, TP and pipeline overlap): -29 % to +48 %; the tuned micro-batch and
+    # interleaving are not published
+    "megatron-core-h100": (0.18, 0.48, 0.03),
+    # OLMo-core's throughput table (compiled FSDP2 on 8 H100, bf16 and float8): the 7B and 8B
+    # rows 11-14 % slower predicted than measured, the 1B and 13B within 4 % but 13B float8
+    "olmo-core-h100": (0.09, 0.15, 0.07),
 }
 KNOWN_OUTLIERS = {
     # runs at the edge of device memory (predicted reserved peak 89-97 % of the GPU): the
@@ -55,6 +62,9 @@ KNOWN_OUTLIERS = {
     "torchtitan-llama3.1-8b-fsdp8-cp1-s32768-h100", "torchtitan-llama3.1-8b-fsdp4-cp2-s65536-h100",
     # NeMo's GPT-3 5B float8 row (64 GPUs, data parallel only): see KNOWN_SHORTFALLS
     "nemo-h100-fp8-gpt3-5b-g64",
+    # Megatron-Core's 1.7B (TP 1), 32B (TP 8, PP 1) and 462B rows: see KNOWN_SHORTFALLS
+    "megatron-core-h100-gpt-1.7b-g48", "megatron-core-h100-gpt-32b-g384",
+    "megatron-core-h100-gpt-462b-g6144",
 }
 """Runs allowed beyond the 15 % bound (every other run must stay within it)."""
 
@@ -89,7 +99,8 @@ def test_only_the_known_outliers_exceed_15_percent(errors):
 FAMILIES = ("narayanan-t1", "korthikanti", "mt-nlg", "llama3", "narayanan-t2-zero3",
             "narayanan-t2-ptdp", "mosaicml-h100", "mosaicml-a100", "torchtitan-fsdp2",
             "torchtitan-cp", "torchtitan-2d", "torchtitan-3d", "torchtitan-4d", "torchtitan-tp",
-            "fms-fsdp", "fms-fsdp-compile", "mosaicml-h100-fp8", "nemo-h100-fp8")
+            "fms-fsdp", "fms-fsdp-compile", "mosaicml-h100-fp8", "nemo-h100-fp8",
+            "megatron-core-h100", "olmo-core-h100")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
