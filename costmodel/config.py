@@ -111,6 +111,26 @@ class ParallelConfig:
     sequence-parallel all-gather with the matmuls that read its output and each reduce-scatter
     with the matmul that produces its input, and overlaps their chunks). Needs torch.compile;
     changes nothing where no TP with sequence parallelism runs (tp 1, or no --sp)."""
+    tp_comm_overlap: bool = False
+    """Under --framework megatron with sequence parallelism, Transformer Engine's overlap of the
+    TP collectives with the GEMMs beside them (Megatron-LM ``--tp-comm-overlap``): each
+    all-gather and reduce-scatter is split into TP steps that run beside the chunks of the
+    GEMM that reads or produces it, in the forward (the block inputs with QKV and FC1, the
+    outputs of the attention projection and FC2) and in the backward (the output gradients
+    with the input-gradient GEMMs of those two, the input gradients' reduce-scatters with the
+    weight-gradient GEMMs of QKV and FC1; ``timing.tp_comm_parts_s``). Changes nothing where
+    no TP with sequence parallelism runs; torchtitan's counterpart is ``async_tp``."""
+    overlap_comm: bool = True
+    """Under --framework megatron, megatron-core's overlap of data-parallel and pipeline
+    traffic with compute, as ``meshplan export --to megatron`` asks for it: the gradient
+    reduction runs bucket by bucket during the step's last micro-batch backward
+    (``--overlap-grad-reduce``) and the distributed optimizer's parameter all-gather during the
+    next step's first forward (``--overlap-param-gather``; ``timing.dp_step_s``); with an
+    interleaved pipeline (vpp > 1) each chunk's sends and receives run beside the next chunk's
+    compute (``--overlap-p2p-communication``, Megatron-LM's default; ``timing._pp_comm_s``).
+    False: Megatron-LM as it ran before megatron-core (the 2021-2022 papers' runs), the
+    reduction after the backward and blocking pipeline sends. Other frameworks overlap by
+    their own rules and ignore it."""
     micro_batch_size: int = 1
     """Sequences per micro-batch per data-parallel replica (b)."""
     global_batch_size: int = 1

@@ -16,6 +16,7 @@ from meshplan.costmodel.memory import (StageMemory, StageParams, host_bytes_per_
 from meshplan.costmodel.model import ModelSpec
 from meshplan.costmodel.timing import (BACKWARD_FACTOR, Links, StageTime, calibrated_links,
                                        dp_bucket_terms, dp_step_s, optimizer_step_s,
+                                       prefetch_contention,
                                        stage_link_signature, stage_links,
                                        stage_microbatch_time, te_weight_cast_s)
 
@@ -98,6 +99,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     check_fits_model(config, model, num_gpus=cluster.num_gpus)
     check_framework_options(framework, compile_mode=config.compile, float8=config.float8,
                             async_tp=config.async_tp, float8_head=config.float8_head,
+                            tp_comm_overlap=config.tp_comm_overlap,
                             peak_flop_per_s=cluster.gpu.peak_flop_per_s, gpu_key=cluster.gpu.key)
     if config.float8_head and model.tied_embeddings:
         raise ValueError(f"--float8-head needs an LM head of its own; model "
@@ -201,10 +203,11 @@ def stage_once(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, s
     if links is None:
         links = stage_links(cluster, config, stage)
     last_bwd = compute_s * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
-    comm, hidden = dp_step_s(config, calibration, params=params,
-                             link=calibrated_links(links, calibration, cluster.gpu.key).dp,
+    dp_link = calibrated_links(links, calibration, cluster.gpu.key).dp
+    comm, hidden = dp_step_s(config, calibration, params=params, link=dp_link,
                              last_backward_s=last_bwd, framework=framework,
-                             gpu_key=cluster.gpu.key)
+                             gpu_key=cluster.gpu.key, first_forward_s=compute_s - last_bwd,
+                             contention=prefetch_contention(cluster, calibration, dp_link))
     opt, off = optimizer_step_s(config, cluster, calibration, params=params,
                                 framework=framework)
     if framework == "megatron" and config.float8:  # Transformer Engine's per-step weight casts
@@ -290,7 +293,7 @@ def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfi
 # ----- JSON (schema_version 1, DESIGN.md) ---------------------------------------------------------
 
 OPTIONAL_PLAN_KEYS = ("selective_ac", "recompute_early_stop", "compile", "float8",
-                      "float8_head", "async_tp")
+                      "float8_head", "async_tp", "tp_comm_overlap", "overlap_comm")
 """Settings the ``plan`` object holds only when they differ from their default (torchtitan's
 selective policy, early-stopping recomputation, torch.compile, float8 training), so that the
 documents of plans without them read as before."""

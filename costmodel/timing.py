@@ -541,6 +541,8 @@ def tp_comm_parts_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLi
         return 0.0, 0.0
     size = act.hidden_state_bytes(model, config)
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    if framework == "megatron" and config.tp_comm_overlap and config.sp:
+        return _megatron_overlapped_tp_s(model, config, link, calibration, gemm_s=gemm_s)
     if framework not in DTENSOR_TP_FRAMEWORKS:
         one = (coll.all_gather_s(link, size, **effs) + coll.reduce_scatter_s(link, size, **effs)
                if config.sp else 2 * coll.all_reduce_s(link, size, **effs))
@@ -553,13 +555,42 @@ def tp_comm_parts_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLi
         both = 2 * (gather + scatter)
         return both, both
     share, t = _projection_shares(model), config.tp
-    forward = (_fused_exposed_s(gather, share["qkv"] * gemm_s, t)
-               + _fused_exposed_s(scatter, share["o"] * gemm_s, t)
-               + _fused_exposed_s(gather, share["up"] * gemm_s, t)
-               + _fused_exposed_s(scatter, share["down"] * gemm_s, t))
     backward = (_fused_exposed_s(gather, share["o"] * gemm_s, t)
                 + _fused_exposed_s(gather, share["down"] * gemm_s, t) + 2 * scatter)
-    return forward, backward
+    return _fused_forward_s(gather, scatter, share, gemm_s, t), backward
+
+
+def _fused_forward_s(gather: float, scatter: float, share: dict[str, float], gemm_s: float,
+                     tp: int) -> float:
+    """A layer's forward SP collectives each pipelined with its GEMM (``_fused_exposed_s``):
+    the gathered block input with QKV, the attention projection with its scatter, the
+    gathered MLP input with FC1 (and the gate), FC2 with its scatter."""
+    return (_fused_exposed_s(gather, share["qkv"] * gemm_s, tp)
+            + _fused_exposed_s(scatter, share["o"] * gemm_s, tp)
+            + _fused_exposed_s(gather, share["up"] * gemm_s, tp)
+            + _fused_exposed_s(scatter, share["down"] * gemm_s, tp))
+
+
+def _megatron_overlapped_tp_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
+                              calibration: Calibration, *, gemm_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's SP collectives that Megatron-LM still waits
+    for under Transformer Engine's TP overlap (``ParallelConfig.tp_comm_overlap``; TE's
+    userbuffer ring exchange, ``te.pytorch.initialize_ub``): every all-gather and
+    reduce-scatter runs in TP steps beside the chunks of the GEMM that reads or produces it,
+    which hides ``(tp - 1) / tp`` of that GEMM's time (``_fused_exposed_s``, the same
+    pipelining as torch's async TP). Forward: the gathered block input with QKV, the
+    attention projection with its scatter, the gathered MLP input with FC1, FC2 with its
+    scatter. Backward: the gathered output gradients with the input-gradient GEMMs of the
+    projection and FC2, and the reduce-scatters of QKV's and FC1's input gradients with their
+    weight-gradient GEMMs (as many FLOPs as the forward GEMM; ``gemm_s`` is the layer's
+    forward GEMM seconds, ``layer_forward``, split by FLOPs)."""
+    gather, scatter = _sp_collectives_s(model, config.replace(float8=False), link, calibration)
+    share, t = _projection_shares(model), config.tp
+    backward = (_fused_exposed_s(gather, share["o"] * gemm_s, t)
+                + _fused_exposed_s(gather, share["down"] * gemm_s, t)
+                + _fused_exposed_s(scatter, share["qkv"] * gemm_s, t)
+                + _fused_exposed_s(scatter, share["up"] * gemm_s, t))
+    return _fused_forward_s(gather, scatter, share, gemm_s, t), backward
 
 
 def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -595,19 +626,27 @@ def _ep_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
 
 
 def _pp_comm_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | None,
-               calibration: Calibration) -> float:
+               calibration: Calibration, *, framework: str = "megatron") -> float:
     """Activation send forward and gradient send backward per micro-batch (v per chunk).
 
     With tp > 1 only 1/t of the tensor crosses stages (Narayanan et al. Sec. 4.1
     scatter/gather optimisation); the all-gather after it runs over NVLink and is ignored.
+    megatron-core's interleaved schedule with ``ParallelConfig.overlap_comm``
+    (``--overlap-p2p-communication``, on by default; core_r0.8.0
+    ``forward_backward_pipelining_with_interleaving``) posts each chunk's sends and receives
+    before computing the next chunk and waits for them only when that chunk needs its input:
+    the v - 1 extra chunk boundaries of an interleaved stage run beside compute, and it waits
+    as long as a non-interleaved stage does (whose 1F1B blocks on them), never less, so a
+    stage's time per micro-batch does not fall with v (the planner's bounds rest on that).
     """
     if link is None:
         return 0.0
+    chunks = 1 if framework == "megatron" and config.overlap_comm else config.vpp
     size = (config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
             / config.tp)
     one = coll.send_recv_s(link, size, intra_eff=calibration.nvlink_efficiency,
                            inter_eff=calibration.network_efficiency)
-    return 2 * config.vpp * one * (1 - calibration.pp_overlap)
+    return 2 * chunks * one * (1 - calibration.pp_overlap)
 
 
 def calibrated_link(link: coll.GroupLink | None, calibration: Calibration,
@@ -745,7 +784,7 @@ class _StageCosts:
         self.ep_layer_s = _ep_comm_per_layer_s(model, config, self.links.ep, calibration)
         self.head_s = (_lm_head_s(model, cluster, config, calibration, framework=framework)
                        if stage == config.pp - 1 else 0.0)
-        self.pp_s = _pp_comm_s(model, config, pp_link, calibration)
+        self.pp_s = _pp_comm_s(model, config, pp_link, calibration, framework=framework)
         # the word embedding's backward writes a dense gradient of the whole table
         self.embedding_s = (fresh_pages_s(cluster, calibration,
                                           model.vocab_rows * model.hidden_size / config.tp
@@ -762,7 +801,7 @@ class _StageCosts:
             model, cluster, config, calibration, framework = self._args
             gemm = (layer_forward(model, cluster, config, calibration, moe=False,
                                   framework=framework).gemm_s
-                    if config.async_tp and config.tp > 1 else 0.0)
+                    if (config.async_tp or config.tp_comm_overlap) and config.tp > 1 else 0.0)
             hit = self._tp[mode] = _tp_comm_per_layer_s(model, config, self.links.tp,
                                                         calibration, recompute=mode,
                                                         framework=framework, gemm_s=gemm)
@@ -1255,13 +1294,22 @@ def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec
 
 def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: StageParams,
               link: coll.GroupLink, last_backward_s: float, framework: str,
-              gpu_key: str = "default") -> tuple[float, float]:
+              gpu_key: str = "default", first_forward_s: float = 0.0,
+              contention: float = 0.0) -> tuple[float, float]:
     """(traffic, hideable) seconds of the once-per-step data-parallel traffic of one stage.
 
     ZeRO 0/1: gradient all-reduce (reduce-scatter + all-gather of parameters for 1, same
     volume); ZeRO-2: the all-gather of updated parameters. The gradient reduction can hide
     behind the last micro-batch's backward up to ``dp_overlap``. FSDP2 inside a pipeline
     stage: its once-per-step reduce-scatters and all-gathers (``_pipelined_fsdp2_step_s``).
+
+    Megatron-LM with ``ParallelConfig.overlap_comm`` (``megatron_overlap_window_s``)
+    hides it behind the last micro-batch's backward and, for the distributed optimizer's
+    parameter all-gather, the next step's first forward: a collective beside compute slows it
+    by ``contention`` of its own time (``prefetch_contention``, the ring's HBM traffic), so it
+    hides behind ``1 - contention`` of the window (traffic that hides entirely is charged
+    nothing for it, a slight under-estimate kept so that the hidden part stays one linear
+    term for the planner's tables).
     """
     if link.size == 1:
         return 0.0, 0.0
@@ -1287,8 +1335,33 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
         # the traffic above), and every bucket the host cost of its calls
         comm += sum(cost * buckets(amount, bucket) for amount, bucket, cost in terms)
         comm -= terms[0][2]
-    hideable = calibration.dp_overlap * last_backward_s if config.zero_stage < 2 else 0.0
-    return comm, hideable
+    if config.zero_stage >= 2:
+        return comm, 0.0
+    if framework == "megatron" and config.overlap_comm:
+        window = megatron_overlap_window_s(config, last_backward_s=last_backward_s,
+                                           first_forward_s=first_forward_s)
+        return comm, (1 - contention) * window
+    return comm, calibration.dp_overlap * last_backward_s
+
+
+def megatron_overlap_window_s(config: ParallelConfig, *, last_backward_s: float,
+                              first_forward_s: float) -> float:
+    """Compute time that Megatron-LM's overlapped data-parallel traffic of a pipeline stage can
+    run beside (``ParallelConfig.overlap_comm``; megatron-core ``DistributedDataParallel`` and
+    ``ParamAndGradBuffer``, core_r0.8.0).
+
+    With ``--overlap-grad-reduce`` each gradient bucket (``max(40M, 1M x dp)`` parameters) is
+    reduced asynchronously as soon as the last micro-batch's backward has filled it, so the
+    reduction runs beside that backward; with ``--overlap-param-gather`` the distributed
+    optimizer's all-gather of the updated parameters runs bucket by bucket beside the next
+    step's first forward (ZeRO-1). Pipeline stages after the first keep one bucket
+    (megatron-core turns bucketing off there, their traffic being off the critical path: a
+    stage ``i`` finishes its last backward ``i`` backward slots before the first stage); that
+    slack, at least the window counted here, is not counted beyond it, which leaves the first
+    stage's exposure to set the step. The last bucket's own reduction, after the backward
+    (one bucket: 1-3 % of a stage's traffic for the 1.7B-462B models of megatron-core's H100
+    table at DP 48), is not charged apart."""
+    return last_backward_s + (first_forward_s if config.zero_stage == 1 else 0.0)
 
 
 FSDP2_ACCUMULATE_BYTES = 10

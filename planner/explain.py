@@ -258,7 +258,8 @@ def setting_changes(plan: Plan, est: Estimate,
     where the framework's model prices them: under torchtitan, torch.compile of the blocks
     and the loss, float8 linears (bf16 plans on GPUs with float8 tensor cores) and, with
     them, a float8 LM head (an untied one), and async TP (compiled plans with
-    sequence-parallel TP); under Megatron-LM, float8 linears (Transformer Engine).
+    sequence-parallel TP); under Megatron-LM, float8 linears and TP overlap (Transformer
+    Engine; plans with sequence-parallel TP).
     Settings, not searched, because they are the user's call: compilation time, float8's
     numerics and async TP's symmetric memory."""
     if plan.framework not in FLOAT8_FRAMEWORKS:
@@ -277,6 +278,9 @@ def setting_changes(plan: Plan, est: Estimate,
     if torchtitan and config.tp > 1 and config.sp and config.compile != "none" \
             and not config.async_tp:
         changes.append(("--async-tp", config.replace(async_tp=True)))
+    if plan.framework == "megatron" and config.tp > 1 and config.sp \
+            and not config.tp_comm_overlap:
+        changes.append(("--tp-comm-overlap", config.replace(tp_comm_overlap=True)))
     return [SamePlanChange(change=name, base=est,
                            estimate=estimate(plan.model, plan.cluster, changed,
                                              framework=plan.framework,

@@ -310,6 +310,8 @@ def _megatron_parallel(plan: Plan) -> list[str]:
         args += ["--expert-model-parallel-size", str(config.ep)]
     if config.sp and config.tp > 1:  # Megatron turns sequence parallelism off at tp 1
         args.append("--sequence-parallel")
+        if config.tp_comm_overlap:  # Transformer Engine's TP overlap needs SP
+            args.append("--tp-comm-overlap")
     if config.mesh_order == MEGATRON_TP_PP_DP_ORDER:
         args.append("--use-tp-pp-dp-mapping")
     return args + _megatron_pipeline_split(stage_layers(plan), config.vpp)
@@ -379,7 +381,8 @@ def _megatron_settings(config: ParallelConfig) -> list[str]:
 
 
 def _megatron_zero(config: ParallelConfig) -> list[str]:
-    """ZeRO stage and optimizer offload; ValueError for offload Megatron cannot do."""
+    """ZeRO stage, data-parallel overlap and optimizer offload; ValueError for offload Megatron
+    cannot do."""
     _check_offload_device(config, "Megatron-LM")
     if config.offload == "optimizer+params":
         raise ValueError("Megatron-LM cannot offload parameters (offload 'optimizer+params'); "
@@ -387,6 +390,13 @@ def _megatron_zero(config: ParallelConfig) -> list[str]:
     args = []
     if config.zero_stage >= 1:
         args.append("--use-distributed-optimizer")
+    if config.overlap_comm and config.zero_stage <= 1 and config.dp * config.cp > 1:
+        # the data-parallel overlap the cost model prices (ParallelConfig.overlap_comm);
+        # Megatron-LM asserts --overlap-param-gather only with the distributed optimizer and
+        # --overlap-grad-reduce
+        args.append("--overlap-grad-reduce")
+        if config.zero_stage == 1:
+            args.append("--overlap-param-gather")
     if config.zero_stage >= 2:
         strategy = "optim_grads" if config.zero_stage == 2 else "optim_grads_params"
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]

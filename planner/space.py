@@ -104,6 +104,12 @@ class SearchSpace:
     async_tp: bool = False
     """torchtitan's async TP wherever a configuration runs TP with sequence parallelism
     (``ParallelConfig.async_tp``; a setting, not searched; needs compile)."""
+    tp_comm_overlap: bool = False
+    """Transformer Engine's TP overlap under Megatron-LM wherever a configuration runs TP with
+    sequence parallelism (``ParallelConfig.tp_comm_overlap``; a setting, not searched)."""
+    overlap_comm: bool = True
+    """Megatron-LM's data-parallel and pipeline overlap (``ParallelConfig.overlap_comm``; a
+    setting, on unless --no-overlap-comm)."""
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -141,7 +147,7 @@ def pins_of(space: SearchSpace) -> dict:
 
 
 SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_head",
-                  "async_tp")
+                  "async_tp", "tp_comm_overlap", "overlap_comm")
 """Run settings every configuration of the space carries (recorded when not the default);
 each is a ``ParallelConfig`` field of the same name."""
 

@@ -166,6 +166,7 @@ CONFIG_FLAGS: dict[str, FlagSpec] = {
     "layers_per_stage": FlagSpec(parse=layers_per_stage, metavar="L0,L1,...",
                                  default="even split"),
     "mesh_order": FlagSpec(parse=mesh_order, metavar="tp,cp,dp,pp"),
+    "overlap_comm": FlagSpec(flag="--no-overlap-comm", default="on; this flag turns it off"),
     "flash_attention": FlagSpec(flag="--no-flash-attention", default="on; this flag turns it off"),
     "dtype": FlagSpec(choices=DTYPES, default="bf16; fp32 on the cpu cluster"),
 }

@@ -126,6 +126,8 @@ OTHER_VALUES = {  # a second value of each field outside timing.LAYER_COMPUTE_FI
     "layers_per_stage": (9, 7, 8, 8), "mesh_order": ("tp", "cp", "pp", "dp"),
     "float8_head": True,  # needs float8: checked on its own below, under torchtitan
     "async_tp": True,  # needs compile: checked on its own below, under torchtitan
+    "overlap_comm": False,  # data-parallel and pipeline traffic only
+    "tp_comm_overlap": True,  # needs --framework megatron: checked on its own below
 }
 
 
@@ -168,5 +170,7 @@ def test_the_layer_compute_key_holds_every_field_it_reads(name, cluster_name, no
         # async TP changes the TP traffic, not the layers' compute
         compiled = base.replace(compile="model")
         assert compute(compiled.replace(async_tp=True)) == compute(compiled)
+    if framework == "megatron":  # Transformer Engine's TP overlap changes the TP traffic only
+        assert compute(base.replace(tp_comm_overlap=True)) == want
     # and the key is what tells layers apart: a field inside it does change the compute
     assert compute(base.replace(micro_batch_size=2 * base.micro_batch_size)) != want

@@ -22,6 +22,7 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "recompute": "--recompute", "selective_ac": "--selective-ac",
          "recompute_early_stop": "--recompute-early-stop", "compile": "--compile",
          "float8": "--float8", "float8_head": "--float8-head", "async_tp": "--async-tp",
+         "tp_comm_overlap": "--tp-comm-overlap", "overlap_comm": "--no-overlap-comm",
          "micro_batch_size": "--micro-batch",
          "global_batch_size": "--global-batch", "vpp": "--vpp", "seq_len": "--seq-len",
          "layers_per_stage": "--layers-per-stage", "mesh_order": "--mesh-order",

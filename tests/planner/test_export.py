@@ -185,8 +185,38 @@ def test_megatron_3d_zero1():
         "--context-parallel-size", "1", "--sequence-parallel",
         "--micro-batch-size", "1", "--global-batch-size", "64",
         "--recompute-granularity", "selective",
-        "--use-distributed-optimizer", "--bf16", "--use-flash-attn",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--bf16", "--use-flash-attn",
     ]
+
+
+def test_megatron_data_parallel_overlap_follows_the_plan():
+    """--overlap-grad-reduce (and, with the distributed optimizer, --overlap-param-gather) are
+    written exactly when the plan prices them: data parallelism over more than one rank and
+    ParallelConfig.overlap_comm."""
+    def flags(**kwargs):
+        plan = for_target(make_plan(**{**PLAN_3D, **kwargs}), "megatron")
+        args = quietly(export.to_megatron, plan)
+        return [a for a in args if a.startswith("--overlap-")]
+    assert flags() == ["--overlap-grad-reduce", "--overlap-param-gather"]
+    assert flags(zero_stage=0) == ["--overlap-grad-reduce"]
+    assert flags(overlap_comm=False) == []
+    assert flags(tp=4, dp=1, global_batch_size=4) == []
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # megatron-core's "TE not installed"
+def test_megatron_tp_comm_overlap_is_written_with_sequence_parallelism(megatron):
+    """--tp-comm-overlap (ParallelConfig.tp_comm_overlap) goes with --sequence-parallel, which
+    megatron-core's TransformerConfig requires of it; without SP the flag is left out (the
+    cost model prices no overlap there either)."""
+    plan = for_target(make_plan(**PLAN_3D, tp_comm_overlap=True, framework="megatron"),
+                      "megatron")
+    args = quietly(export.to_megatron, plan)
+    assert args[args.index("--sequence-parallel") + 1] == "--tp-comm-overlap"
+    assert megatron(args, world_size=8)["transformer"].tp_comm_overlap
+    no_sp = for_target(make_plan(**{**PLAN_3D, "sp": False}, tp_comm_overlap=True,
+                                 framework="megatron"), "megatron")
+    assert "--tp-comm-overlap" not in quietly(export.to_megatron, no_sp)
 
 
 def test_megatron_zero3_cpu_optimizer_offload():
@@ -647,7 +677,8 @@ MEGATRON_SWITCHES = (
     "group-query-attention", "swiglu", "untie-embeddings-and-output-weights",
     "disable-bias-linear", "add-qkv-bias", "sequence-parallel", "use-tp-pp-dp-mapping",
     "use-distributed-optimizer", "use-megatron-fsdp", "optimizer-cpu-offload",
-    "use-precision-aware-optimizer", "bf16", "fp16", "use-flash-attn")
+    "use-precision-aware-optimizer", "bf16", "fp16", "use-flash-attn", "overlap-grad-reduce",
+    "overlap-param-gather", "tp-comm-overlap")
 MEGATRON_CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "position-embedding-type": ("learned_absolute", "rope", "mrope", "relative", "none"),
@@ -704,7 +735,7 @@ def build_megatron_configs(args: list[str], *, world_size: int) -> dict[str, obj
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=a.context_parallel_size,
         expert_model_parallel_size=a.expert_model_parallel_size or 1,
-        sequence_parallel=a.sequence_parallel,
+        sequence_parallel=a.sequence_parallel, tp_comm_overlap=a.tp_comm_overlap,
         num_layers_in_first_pipeline_stage=a.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=a.decoder_last_pipeline_num_layers,
         pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,
@@ -724,6 +755,7 @@ def build_megatron_configs(args: list[str], *, world_size: int) -> dict[str, obj
     ddp = DistributedDataParallelConfig(
         use_distributed_optimizer=a.use_distributed_optimizer,
         use_megatron_fsdp=a.use_megatron_fsdp,
+        overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
         data_parallel_sharding_strategy=a.data_parallel_sharding_strategy or "no_shard")
     optimizer = OptimizerConfig(
         optimizer="adam", bf16=a.bf16, fp16=a.fp16, params_dtype=dtype,

@@ -560,6 +560,27 @@ def test_explain_prices_float8_for_a_megatron_plan(tmp_path):
     assert not set(entries) & {"--compile model+loss", "--float8-head", "--async-tp"}
 
 
+def test_megatron_tp_overlap_is_a_setting_of_plan_and_a_what_if_of_explain(tmp_path):
+    """``plan --tp-comm-overlap`` gives it to every candidate (recorded in the plan file);
+    a Megatron-LM plan with sequence-parallel TP that leaves it off is offered it, priced as
+    ``estimate`` prices the same plan with it; ``--no-overlap-comm`` is recorded too."""
+    path, fused, plain = (tmp_path / name for name in ("plan.json", "fused.json", "plain.json"))
+    argv = ["--model", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--tp", "8",
+            "--sp", "--global-batch", "64", "--framework", "megatron", "--deterministic"]
+    assert run_cli("plan", *argv, "-o", path).code == 0
+    entries = _what_ifs(path)
+    plan = read_plan(path)
+    again = estimate(plan.model, plan.cluster, plan.config.replace(tp_comm_overlap=True),
+                     framework="megatron")
+    assert entries["--tp-comm-overlap"]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
+    assert entries["--tp-comm-overlap"]["delta_s"] < 0
+    assert run_cli("plan", *argv, "--tp-comm-overlap", "-o", fused).code == 0
+    assert read_plan(fused).config.tp_comm_overlap
+    assert "--tp-comm-overlap" not in _what_ifs(fused)
+    assert run_cli("plan", *argv, "--no-overlap-comm", "-o", plain).code == 0
+    assert read_plan(plain).config.overlap_comm is False
+
+
 def test_explain_prices_a_float8_head_for_an_untied_model(tmp_path):
     path = tmp_path / "plan.json"
     argv = ["--model", "llama3-8b", *H100_TORCHTITAN[2:]]

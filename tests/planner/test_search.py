@@ -583,19 +583,22 @@ def test_search_is_deterministic():
 
 
 def test_a_spent_budget_still_dives_to_a_plan_in_a_few_dozen_nodes():
-    """A work budget of 30 nodes on Llama-3-70B over 8 H100 nodes: best-first order would
-    refine hundreds of nodes before its first plan (and give up: SearchTimeout); the dive
-    (``_Pass.dive``) holds a plan within the budget, whose split is proven its candidate's
-    best (by CP-SAT, or by a greedy split that meets the candidate's bound)."""
+    """A work budget of 80 nodes on Llama-3-70B over 8 H100 nodes: best-first order would
+    refine hundreds of nodes before its first plan (and give up: SearchTimeout; the whole
+    space takes 2,306); the dive (``_Pass.dive``) holds a plan within the budget. Until
+    megatron-core's data-parallel overlap was priced (2026-12-06) it held, within 30 nodes, an
+    FSDP plan (one stage: its split trivially proven); now a 4-stage plan after 65 nodes,
+    whose greedy split waits in the heap for its CP-SAT proof, so the held plan's own status
+    is FEASIBLE and the gap stays below 30 %."""
     model, cluster = load_model("llama3-70b"), load_cluster("dgx-h100", nodes=8)
     space = SearchSpace(global_batch_size=512, seq_len=8192)
     quick = search(model, cluster, space, framework="megatron", calibration=CAL, top_k=1,
-                   deterministic=True, max_nodes=30)
+                   deterministic=True, max_nodes=80)
     assert quick.status == "FEASIBLE"
-    assert quick.stats["nodes"] <= 30
-    assert quick.ranked[0].status == "OPTIMAL"  # its split proven, not merely feasible
+    assert quick.stats["nodes"] <= 80
+    assert quick.ranked[0].status in ("OPTIMAL", "FEASIBLE")
     assert quick.ranked[0].estimate.fits
-    assert 0.0 <= quick.stats["gap"] < 1.0
+    assert 0.0 <= quick.stats["gap"] < 0.3
 
 
 @pytest.mark.parametrize("name,cluster_name,nodes,batch,seq,most", [
