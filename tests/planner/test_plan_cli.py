@@ -515,12 +515,13 @@ def _what_ifs(path) -> dict[str, dict]:
     return {w["change"]: w for w in json.loads(result.out)["what_if"]}
 
 
-def _assert_priced(entries: dict[str, dict], path, change: str, **settings) -> None:
+def _assert_priced(entries: dict[str, dict], path, change: str, *,
+                   framework: str = "torchtitan", **settings) -> None:
     """The what-if ``change`` is the plan at ``path`` with ``settings``, as ``estimate``
-    prices it under torchtitan, and it is faster."""
+    prices it under ``framework``, and it is faster."""
     plan = read_plan(path)
     again = estimate(plan.model, plan.cluster, plan.config.replace(**settings),
-                     framework="torchtitan")
+                     framework=framework)
     assert entries[change]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
     assert entries[change]["delta_s"] < 0
 
@@ -552,11 +553,7 @@ def test_explain_prices_float8_for_a_megatron_plan(tmp_path):
     assert argv[argv.index("--framework") + 1] == "megatron"
     assert run_cli("plan", *argv, "-o", path).code == 0
     entries = _what_ifs(path)
-    plan = read_plan(path)
-    again = estimate(plan.model, plan.cluster, plan.config.replace(float8=True),
-                     framework="megatron")
-    assert entries["--float8"]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
-    assert entries["--float8"]["delta_s"] < 0
+    _assert_priced(entries, path, "--float8", framework="megatron", float8=True)
     assert not set(entries) & {"--compile model+loss", "--float8-head", "--async-tp"}
 
 
@@ -568,12 +565,8 @@ def test_megatron_tp_overlap_is_a_setting_of_plan_and_a_what_if_of_explain(tmp_p
     argv = ["--model", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "2", "--tp", "8",
             "--sp", "--global-batch", "64", "--framework", "megatron", "--deterministic"]
     assert run_cli("plan", *argv, "-o", path).code == 0
-    entries = _what_ifs(path)
-    plan = read_plan(path)
-    again = estimate(plan.model, plan.cluster, plan.config.replace(tp_comm_overlap=True),
-                     framework="megatron")
-    assert entries["--tp-comm-overlap"]["step_s"] == pytest.approx(again.time.step_s, rel=REL)
-    assert entries["--tp-comm-overlap"]["delta_s"] < 0
+    _assert_priced(_what_ifs(path), path, "--tp-comm-overlap", framework="megatron",
+                   tp_comm_overlap=True)
     assert run_cli("plan", *argv, "--tp-comm-overlap", "-o", fused).code == 0
     assert read_plan(fused).config.tp_comm_overlap
     assert "--tp-comm-overlap" not in _what_ifs(fused)
