@@ -120,6 +120,13 @@ class ParallelConfig:
     with the input-gradient GEMMs of those two, the input gradients' reduce-scatters with the
     weight-gradient GEMMs of QKV and FC1; ``timing.tp_comm_parts_s``). Changes nothing where
     no TP with sequence parallelism runs; torchtitan's counterpart is ``async_tp``."""
+    cross_entropy_fusion: bool = False
+    """Under --framework megatron, Megatron-LM's ``--cross-entropy-loss-fusion``: its
+    vocabulary-parallel cross entropy as megatron-core's fused kernels (``jit_fuser``: the fp32
+    upcast with the maximum, the shift with the exponential and its sum, the normalisation,
+    and in backward the gradient with its cast to bf16; ``timing.MEGATRON_FUSED_CE_BYTES``)
+    instead of its separate operators (``timing.MEGATRON_CE_BYTES``); off, as Megatron-LM's
+    own default."""
     overlap_comm: bool = True
     """Under --framework megatron, megatron-core's overlap of data-parallel and pipeline
     traffic with compute, as ``meshplan export --to megatron`` asks for it: the gradient

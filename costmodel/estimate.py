@@ -100,6 +100,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
     check_framework_options(framework, compile_mode=config.compile, float8=config.float8,
                             async_tp=config.async_tp, float8_head=config.float8_head,
                             tp_comm_overlap=config.tp_comm_overlap,
+                            cross_entropy_fusion=config.cross_entropy_fusion,
                             peak_flop_per_s=cluster.gpu.peak_flop_per_s, gpu_key=cluster.gpu.key)
     if config.float8_head and model.tied_embeddings:
         raise ValueError(f"--float8-head needs an LM head of its own; model "
@@ -293,7 +294,8 @@ def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfi
 # ----- JSON (schema_version 1, DESIGN.md) ---------------------------------------------------------
 
 OPTIONAL_PLAN_KEYS = ("selective_ac", "recompute_early_stop", "compile", "float8",
-                      "float8_head", "async_tp", "tp_comm_overlap", "overlap_comm")
+                      "float8_head", "async_tp", "tp_comm_overlap", "cross_entropy_fusion",
+                      "overlap_comm")
 """Settings the ``plan`` object holds only when they differ from their default (torchtitan's
 selective policy, early-stopping recomputation, torch.compile, float8 training), so that the
 documents of plans without them read as before."""

@@ -479,10 +479,11 @@ linears run float8 too: not modelled)."""
 def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                             peak_flop_per_s: dict[str, float], gpu_key: str,
                             async_tp: bool = False, float8_head: bool = False,
-                            tp_comm_overlap: bool = False) -> None:
+                            tp_comm_overlap: bool = False,
+                            cross_entropy_fusion: bool = False) -> None:
     """Raise ValueError (one line) when the plan asks for what the framework's model does not
     cover: torch.compile, async TP and a float8 LM head are modelled as torchtitan runs them,
-    Transformer Engine's TP overlap as Megatron-LM runs it, float8 training of the blocks as
+    Transformer Engine's TP overlap and the fused cross entropy as Megatron-LM runs them, float8 training of the blocks as
     torchtitan and Megatron-LM run it (``FLOAT8_FRAMEWORKS``), and float8 needs float8 tensor
     cores (an ``fp8`` peak in the GPU catalog: H100 and later)."""
     asked = [flag for flag, on in (("--compile", compile_mode != "none"),
@@ -494,6 +495,10 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
     if tp_comm_overlap and framework != "megatron":
         raise ValueError(f"--tp-comm-overlap is modelled for --framework megatron only (under "
                          f"torchtitan, --async-tp), got --framework {framework}")
+    if cross_entropy_fusion and framework != "megatron":
+        raise ValueError(f"--cross-entropy-fusion is modelled for --framework megatron only "
+                         f"(torchtitan fuses its loss with --compile model+loss), got "
+                         f"--framework {framework}")
     if float8 and framework not in FLOAT8_FRAMEWORKS:
         raise ValueError(f"--float8 is modelled for --framework "
                          f"{' and '.join(FLOAT8_FRAMEWORKS)} only, got --framework {framework}")

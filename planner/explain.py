@@ -259,7 +259,7 @@ def setting_changes(plan: Plan, est: Estimate,
     and the loss, float8 linears (bf16 plans on GPUs with float8 tensor cores) and, with
     them, a float8 LM head (an untied one), and async TP (compiled plans with
     sequence-parallel TP); under Megatron-LM, float8 linears and TP overlap (Transformer
-    Engine; plans with sequence-parallel TP).
+    Engine; plans with sequence-parallel TP) and the fused cross entropy.
     Settings, not searched, because they are the user's call: compilation time, float8's
     numerics and async TP's symmetric memory."""
     if plan.framework not in FLOAT8_FRAMEWORKS:
@@ -281,6 +281,8 @@ def setting_changes(plan: Plan, est: Estimate,
     if plan.framework == "megatron" and config.tp > 1 and config.sp \
             and not config.tp_comm_overlap:
         changes.append(("--tp-comm-overlap", config.replace(tp_comm_overlap=True)))
+    if plan.framework == "megatron" and not config.cross_entropy_fusion:
+        changes.append(("--cross-entropy-fusion", config.replace(cross_entropy_fusion=True)))
     return [SamePlanChange(change=name, base=est,
                            estimate=estimate(plan.model, plan.cluster, changed,
                                              framework=plan.framework,

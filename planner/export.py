@@ -367,8 +367,9 @@ linears only (the output layer stays bf16, as the plan's LM head)."""
 
 
 def _megatron_settings(config: ParallelConfig) -> list[str]:
-    """Float8 training (``MEGATRON_FLOAT8``); torch.compile is left out with a warning:
-    Megatron-LM has no switch for it and fuses its own kernels instead."""
+    """Float8 training (``MEGATRON_FLOAT8``) and the fused cross entropy; torch.compile is
+    left out with a warning: Megatron-LM has no switch for it and fuses its own kernels
+    instead."""
     if config.compile != "none":
         _warn(f"Megatron-LM has no torch.compile switch (it runs its own fused kernels: bias "
               f"and activation, RoPE, cross entropy); the plan's compile {config.compile!r} is "
@@ -377,7 +378,8 @@ def _megatron_settings(config: ParallelConfig) -> list[str]:
         raise ValueError("Megatron-LM runs float8 on the transformer layers' linears only (its "
                          "output layer stays bf16); plan without --float8-head, or export to "
                          "torchtitan")
-    return list(MEGATRON_FLOAT8) if config.float8 else []
+    fused_loss = ["--cross-entropy-loss-fusion"] if config.cross_entropy_fusion else []
+    return (list(MEGATRON_FLOAT8) if config.float8 else []) + fused_loss
 
 
 def _megatron_zero(config: ParallelConfig) -> list[str]:

@@ -107,6 +107,9 @@ class SearchSpace:
     tp_comm_overlap: bool = False
     """Transformer Engine's TP overlap under Megatron-LM wherever a configuration runs TP with
     sequence parallelism (``ParallelConfig.tp_comm_overlap``; a setting, not searched)."""
+    cross_entropy_fusion: bool = False
+    """Megatron-LM's fused cross entropy (``ParallelConfig.cross_entropy_fusion``; a
+    setting, not searched)."""
     overlap_comm: bool = True
     """Megatron-LM's data-parallel and pipeline overlap (``ParallelConfig.overlap_comm``; a
     setting, on unless --no-overlap-comm)."""
@@ -147,7 +150,7 @@ def pins_of(space: SearchSpace) -> dict:
 
 
 SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_head",
-                  "async_tp", "tp_comm_overlap", "overlap_comm")
+                  "async_tp", "tp_comm_overlap", "cross_entropy_fusion", "overlap_comm")
 """Run settings every configuration of the space carries (recorded when not the default);
 each is a ``ParallelConfig`` field of the same name."""
 

@@ -1,7 +1,8 @@
 """Megatron-LM's communication overlap: data-parallel (``--overlap-grad-reduce``,
 ``--overlap-param-gather``) and interleaved-pipeline sends (``--overlap-p2p-communication``),
-both ``ParallelConfig.overlap_comm``, and Transformer Engine's TP overlap
-(``ParallelConfig.tp_comm_overlap``).
+both ``ParallelConfig.overlap_comm``, Transformer Engine's TP overlap
+(``ParallelConfig.tp_comm_overlap``), and its vocabulary-parallel cross entropy, unfused or
+fused (``ParallelConfig.cross_entropy_fusion``).
 
 The expected values are written out here from what megatron-core does (which compute each
 collective runs beside), from the estimate's own compute and traffic terms; the published runs
@@ -121,3 +122,24 @@ def test_the_cli_flags():
     line = usage_error(*[a if a != "megatron" else "torchtitan" for a in args],
                        "--tp-comm-overlap")
     assert "--tp-comm-overlap is modelled for --framework megatron only" in line
+
+
+@pytest.mark.parametrize("fused,per_logit", [(False, 38 + 14), (True, 22 + 6)])
+def test_megatron_cross_entropy_moves_its_operators_bytes(fused, per_logit):
+    """Bytes per logit, operator by operator (megatron-core core_r0.8.0): unfused, forward the
+    fp32 upcast 2 + 4, the maximum 4, the in-place shift 8, the in-place exponential 8, its sum
+    4, the normalisation 8; backward the scaled gradient 8 and its bf16 cast 4 + 2. Fused
+    (``--cross-entropy-loss-fusion``, one ``jit_fuser`` region per step): upcast with maximum
+    2 + 4, shift with exponential and sum 4 + 4, normalisation 8; backward 4 + 2. The last
+    stage's head term moves by exactly those bytes at the device's HBM rate (tp 2: half the
+    vocabulary per rank)."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    config = dict(tp=2, dp=4, sp=True, micro_batch_size=1, global_batch_size=4, seq_len=8192)
+    terms = {flag: stage_terms(model, cluster, ParallelConfig(cross_entropy_fusion=flag,
+                                                              **config), 0,
+                               framework="megatron", calibration=CAL).micro.compute_s
+             for flag in (False, True)}
+    logits = 8192 * model.vocab_rows / 2
+    rate = cluster.gpu.hbm_bytes_per_s * CAL.device(cluster.gpu.key).memory_efficiency
+    assert terms[False] - terms[True] == pytest.approx((52 - 28) * logits / rate, rel=1e-9)
+    assert (52, 28)[fused] == per_logit

@@ -128,6 +128,7 @@ OTHER_VALUES = {  # a second value of each field outside timing.LAYER_COMPUTE_FI
     "async_tp": True,  # needs compile: checked on its own below, under torchtitan
     "overlap_comm": False,  # data-parallel and pipeline traffic only
     "tp_comm_overlap": True,  # needs --framework megatron: checked on its own below
+    "cross_entropy_fusion": True,  # the same; the LM head's loss only
 }
 
 
@@ -170,7 +171,8 @@ def test_the_layer_compute_key_holds_every_field_it_reads(name, cluster_name, no
         # async TP changes the TP traffic, not the layers' compute
         compiled = base.replace(compile="model")
         assert compute(compiled.replace(async_tp=True)) == compute(compiled)
-    if framework == "megatron":  # Transformer Engine's TP overlap changes the TP traffic only
+    if framework == "megatron":  # TE's TP overlap and the fused loss: TP traffic and head only
         assert compute(base.replace(tp_comm_overlap=True)) == want
+        assert compute(base.replace(cross_entropy_fusion=True)) == want
     # and the key is what tells layers apart: a field inside it does change the compute
     assert compute(base.replace(micro_batch_size=2 * base.micro_batch_size)) != want

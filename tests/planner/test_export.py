@@ -219,6 +219,17 @@ def test_megatron_tp_comm_overlap_is_written_with_sequence_parallelism(megatron)
     assert "--tp-comm-overlap" not in quietly(export.to_megatron, no_sp)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # megatron-core's "TE not installed"
+def test_megatron_fused_cross_entropy_is_written_when_the_plan_prices_it(megatron):
+    plan = for_target(make_plan(**PLAN_3D, cross_entropy_fusion=True, framework="megatron"),
+                      "megatron")
+    args = quietly(export.to_megatron, plan)
+    assert "--cross-entropy-loss-fusion" in args
+    assert megatron(args, world_size=8)["transformer"].cross_entropy_loss_fusion
+    plain = for_target(make_plan(**PLAN_3D, framework="megatron"), "megatron")
+    assert "--cross-entropy-loss-fusion" not in quietly(export.to_megatron, plain)
+
+
 def test_megatron_zero3_cpu_optimizer_offload():
     plan = for_target(make_plan(**PLAN_ZERO3_OPTIMIZER_OFFLOAD), "megatron")
     args = quietly(export.to_megatron, plan)
@@ -678,7 +689,7 @@ MEGATRON_SWITCHES = (
     "disable-bias-linear", "add-qkv-bias", "sequence-parallel", "use-tp-pp-dp-mapping",
     "use-distributed-optimizer", "use-megatron-fsdp", "optimizer-cpu-offload",
     "use-precision-aware-optimizer", "bf16", "fp16", "use-flash-attn", "overlap-grad-reduce",
-    "overlap-param-gather", "tp-comm-overlap")
+    "overlap-param-gather", "tp-comm-overlap", "cross-entropy-loss-fusion")
 MEGATRON_CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "position-embedding-type": ("learned_absolute", "rope", "mrope", "relative", "none"),
@@ -736,6 +747,7 @@ def build_megatron_configs(args: list[str], *, world_size: int) -> dict[str, obj
         context_parallel_size=a.context_parallel_size,
         expert_model_parallel_size=a.expert_model_parallel_size or 1,
         sequence_parallel=a.sequence_parallel, tp_comm_overlap=a.tp_comm_overlap,
+        cross_entropy_loss_fusion=a.cross_entropy_loss_fusion,
         num_layers_in_first_pipeline_stage=a.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=a.decoder_last_pipeline_num_layers,
         pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,

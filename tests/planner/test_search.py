@@ -447,7 +447,8 @@ def test_deepspeed_bucket_cap_does_not_hide_a_fitting_split():
     growing after the first layer; the tables keep adding 0.37 GiB per layer. (4, 4) without
     recomputation needs 15.42 / 15.37 GiB (estimate) and fits; the tables say 16.12 / 16.09
     GiB, so search returns (4, 4) with 'full' at 0.2727 s instead of 0.2177 s (at 15 GiB it
-    raises NoPlanFits although (4, 4) 'full' fits at 14.56 / 15.00 GiB)."""
+    raises NoPlanFits although (4, 4) 'full' fits at 14.56 / 15.00 GiB). Since the cross
+    entropy is priced by its operators (2026-12-06), (4, 4) is 0.2270 s."""
     model = ModelSpec(name="m8w", num_layers=8, hidden_size=4096, num_heads=32,
                       ffn_hidden_size=16384, vocab_size=50257, seq_len=1024)
     cluster = with_hbm(small_cluster("dgx-a100-80gb", nodes=1, gpus_per_node=4), 16 * 2**30)
@@ -457,7 +458,7 @@ def test_deepspeed_bucket_cap_does_not_hide_a_fitting_split():
     (config,) = candidates(model, cluster, space)
     want = brute_force(model, cluster, config, space, "deepspeed")
     assert (want.layers, want.modes) == ((4, 4), ("none", "none"))
-    assert want.step_s == pytest.approx(0.21769, rel=1e-4)
+    assert want.step_s == pytest.approx(0.22698, rel=1e-4)
     result = search(model, cluster, space, framework="deepspeed", calibration=CAL, top_k=1)
     assert result.ranked[0].step_s == pytest.approx(want.step_s, rel=REL_TOL)
 

@@ -337,8 +337,10 @@ def estimate_of(cluster, sol: solver.Solution):
 
 
 @pytest.mark.parametrize("hbm_gib, layers, modes", [
-    # slack: the even split without recomputation (8.1 GiB on stage 0)
-    (None, (2, 2, 2, 2), ("none",) * 4),
+    # slack: no recomputation; the last stage's LM head and cross entropy (priced by its
+    # operators since 2026-12-06) outweigh a layer, so it sheds one, as does the first
+    # (0.7569 s against the even split's 0.7803 s)
+    (None, (1, 3, 3, 1), ("none",) * 4),
     # 7 GiB: stage 0 recomputes (6.8 GiB peak, now on the last stage)
     (7.0, (2, 2, 2, 2), ("full", "none", "none", "none")),
     # 6.5 GiB: stage 0 recomputes and the last stage sheds a layer to stage 2, which recomputes
