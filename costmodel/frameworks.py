@@ -483,9 +483,10 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                             cross_entropy_fusion: bool = False) -> None:
     """Raise ValueError (one line) when the plan asks for what the framework's model does not
     cover: torch.compile, async TP and a float8 LM head are modelled as torchtitan runs them,
-    Transformer Engine's TP overlap and the fused cross entropy as Megatron-LM runs them, float8 training of the blocks as
-    torchtitan and Megatron-LM run it (``FLOAT8_FRAMEWORKS``), and float8 needs float8 tensor
-    cores (an ``fp8`` peak in the GPU catalog: H100 and later)."""
+    Transformer Engine's TP overlap and the fused cross entropy as Megatron-LM runs them,
+    float8 training of the blocks as torchtitan and Megatron-LM run it
+    (``FLOAT8_FRAMEWORKS``), and float8 needs float8 tensor cores (an ``fp8`` peak in the GPU
+    catalog: H100 and later)."""
     asked = [flag for flag, on in (("--compile", compile_mode != "none"),
                                    ("--float8-head", float8_head), ("--async-tp", async_tp))
              if on]
