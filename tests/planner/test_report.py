@@ -63,3 +63,11 @@ def test_same_text_as_pandas_on_random_tables():
         default = rng.choice(["{:.2f}", "{:.1f}", "{:.4g}"])
         assert report._table(rows, formats, default) == _pandas_table(rows, formats, default), \
             rows
+
+
+def test_the_plan_report_names_the_megatron_settings():
+    from meshplan.costmodel import ParallelConfig
+    config = ParallelConfig(tp=2, sp=True, tp_comm_overlap=True, cross_entropy_fusion=True)
+    assert report.settings_text(config) == ", TP overlap, fused cross entropy"
+    assert report.settings_text(config.replace(sp=False, tp_comm_overlap=False)) == \
+        ", fused cross entropy"
