@@ -1051,8 +1051,9 @@ def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Para
 def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                calibration: Calibration, *, framework: str = "megatron") -> float:
     """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits
-    (Megatron's fused loss: the fitted element-wise factor; eager frameworks: the unfused
-    loss's own traffic, ``eager.loss_bytes``), and its weight gradient's fresh pages
+    (Megatron-LM's vocabulary-parallel cross entropy, unfused or fused:
+    ``MEGATRON_CE_BYTES``, ``MEGATRON_FUSED_CE_BYTES``; eager frameworks: the unfused loss's
+    own traffic, ``eager.loss_bytes``), and its weight gradient's fresh pages
     (``fresh_pages_s``)."""
     device = calibration.device(cluster.gpu.key)
     tokens = act.tokens_per_microbatch(config)

@@ -143,4 +143,3 @@ def test_megatron_cross_entropy_moves_its_operators_bytes(fused, per_logit):
     rate = cluster.gpu.hbm_bytes_per_s * CAL.device(cluster.gpu.key).memory_efficiency
     assert terms[False] - terms[True] == pytest.approx((52 - 28) * logits / rate, rel=1e-9)
     assert (52, 28)[fused] == per_logit
-
