@@ -23,6 +23,9 @@ FRAMEWORKS = ("meshplan", "megatron", "deepspeed", "torchtitan", "ideal")
 MESH_AXES = ("tp", "cp", "dp", "pp")
 DTYPES = ("bf16", "fp16", "fp32")
 COMPILE_MODES = ("none", "model", "model+loss")
+FLOAT8_RECIPES = ("tensorwise", "delayed")
+"""Float8 scaling recipes (``ParallelConfig.float8_recipe``): per-tensor scales from the
+current tensor (a max-abs pass before each cast), or Transformer Engine's delayed scaling."""
 """What torch.compile covers (``ParallelConfig.compile``): nothing, the transformer blocks, or
 the blocks and the loss."""
 CPU_DEVICE_KEY = "cpu"
@@ -37,7 +40,7 @@ def default_dtype(device_key: str) -> str:
 
 
 def check_run_settings(*, compile_mode: str, float8: bool, float8_head: bool, async_tp: bool,
-                       dtype: str) -> None:
+                       dtype: str, float8_recipe: str = "tensorwise") -> None:
     """Raise ValueError (one line) for run settings that cannot go together: an unknown
     torch.compile mode, float8 outside bf16, a float8 head without float8 blocks, async TP
     without torch.compile (``ParallelConfig`` and the planner's ``SearchSpace`` both check)."""
@@ -47,6 +50,12 @@ def check_run_settings(*, compile_mode: str, float8: bool, float8_head: bool, as
     if float8 and dtype != "bf16":
         raise ValueError(f"float8 training needs dtype bf16 (its casts start from bf16), "
                          f"got {dtype!r}")
+    if float8_recipe not in FLOAT8_RECIPES:
+        raise ValueError(f"float8_recipe must be one of {', '.join(FLOAT8_RECIPES)}, got "
+                         f"{float8_recipe!r}")
+    if float8_recipe != "tensorwise" and not float8:
+        raise ValueError(f"float8_recipe {float8_recipe} (--float8-recipe) needs float8 "
+                         f"training (--float8)")
     if float8_head and not float8:
         raise ValueError("float8_head (--float8-head) needs float8 training of the blocks "
                          "too (--float8)")
@@ -101,6 +110,12 @@ class ParallelConfig:
     converter: torchao Float8Linear, tensorwise dynamic scaling, float8 FSDP all-gather of their
     weights); the LM head stays in the compute dtype unless ``float8_head``. Modelled under
     --framework torchtitan on GPUs with float8 tensor cores, with dtype bf16."""
+    float8_recipe: str = "tensorwise"
+    """With float8, how the casts are scaled: ``tensorwise``, per-tensor scales from the tensor
+    being cast (a max-abs pass before each activation and gradient cast: torchao's tensorwise
+    recipe, Transformer Engine's current scaling, the export's ``--fp8-recipe tensorwise``), or
+    ``delayed``, Transformer Engine's delayed scaling under --framework megatron (scales from
+    an amax history the cast kernels update, no pass of their own; NeMo's default)."""
     float8_head: bool = False
     """With float8, the LM head (torchtitan's ``output`` linear) in float8 too, as torchtitan
     0.2.2 converts it by default (an empty ``filter_fqns``); off leaves it in bf16, as
@@ -203,7 +218,7 @@ class ParallelConfig:
             raise ValueError(f"dtype must be bf16, fp16 or fp32, got {self.dtype!r}")
         check_run_settings(compile_mode=self.compile, float8=self.float8,
                            float8_head=self.float8_head, async_tp=self.async_tp,
-                           dtype=self.dtype)
+                           dtype=self.dtype, float8_recipe=self.float8_recipe)
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: configurations key the planner's caches, which

@@ -175,12 +175,15 @@ def float8_cast_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bool = F
     torchao's eager casts do; but Megatron-core marks a step's first micro-batch
     (``set_is_first_microbatch``), on which TE casts the weights and caches their float8
     copies for the step's other micro-batches, so the weights are left out here and cast once
-    per step (``timing.te_weight_cast_s``). (Delayed scaling, TE's older default, takes the
-    amax from a history instead and skips the max-abs pass.)"""
+    per step (``timing.te_weight_cast_s``). Under TE's delayed scaling
+    (``ParallelConfig.float8_recipe``) the scale comes from an amax history the cast kernel
+    updates as it writes, so there is no max-abs pass."""
     t = config.tp
     h = model.hidden_size
     q, kv = model.q_size / t, model.kv_size / t
-    activation = FLOAT8_INPUT_BYTES + (0 if config.compile != "none" else FLOAT8_AMAX_BYTES)
+    amax = 0 if config.compile != "none" or (
+        transformer_engine and config.float8_recipe == "delayed") else FLOAT8_AMAX_BYTES
+    activation = FLOAT8_INPUT_BYTES + amax
     inputs = 3 * h + q  # x into q, k and v; the attention output into its projection
     grads = q + 2 * kv + h
     if not moe:

@@ -101,6 +101,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                             async_tp=config.async_tp, float8_head=config.float8_head,
                             tp_comm_overlap=config.tp_comm_overlap,
                             cross_entropy_fusion=config.cross_entropy_fusion,
+                            float8_recipe=config.float8_recipe,
                             peak_flop_per_s=cluster.gpu.peak_flop_per_s, gpu_key=cluster.gpu.key)
     if config.float8_head and model.tied_embeddings:
         raise ValueError(f"--float8-head needs an LM head of its own; model "
@@ -294,7 +295,7 @@ def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfi
 # ----- JSON (schema_version 1, DESIGN.md) ---------------------------------------------------------
 
 OPTIONAL_PLAN_KEYS = ("selective_ac", "recompute_early_stop", "compile", "float8",
-                      "float8_head", "async_tp", "tp_comm_overlap", "cross_entropy_fusion",
+                      "float8_recipe", "float8_head", "async_tp", "tp_comm_overlap", "cross_entropy_fusion",
                       "overlap_comm")
 """Settings the ``plan`` object holds only when they differ from their default (torchtitan's
 selective policy, early-stopping recomputation, torch.compile, float8 training), so that the

@@ -480,7 +480,8 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                             peak_flop_per_s: dict[str, float], gpu_key: str,
                             async_tp: bool = False, float8_head: bool = False,
                             tp_comm_overlap: bool = False,
-                            cross_entropy_fusion: bool = False) -> None:
+                            cross_entropy_fusion: bool = False,
+                            float8_recipe: str = "tensorwise") -> None:
     """Raise ValueError (one line) when the plan asks for what the framework's model does not
     cover: torch.compile, async TP and a float8 LM head are modelled as torchtitan runs them,
     Transformer Engine's TP overlap and the fused cross entropy as Megatron-LM runs them,
@@ -496,6 +497,9 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
     if tp_comm_overlap and framework != "megatron":
         raise ValueError(f"--tp-comm-overlap is modelled for --framework megatron only (under "
                          f"torchtitan, --async-tp), got --framework {framework}")
+    if float8_recipe == "delayed" and framework != "megatron":
+        raise ValueError(f"--float8-recipe delayed (Transformer Engine's delayed scaling) is "
+                         f"modelled for --framework megatron only, got --framework {framework}")
     if cross_entropy_fusion and framework != "megatron":
         raise ValueError(f"--cross-entropy-fusion is modelled for --framework megatron only "
                          f"(torchtitan fuses its loss with --compile model+loss), got "

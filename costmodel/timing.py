@@ -584,7 +584,10 @@ def _megatron_overlapped_tp_s(model: ModelSpec, config: ParallelConfig, link: co
     projection and FC2, and the reduce-scatters of QKV's and FC1's input gradients with their
     weight-gradient GEMMs (as many FLOPs as the forward GEMM; ``gemm_s`` is the layer's
     forward GEMM seconds, ``layer_forward``, split by FLOPs)."""
-    gather, scatter = _sp_collectives_s(model, config.replace(float8=False), link, calibration)
+    size = act.hidden_state_bytes(model, config)  # bf16 also under float8: TE casts after
+    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    gather, scatter = coll.all_gather_s(link, size, **effs), coll.reduce_scatter_s(link, size,
+                                                                                   **effs)
     share, t = _projection_shares(model), config.tp
     backward = (_fused_exposed_s(gather, share["o"] * gemm_s, t)
                 + _fused_exposed_s(gather, share["down"] * gemm_s, t)
@@ -822,7 +825,7 @@ class _StageCosts:
         return cost
 
 
-LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop")
+LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop", "float8_recipe")
 """The ``ParallelConfig`` fields one layer's compute (``_layer_compute``) depends on: its
 activations' (``memory.LAYER_FIELDS``), the expert split of its weight gradients and whether
 full recomputation stops early (tests/costmodel/test_stage_costs_cache.py checks that no other
@@ -1458,11 +1461,14 @@ def te_weight_cast_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelCon
     """Seconds of one step's float8 weight casts on ``stage`` under Megatron-LM's float8
     training (Transformer Engine): on the step's first micro-batch every float8 linear of the
     stage's layers casts its weight to float8 in both layouts and keeps them for the other
-    micro-batches (``eager.float8_cast_bytes``; ``eager.FLOAT8_WEIGHT_BYTES`` per element),
-    once per step whatever the number of micro-batches."""
+    micro-batches (``eager.float8_cast_bytes``; ``eager.FLOAT8_WEIGHT_BYTES`` per element, less
+    the max-abs pass under delayed scaling), once per step whatever the number of
+    micro-batches."""
     elements = stage_float8_weight_elements(model, config, stage)
     device = calibration.device(cluster.gpu.key)
-    return (eager.FLOAT8_WEIGHT_BYTES * elements
+    per_element = eager.FLOAT8_WEIGHT_BYTES - (eager.FLOAT8_AMAX_BYTES
+                                               if config.float8_recipe == "delayed" else 0)
+    return (per_element * elements
             / (cluster.gpu.hbm_bytes_per_s * device.memory_efficiency))
 
 

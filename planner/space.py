@@ -99,6 +99,8 @@ class SearchSpace:
     float8: bool = False
     """Float8 training of the blocks' linears for every configuration
     (``ParallelConfig.float8``; a setting, not searched; needs dtype bf16)."""
+    float8_recipe: str = "tensorwise"
+    """With float8, its scaling recipe (``ParallelConfig.float8_recipe``; a setting)."""
     float8_head: bool = False
     """With float8, the LM head in float8 too (``ParallelConfig.float8_head``; a setting)."""
     async_tp: bool = False
@@ -128,7 +130,7 @@ class SearchSpace:
         # checked once here, else every configuration of the space would be refused
         check_run_settings(compile_mode=self.compile, float8=self.float8,
                            float8_head=self.float8_head, async_tp=self.async_tp,
-                           dtype=self.dtype)
+                           dtype=self.dtype, float8_recipe=self.float8_recipe)
 
 
 PIN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
@@ -149,8 +151,9 @@ def pins_of(space: SearchSpace) -> dict:
     return pins
 
 
-SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_head",
-                  "async_tp", "tp_comm_overlap", "cross_entropy_fusion", "overlap_comm")
+SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_recipe",
+                  "float8_head", "async_tp", "tp_comm_overlap", "cross_entropy_fusion",
+                  "overlap_comm")
 """Run settings every configuration of the space carries (recorded when not the default);
 each is a ``ParallelConfig`` field of the same name."""
 

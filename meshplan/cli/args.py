@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshplan.costmodel.config import (COMPILE_MODES, DTYPES, FRAMEWORKS, MESH_AXES,
-                                       OFFLOAD_DEVICES, OFFLOAD_MODES, RECOMPUTE_MODES,
-                                       ParallelConfig)
+from meshplan.costmodel.config import (COMPILE_MODES, DTYPES, FLOAT8_RECIPES, FRAMEWORKS,
+                                       MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES,
+                                       RECOMPUTE_MODES, ParallelConfig)
 
 # ----- flag value types (argparse turns ArgumentTypeError into "argument --x: <message>") -------
 
@@ -159,6 +159,7 @@ CONFIG_FLAGS: dict[str, FlagSpec] = {
     "offload_device": FlagSpec(choices=OFFLOAD_DEVICES),
     "recompute": FlagSpec(parse=recompute_modes, metavar="{none,selective,full}[,...]"),
     "compile": FlagSpec(choices=COMPILE_MODES),
+    "float8_recipe": FlagSpec(choices=FLOAT8_RECIPES),
     "micro_batch_size": FlagSpec(flag="--micro-batch", metavar="B"),
     "global_batch_size": FlagSpec(flag="--global-batch", metavar="G", required=True),
     "vpp": FlagSpec(metavar="V"),

@@ -94,3 +94,37 @@ def test_only_torchtitan_gathers_zero3_weights_in_float8():
     total = params.dense + params.expert
     assert zero3_gather_bytes(config, params, framework="megatron") == 2 * total
     assert zero3_gather_bytes(config, params, framework="torchtitan") < 2 * total
+
+
+def test_te_delayed_scaling_drops_the_max_abs_passes():
+    """Transformer Engine's delayed scaling (``float8_recipe="delayed"``, NeMo's default) takes
+    its scales from an amax history the cast kernel updates: each activation and gradient
+    cast moves 4 bytes per element instead of 6, and the once-per-step weight cast 6 per weight
+    element instead of 8."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    tokens = 8192
+    inputs = 3 * H + Q + 2 * H + F
+    grads = Q + 2 * KV + H + 2 * F + H
+    delayed = _config(float8=True, float8_recipe="delayed")
+    assert eager.float8_cast_bytes(model, delayed, tokens=tokens, transformer_engine=True) \
+        == pytest.approx(4 * (inputs + grads) * tokens, rel=1e-12)
+    calibration = default_calibration()
+    rate = (cluster.gpu.hbm_bytes_per_s
+            * calibration.device(cluster.gpu.key).memory_efficiency)
+    current = estimate(model, cluster, _config(float8=True), framework="megatron")
+    late = estimate(model, cluster, delayed, framework="megatron")
+    assert current.time.optimizer_s - late.time.optimizer_s == pytest.approx(
+        2 * WEIGHTS_PER_LAYER * LAYERS / rate, rel=1e-9)
+    assert late.time.step_s < current.time.step_s
+
+
+def test_delayed_scaling_is_megatron_only_and_needs_float8():
+    from meshplan.testing import usage_error
+    args = ["estimate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16"]
+    assert "needs float8 training" in usage_error(*args, "--framework", "megatron",
+                                                  "--float8-recipe", "delayed")
+    assert "modelled for --framework megatron only" in usage_error(
+        *args, "--framework", "torchtitan", "--float8", "--float8-recipe", "delayed")
+    result = run_cli(*args, "--framework", "megatron", "--float8", "--float8-recipe", "delayed",
+                     "--json")
+    assert result.code == 0, result.err

@@ -219,6 +219,15 @@ def test_megatron_tp_comm_overlap_is_written_with_sequence_parallelism(megatron)
     assert "--tp-comm-overlap" not in quietly(export.to_megatron, no_sp)
 
 
+def test_megatron_float8_recipe_follows_the_plan():
+    def recipe(**kwargs):
+        plan = for_target(make_plan(**PLAN_3D, float8=True, framework="megatron", **kwargs),
+                          "megatron")
+        return flag_values(quietly(export.to_megatron, plan))["--fp8-recipe"]
+    assert recipe() == "tensorwise"
+    assert recipe(float8_recipe="delayed") == "delayed"
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # megatron-core's "TE not installed"
 def test_megatron_fused_cross_entropy_is_written_when_the_plan_prices_it(megatron):
     plan = for_target(make_plan(**PLAN_3D, cross_entropy_fusion=True, framework="megatron"),
