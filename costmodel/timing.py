@@ -1094,7 +1094,7 @@ exponential (8), its sum (4), the in-place normalisation (8): 38; backward, the 
 scaled in place (8) and cast back to bf16 for the output layer (read 4, write 2): 14. Until
 2026-12-06 the loss took the fitted element-wise factor's 2 bytes (0.5 x 4), which left it at
 a twentieth of this and priced big-vocabulary small models too fast (Megatron-Core's 1.7B
-with 131,072 rows over hidden 2048: -16 %, now -6 %)."""
+with 131,072 rows over hidden 2048: -16 %, now -5 %)."""
 MEGATRON_FUSED_CE_BYTES = 28
 """The same with ``--cross-entropy-loss-fusion`` (megatron-core
 ``fusions/fused_cross_entropy.py``, each step a ``jit_fuser`` region): the upcast with the
