@@ -109,7 +109,8 @@ class ParallelConfig:
     """Float8 training of the transformer blocks' linears (torchtitan's quantize.linear.float8
     converter: torchao Float8Linear, tensorwise dynamic scaling, float8 FSDP all-gather of their
     weights); the LM head stays in the compute dtype unless ``float8_head``. Modelled under
-    --framework torchtitan on GPUs with float8 tensor cores, with dtype bf16."""
+    --framework torchtitan and, as Transformer Engine's linears, --framework megatron, on GPUs
+    with float8 tensor cores, with dtype bf16."""
     float8_recipe: str = "tensorwise"
     """With float8, how the casts are scaled: ``tensorwise``, per-tensor scales from the tensor
     being cast (a max-abs pass before each activation and gradient cast: torchao's tensorwise

@@ -494,16 +494,15 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
     if asked and framework != "torchtitan":
         raise ValueError(f"{' and '.join(asked)} {'are' if len(asked) > 1 else 'is'} modelled "
                          f"for --framework torchtitan only, got --framework {framework}")
-    if tp_comm_overlap and framework != "megatron":
-        raise ValueError(f"--tp-comm-overlap is modelled for --framework megatron only (under "
-                         f"torchtitan, --async-tp), got --framework {framework}")
-    if float8_recipe == "delayed" and framework != "megatron":
-        raise ValueError(f"--float8-recipe delayed (Transformer Engine's delayed scaling) is "
-                         f"modelled for --framework megatron only, got --framework {framework}")
-    if cross_entropy_fusion and framework != "megatron":
-        raise ValueError(f"--cross-entropy-fusion is modelled for --framework megatron only "
-                         f"(torchtitan fuses its loss with --compile model+loss), got "
-                         f"--framework {framework}")
+    megatron_only = ((tp_comm_overlap, "--tp-comm-overlap", " (under torchtitan, --async-tp)"),
+                     (float8_recipe == "delayed", "--float8-recipe delayed (Transformer Engine's "
+                      "delayed scaling)", ""),
+                     (cross_entropy_fusion, "--cross-entropy-fusion",
+                      " (torchtitan fuses its loss with --compile model+loss)"))
+    for on, flag, hint in megatron_only:
+        if on and framework != "megatron":
+            raise ValueError(f"{flag} is modelled for --framework megatron only{hint}, got "
+                             f"--framework {framework}")
     if float8 and framework not in FLOAT8_FRAMEWORKS:
         raise ValueError(f"--float8 is modelled for --framework "
                          f"{' and '.join(FLOAT8_FRAMEWORKS)} only, got --framework {framework}")

@@ -442,11 +442,15 @@ def _projection_shares(model: ModelSpec) -> dict[str, float]:
 
 
 def _sp_collectives_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
-                      calibration: Calibration) -> tuple[float, float]:
+                      calibration: Calibration, *,
+                      float8_gathers: bool = True) -> tuple[float, float]:
     """(all-gather, reduce-scatter) seconds of one SP collective of the layer's hidden state
     under DTensor: under float8 training the all-gathers move 1-byte elements
-    (``tp_comm_parts_s``)."""
+    (``tp_comm_parts_s``), unless ``float8_gathers`` is off (Transformer Engine gathers the
+    compute dtype and casts after)."""
     gathered, size = _sp_state_bytes(model, config)
+    if not float8_gathers:
+        gathered = size
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     return coll.all_gather_s(link, gathered, **effs), coll.reduce_scatter_s(link, size, **effs)
 
@@ -584,10 +588,7 @@ def _megatron_overlapped_tp_s(model: ModelSpec, config: ParallelConfig, link: co
     projection and FC2, and the reduce-scatters of QKV's and FC1's input gradients with their
     weight-gradient GEMMs (as many FLOPs as the forward GEMM; ``gemm_s`` is the layer's
     forward GEMM seconds, ``layer_forward``, split by FLOPs)."""
-    size = act.hidden_state_bytes(model, config)  # bf16 also under float8: TE casts after
-    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
-    gather, scatter = coll.all_gather_s(link, size, **effs), coll.reduce_scatter_s(link, size,
-                                                                                   **effs)
+    gather, scatter = _sp_collectives_s(model, config, link, calibration, float8_gathers=False)
     share, t = _projection_shares(model), config.tp
     backward = (_fused_exposed_s(gather, share["o"] * gemm_s, t)
                 + _fused_exposed_s(gather, share["down"] * gemm_s, t)

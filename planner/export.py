@@ -357,14 +357,14 @@ def _megatron_recompute(mode: str) -> list[str]:
     return []
 
 
-MEGATRON_FLOAT8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+MEGATRON_FLOAT8 = ("--fp8-format", "hybrid", "--fp8-recipe")
 """The plan's float8 training in Megatron-LM core_r0.16 (``_add_transformer_engine_args``:
 ``--fp8-format`` {e4m3, hybrid}, dest ``fp8``; ``--fp8-recipe`` {tensorwise, delayed, mxfp8,
-blockwise}; megatron-core's ``TransformerConfig.fp8`` / ``fp8_recipe``): hybrid is e4m3 for
-activations and weights, e5m2 for gradients, as torchao's Float8Linear; tensorwise is per-tensor
-current scaling, as torchtitan's default recipe (a plan with ``float8_recipe`` delayed gets
-``--fp8-recipe delayed``). Transformer Engine runs it, on the blocks' linears only (the output
-layer stays bf16, as the plan's LM head)."""
+blockwise}; megatron-core's ``TransformerConfig.fp8`` / ``fp8_recipe``), followed by the plan's
+``float8_recipe``: hybrid is e4m3 for activations and weights, e5m2 for gradients, as
+torchao's Float8Linear; tensorwise (the default) is per-tensor current scaling, as
+torchtitan's default recipe, delayed Transformer Engine's delayed scaling. Transformer Engine
+runs it, on the blocks' linears only (the output layer stays bf16, as the plan's LM head)."""
 
 
 def _megatron_settings(config: ParallelConfig) -> list[str]:
@@ -380,7 +380,7 @@ def _megatron_settings(config: ParallelConfig) -> list[str]:
                          "output layer stays bf16); plan without --float8-head, or export to "
                          "torchtitan")
     fused_loss = ["--cross-entropy-loss-fusion"] if config.cross_entropy_fusion else []
-    float8 = [*MEGATRON_FLOAT8[:3], config.float8_recipe] if config.float8 else []
+    float8 = [*MEGATRON_FLOAT8, config.float8_recipe] if config.float8 else []
     return float8 + fused_loss
 
 

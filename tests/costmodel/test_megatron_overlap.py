@@ -32,7 +32,7 @@ def _terms(model: str, nodes: int, stage: int = 0, **config):
                        framework="megatron", calibration=CAL), cluster
 
 
-def _contention(cluster, link_size: int) -> float:
+def _contention(cluster) -> float:
     """What an overlapped collective costs the compute beside it, by hand: the ring's HBM
     traffic (``prefetch_contention_bytes`` per byte on the ring) against the device's HBM rate,
     for a data-parallel group of one rank per node (TP 8 fills the node), which moves at one
@@ -55,8 +55,8 @@ def test_data_parallel_traffic_hides_behind_the_last_backward_and_first_forward(
     terms, cluster = _terms("llama3-70b", 4, **config)
     compute = terms.micro.compute_s
     window = compute if zero_stage == 1 else compute * 2 / 3
-    assert _contention(cluster, 4) < 0.2
-    assert terms.dp_hidden_s == pytest.approx((1 - _contention(cluster, 4)) * window, rel=1e-9)
+    assert _contention(cluster) < 0.2
+    assert terms.dp_hidden_s == pytest.approx((1 - _contention(cluster)) * window, rel=1e-9)
     old, _ = _terms("llama3-70b", 4, overlap_comm=False, **config)
     assert old.dp_comm_s == terms.dp_comm_s  # the traffic is the same, only its overlap differs
     assert old.dp_hidden_s == pytest.approx(CAL.dp_overlap * compute * 2 / 3, rel=1e-9)
