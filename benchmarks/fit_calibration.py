@@ -57,6 +57,7 @@ EAGER_PARAMETERS = (  # fitted on the eager (FSDP trainer) fit runs only, the re
     ("a100_eager_flash_attention_efficiency", 0.35, 0.1, 0.9),
     ("h100_eager_flash_attention_efficiency", 0.25, 0.1, 0.9),
     ("gpu_prefetch_contention_bytes", 2.4, 0.0, 8.0),
+    ("gpu_prefetch_contention", 0.1, 0.0, 0.6),
 )
 PREFETCH_OVERLAP = 1.0
 """Share of a micro-batch's compute that FSDP's prefetched per-block collectives can hide
@@ -128,8 +129,9 @@ def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
 def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
     """``base`` with the eager-framework values of ``EAGER_PARAMETERS`` set to ``x``: each
     generation's eager GEMM and fused-attention efficiency (H200 and B200 take H100's), and the
-    prefetched collectives' contention (``prefetch_contention_bytes``) on every GPU, their
-    overlap ``PREFETCH_OVERLAP``."""
+    prefetched collectives' contention on every GPU (``prefetch_contention_bytes`` over the
+    time they move bytes, ``prefetch_contention`` over their calls' latency), their overlap
+    ``PREFETCH_OVERLAP``."""
     v = {name: float(value) for (name, *_), value in zip(EAGER_PARAMETERS, x)}
     devices = dict(base.devices)
     for key in GPU_KEYS:
@@ -139,7 +141,8 @@ def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibrati
             eager_matmul_efficiency=v[f"{generation}_eager_matmul_efficiency"],
             eager_flash_attention_efficiency=v[f"{generation}_eager_flash_attention_efficiency"],
             prefetch_overlap=PREFETCH_OVERLAP,
-            prefetch_contention_bytes=v["gpu_prefetch_contention_bytes"])
+            prefetch_contention_bytes=v["gpu_prefetch_contention_bytes"],
+            prefetch_contention=v["gpu_prefetch_contention"])
     return dataclasses.replace(base, devices=_keep_measured(base, devices))
 
 

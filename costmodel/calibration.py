@@ -99,17 +99,18 @@ class DeviceCalibration:
     (the runtime's default ``foreach`` kernel), where the HBM-traffic formula
     (``timing.OPTIMIZER_BYTES_PER_PARAM``) does not hold; None: that formula."""
     prefetch_contention: float = 0.0
-    """Fraction of its own duration an overlapped prefetched collective still costs the
-    compute it runs beside: NCCL's kernels occupy SMs and HBM bandwidth while the GEMMs run
-    (``timing.prefetches_blocks``). 0: overlap is free. Used where
-    ``prefetch_contention_bytes`` is None."""
+    """Fraction of its calls' latency an overlapped prefetched collective costs the compute it
+    runs beside (``timing.prefetches_blocks``): NCCL's kernels hold their SMs while they wait
+    on ring steps, which move no bytes. Without ``prefetch_contention_bytes`` the fraction of
+    its whole time. 0: overlap is free."""
     prefetch_contention_bytes: float | None = None
     """HBM bytes an overlapped prefetched collective moves for every byte it carries on its
     ring's links (reading its send buffer, writing what arrives, reading the local chunk a
-    reduce-scatter adds): the compute beside it loses that traffic's HBM time, so the
-    collective costs ``min(1, prefetch_contention_bytes * bus / hbm)`` of its own duration
-    (``timing.prefetch_contention``): about half inside an NVLink node, a few percent for a
-    ring of one rank per node at one NIC's rate. None: ``prefetch_contention``."""
+    reduce-scatter adds): the compute beside it loses that traffic's HBM time, so while it
+    moves bytes the collective costs ``min(1, prefetch_contention_bytes * bus / hbm)`` of that
+    time (``timing.prefetch_contention``): about half inside an NVLink node, a few percent for
+    a ring of one rank per node at one NIC's rate. None: ``prefetch_contention`` over all of
+    its time."""
     gemm_half_rows: float | None = None
     """Rows (tokens of the micro-batch) at which a GEMM reaches half of its large-matrix
     efficiency: a product with M rows runs at ``efficiency * M / (M + gemm_half_rows)``

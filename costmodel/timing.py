@@ -967,15 +967,18 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         hidden, zero_latency = zero - exposed, zero_calls_s
     elif device.prefetch_overlap is not None and prefetches_blocks(framework, config):
         # the next block's gather is in flight while this one computes: its latency hides
-        # too; the part it overlaps still costs k = ``prefetch_contention`` (the ring's HBM
-        # traffic) of its time, written as that share of all the traffic paid outright and
-        # the rest hidden in proportion (``k r + (1-k) max(0, r - h)`` =
-        # ``max(k r, r - (1-k) h)``, the overlapped part costing k of itself)
-        contention = prefetch_contention(cluster, calibration, links.dp)
-        keep = 1 - contention
-        traffic = zero + network_latency
-        zero, hidden = keep * traffic, keep * device.prefetch_overlap * compute
-        zero_latency = zero_calls_s + contention * traffic
+        # too, and it costs the compute beside it: while it moves bytes (time b), the ring's
+        # HBM traffic, rate c = ``prefetch_contention`` (c b is that traffic's HBM time, the
+        # same at any link rate); over its calls' latency l, which moves no bytes, the
+        # link-independent share s = ``DeviceCalibration.prefetch_contention`` (the SMs its
+        # kernels hold while they wait). Paid outright: p = c b + s l; what compute h does
+        # not hide is exposed: ``p + max(0, b + l - p - h)`` = ``max(p, b + l - h)``, which
+        # never falls when a link gets slower
+        held = device.prefetch_contention
+        paid = prefetch_contention(cluster, calibration, links.dp) * zero + held * network_latency
+        zero = zero + network_latency - paid
+        hidden = device.prefetch_overlap * compute
+        zero_latency = zero_calls_s + paid
     else:
         zero_latency = zero_calls_s + network_latency
         hidden = calibration.dp_overlap * compute
@@ -990,18 +993,20 @@ def _stage_time(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
 
 def prefetch_contention(cluster: ClusterSpec, calibration: Calibration,
                         link: coll.GroupLink) -> float:
-    """Fraction of its own duration an overlapped FSDP-style prefetched collective of the
-    group ``link`` costs the compute it runs beside (``DeviceCalibration``).
+    """Fraction of the time it moves bytes that an overlapped FSDP-style prefetched collective
+    of the group ``link`` costs the compute it runs beside (``DeviceCalibration``).
 
     With ``prefetch_contention_bytes`` (k): the ring's HBM traffic, k bytes for every byte it
     moves on its links, competes with the GEMMs for the device's memory, so the cost is that
-    traffic's HBM time, ``min(1, k * bus / hbm)`` of the collective's duration: ``bus`` the
-    ring's bytes per second (``collectives.effective_bytes_per_s``: the slower of the in-node
-    link and the node's parallel NIC channels), ``hbm`` the device's achieved HBM bandwidth.
-    A ring inside a node, or one spanning nodes with every GPU's own NIC in parallel, runs at
-    NVLink-class rates (0.15-0.25 of HBM's on DGX-class nodes); a group of one rank per node
-    (FSDP under TP 8) runs at one NIC's rate and costs a few percent. Without it, the fixed
-    ``prefetch_contention``."""
+    traffic's HBM time, ``min(1, k * bus / hbm)`` of the bytes' time: ``bus`` the ring's bytes
+    per second (``collectives.effective_bytes_per_s``: the slower of the in-node link and the
+    node's parallel NIC channels), ``hbm`` the device's achieved HBM bandwidth. A ring inside a
+    node, or one spanning nodes with every GPU's own NIC in parallel, runs at NVLink-class
+    rates (0.15-0.25 of HBM's on DGX-class nodes); a group of one rank per node (FSDP under
+    TP 8) runs at one NIC's rate and costs a few percent. Without it, the fixed
+    ``prefetch_contention``. The calls' latency costs ``prefetch_contention`` either way
+    (``_stage_time``); Megatron-LM's overlapped data-parallel traffic shrinks its window by
+    this fraction (``dp_step_s``)."""
     device = calibration.device(cluster.gpu.key)
     if device.prefetch_contention_bytes is None or link.size < 2:
         return device.prefetch_contention

@@ -80,3 +80,44 @@ def test_the_step_pays_the_contention_of_the_traffic_it_hides():
     assert f2 == pytest.approx(2 * f1)
     assert two.dp_comm_s > one.dp_comm_s
     assert two.compute_s == one.compute_s
+
+
+def _with_device(cal, key, **changes):
+    return dataclasses.replace(cal, devices=dict(cal.devices, **{
+        key: dataclasses.replace(cal.device(key), **changes)}))
+
+
+def _hidden_zero3():
+    """Megatron 1.7B, ZeRO-3 over one DGX A100's 8 GPUs: compute hides every prefetched
+    gather and reduce-scatter, so only their contention shows."""
+    model, cluster = load_model("megatron-1.7b"), load_cluster("dgx-a100-80gb", nodes=1)
+    config = ParallelConfig(dp=8, zero_stage=3, micro_batch_size=1, global_batch_size=8,
+                            seq_len=2048)
+    return model, cluster, config
+
+
+@pytest.mark.parametrize("framework", ["torchtitan", "meshplan"])
+def test_hidden_traffic_costs_its_hbm_time_at_any_link_rate(framework):
+    """A fully hidden ring's bytes cost their HBM time, k bytes per byte at HBM's rate,
+    whatever the link's rate: halving NVLink leaves the step as it was."""
+    model, cluster, config = _hidden_zero3()
+    slow = dataclasses.replace(cluster, gpu=dataclasses.replace(
+        cluster.gpu, nvlink_bytes_per_s=cluster.gpu.nvlink_bytes_per_s / 2))
+    fast_t = estimate(model, cluster, config, framework=framework).time
+    slow_t = estimate(model, slow, config, framework=framework).time
+    assert fast_t.dp_comm_s > 0
+    assert slow_t.step_s == pytest.approx(fast_t.step_s, rel=1e-9)
+
+
+def test_hidden_latency_costs_the_link_independent_share():
+    """The calls' latency moves no bytes: beside compute it costs ``prefetch_contention`` of
+    itself, so the step grows linearly in that share (and not at all at 0 beyond the bytes'
+    HBM time)."""
+    model, cluster, config = _hidden_zero3()
+    cal = default_calibration()
+    key = cluster.gpu.key
+    steps = [estimate(model, cluster, config, framework="torchtitan",
+                      calibration=_with_device(cal, key, prefetch_contention=s)).time.step_s
+             for s in (0.0, 0.1, 0.2)]
+    assert steps[0] < steps[1] < steps[2]
+    assert steps[2] - steps[0] == pytest.approx(2 * (steps[1] - steps[0]), rel=1e-9)
