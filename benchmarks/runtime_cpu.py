@@ -40,9 +40,13 @@ PLANS = {  # name: (ranks, ParallelConfig fields beyond the common ones)
     "tp2": (2, dict(tp=2)),
     "tp2 sp selective": (2, dict(tp=2, sp=True, recompute="selective")),
     "pp2 1f1b": (2, dict(pp=2)),
+    "pp2 interleaved": (2, dict(pp=2, vpp=2)),
+    "pp2 interleaved m8": (2, dict(pp=2, vpp=2, global_batch_size=16)),
     "tp2 dp2 zero3": (4, dict(tp=2, dp=2, zero_stage=3)),
     "pp2 dp2 zero3": (4, dict(pp=2, dp=2, zero_stage=3)),
     "pp2 dp2 tp2 zero3": (8, dict(pp=2, dp=2, tp=2, zero_stage=3)),
+    "pp2 dp2 zero3 interleaved": (4, dict(pp=2, dp=2, zero_stage=3, vpp=2,
+                                          global_batch_size=16)),
 }
 COMMON = dict(global_batch_size=8, micro_batch_size=2, seq_len=64, dtype="fp32")
 

@@ -91,12 +91,31 @@ def _free_port() -> str:
         return str(probe.getsockname()[1])
 
 
-def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: int,
-            heads: tuple[int, int], port: str, out_dir: str) -> None:
+def _init_rank(rank: int, world_size: int, port: str) -> None:
+    """Join the spawned run's gloo group as ``rank`` (rendezvous on ``port``, one thread)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=dp * tp,
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=dt.timedelta(seconds=60))
+
+
+def _spawn(worker, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """Run ``worker(rank, *args)`` on ``nprocs`` spawned processes; past ``timeout_s`` kill
+    them and raise."""
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:  # join returns once per exited process
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise RuntimeError(f"torchtitan CPU run did not finish in {timeout_s} s")
+
+
+def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: int,
+            heads: tuple[int, int], port: str, out_dir: str) -> None:
+    _init_rank(rank, dp * tp, port)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     _stub_moe_kernels()
@@ -152,16 +171,8 @@ def measure(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
             vocab: int = TINY_VOCAB, heads: tuple[int, int] = TINY_HEADS) -> list[int]:
     """Per-rank peak bytes of torchtitan's step under ``policy``."""
     with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_worker, args=(policy, micro_batch, dp, tp, vocab, heads,
-                                                          _free_port(), tmp),
-                                     nprocs=dp * tp, join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:  # join returns once per exited process
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise RuntimeError(f"torchtitan CPU run did not finish in {TIMEOUT_S} s")
+        _spawn(_worker, (policy, micro_batch, dp, tp, vocab, heads, _free_port(), tmp),
+               dp * tp, TIMEOUT_S)
         return [json.loads(Path(tmp, f"rank{r}.json").read_text())["peak_bytes"]
                 for r in range(dp * tp)]
 

@@ -235,18 +235,37 @@ def pipeline_recv_buffer_bytes(framework: str, *, boundary_bytes: float, micro_b
     return directions * micro_batches * boundary_bytes
 
 
-def pipeline_send_in_flight_bytes(framework: str, *, boundary_bytes: float,
-                                  stages: int) -> float:
-    """The boundary tensor of the last send still held at a stage's peak (bytes per rank).
+def pipeline_send_in_flight_bytes(framework: str, *, boundary_bytes: float, stages: int,
+                                  micro_batches: int = 1, stage: int = 0, vpp: int = 1,
+                                  gloo: bool = False) -> float:
+    """Boundary tensors of sends still held at a stage's peak (bytes per rank).
 
     A send of ``torch.distributed.pipelining`` keeps its tensor referenced until the schedule
-    waits on it, and the schedules wait lazily, so the stage's output (first stage) or its
-    input gradient (last stage) of the previous micro-batch is still alive at the peak.
-    Measured with the runtime's live-tensor tracker at the peaks of pp2 x dp4 ZeRO-3 (a 0.32 B
-    Llama shape on 8 CPU processes, ``benchmarks/large_cpu_rss.py``): one 128 x 1536 fp32
-    tensor on each stage beside the receive buffers, the first stage's a block output and the
-    last stage's a residual gradient."""
-    return boundary_bytes if framework in ("meshplan", "torchtitan") and stages > 1 else 0.0
+    waits on it. The single-stage schedules (1F1B) wait lazily, each send before the next, so
+    the stage's output (first stage) or its input gradient (last stage) of the previous
+    micro-batch is still alive at the peak. Measured with the runtime's live-tensor tracker at
+    the peaks of pp2 x dp4 ZeRO-3 (a 0.32 B Llama shape on 8 CPU processes,
+    ``benchmarks/large_cpu_rss.py``): one 128 x 1536 fp32 tensor on each stage beside the
+    receive buffers, the first stage's a block output and the last stage's a residual
+    gradient.
+
+    The interleaved schedule (``ScheduleInterleaved1F1B``, a ``_PipelineScheduleRuntime`` in
+    torch distributed/pipelining/schedules.py) keeps every send's work in a list it waits on
+    only when the step ends. What a work holds then depends on the backend: ``gloo``'s send
+    work keeps its tensor until the work is destroyed, so on the CPU each chunk's sends of all
+    ``micro_batches`` stay referenced, one per micro-batch and direction as the receive buffers
+    (``pipeline_recv_buffer_bytes``; torchtitan's and meshplan's interleaved steps on this CPU,
+    ``benchmarks/torchtitan_cpu_pp_memory.py`` and ``benchmarks/runtime_cpu.py``, grow by both
+    per micro-batch); NCCL's watchdog hands a completed work's stashed tensors back to be
+    freed without a ``wait()`` (ProcessGroupNCCL.hpp, ``shelvesToUnstash_``), so on GPUs a
+    send lives about as long as under 1F1B."""
+    if framework not in ("meshplan", "torchtitan") or stages == 1:
+        return 0.0
+    if vpp == 1 or not gloo:
+        return boundary_bytes
+    return pipeline_recv_buffer_bytes(framework, boundary_bytes=boundary_bytes,
+                                      micro_batches=micro_batches, stage=stage, stages=stages,
+                                      vpp=vpp)
 
 
 def pipelined_fsdp_reduce_scatter_bytes(*, largest_group_params: float, shard: int) -> float:

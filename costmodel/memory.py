@@ -179,7 +179,7 @@ def persistent_layer_params(model: ModelSpec) -> int:
 
 
 def stage_recv_buffer_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
-                            framework: str) -> float:
+                            framework: str, *, device_key: str = "") -> float:
     """Pipeline communication buffers of ``stage``: the receive buffers
     (``frameworks.pipeline_recv_buffer_bytes``) and the send in flight
     (``frameworks.pipeline_send_in_flight_bytes``); the boundary tensor is one micro-batch's
@@ -193,7 +193,10 @@ def stage_recv_buffer_bytes(model: ModelSpec, config: ParallelConfig, stage: int
                                        micro_batches=config.grad_accum_steps, stage=stage,
                                        stages=config.pp, vpp=config.vpp)
             + pipeline_send_in_flight_bytes(framework, boundary_bytes=boundary,
-                                            stages=config.pp))
+                                            stages=config.pp,
+                                            micro_batches=config.grad_accum_steps,
+                                            stage=stage, vpp=config.vpp,
+                                            gloo=device_key == CPU_DEVICE_KEY))
 
 
 def stage_states(model: ModelSpec, config: ParallelConfig, stage: int,
@@ -495,7 +498,8 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
         buffers += cache
         persistent += cache
     buffers += gloo_held_gather_bytes(model, config, framework, cluster.gpu.key)
-    recv = stage_recv_buffer_bytes(model, config, stage, framework)
+    recv = stage_recv_buffer_bytes(model, config, stage, framework,
+                                   device_key=cluster.gpu.key)
     gathered = buffers + recv  # gather and gradient buffers with the pipeline's
     buffers += recv
     persistent += recv
@@ -677,8 +681,14 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
         if config.pp > 1:  # the stage's fp32 gradient accumulators (torchtitan_fsdp_buffer_bytes)
             at_loss += act.FP32_BYTES * (params.dense + params.expert)
         in_block = buffers
-    recv = stage_recv_buffer_bytes(model, config, stage, "torchtitan")
-    live_grads = states.grads if config.grad_accum_steps > 1 else 0.0
+    recv = stage_recv_buffer_bytes(model, config, stage, "torchtitan", device_key=device_key)
+    # gradients accumulated over micro-batches in the sharded .grad (FSDP2 syncs every
+    # micro-batch); under PP the schedule turns the sync off until the last micro-batch's
+    # backward, after zero_grad, so no sharded gradient exists before it (the fp32 accumulators
+    # are in the buffers: torchtitan_fsdp_buffer_bytes, pipelined), as benchmarks/
+    # torchtitan_cpu_pp_memory.py measured on torchtitan's own code path
+    pipelined_fsdp = config.pp > 1 and config.zero_stage >= 2
+    live_grads = states.grads if config.grad_accum_steps > 1 and not pipelined_fsdp else 0.0
     swiglu_grads = act.backward_workspace_bytes(model, config, weight_grad_bytes=compute_bytes,
                                                 accumulating=False)
     if config.zero_stage == 3 and config.pp == 1:

@@ -16,7 +16,8 @@ from meshplan.costmodel import activations as act
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.estimate import estimate
 from meshplan.costmodel.hardware import load_cluster
-from meshplan.costmodel.frameworks import pipeline_recv_buffer_bytes
+from meshplan.costmodel.frameworks import (pipeline_recv_buffer_bytes,
+                                           pipeline_send_in_flight_bytes)
 from meshplan.costmodel.memory import last_stage_head_bytes, stage_activation_bytes
 from meshplan.costmodel.memory_runs import compare, memory_runs
 from meshplan.costmodel.models import load_model
@@ -191,6 +192,32 @@ def test_pipeline_receive_buffers_one_per_microbatch_and_direction(stage, stages
         directions * 4 * 1000.0
     assert pipeline_recv_buffer_bytes("megatron", boundary_bytes=1000.0, micro_batches=4,
                                       stage=stage, stages=stages, vpp=vpp) == 0.0
+
+
+@pytest.mark.parametrize("stage, stages, vpp, held", [
+    (0, 2, 1, 1),  # 1F1B waits each send before the next: one boundary tensor
+    (1, 2, 1, 1),
+    (0, 2, 2, 3 * 8),  # interleaved: chunk 0 sends activations, chunk 2 activations and
+    (1, 2, 2, 3 * 8),  # gradients, all 8 micro-batches' kept until the step ends
+    (1, 4, 2, 4 * 8),  # chunks 1 and 5 of 8 send both ways
+    (0, 1, 1, 0),  # no pipeline
+])
+def test_pipeline_sends_held_until_waited_on_gloo(stage, stages, vpp, held):
+    """torch's single-stage schedules wait each send before the next; the interleaved one (a
+    ``_PipelineScheduleRuntime`` in torch distributed/pipelining/schedules.py) appends every
+    send's work to ``send_ops`` and waits on them when the step ends, and gloo's works keep
+    their tensors until then. NCCL's watchdog frees a completed send's tensors without a
+    wait, so on GPUs one send is in flight under either schedule."""
+    for framework in ("meshplan", "torchtitan"):
+        assert pipeline_send_in_flight_bytes(framework, boundary_bytes=1000.0, stages=stages,
+                                             micro_batches=8, stage=stage, vpp=vpp,
+                                             gloo=True) == held * 1000.0
+        assert pipeline_send_in_flight_bytes(framework, boundary_bytes=1000.0, stages=stages,
+                                             micro_batches=8, stage=stage, vpp=vpp,
+                                             gloo=False) == min(held, 1) * 1000.0
+    assert pipeline_send_in_flight_bytes("megatron", boundary_bytes=1000.0, stages=stages,
+                                         micro_batches=8, stage=stage, vpp=vpp,
+                                         gloo=True) == 0.0
 
 
 def test_backward_workspace_of_the_tiny_layer():
