@@ -2,17 +2,20 @@
 
 Builds torchtitan 0.2.2's llama3 ``Transformer`` in meshplan's ``tiny`` shape (optionally more
 layers), splits it into pipeline stages as torchtitan does (``generate_llm_fqn_per_model_part``
-with its default weights, the embedding and the output head counted as one layer each, then
-``pipeline_module_split``: one stage per rank for ``1F1B``, two for ``Interleaved1F1B``,
-the two schedules a meshplan plan names), applies ``apply_ac`` and ``apply_fsdp(pp_enabled=True)`` (FSDP2 over
-``--dp`` gloo ranks, fp32 on CPU, parameters not resharded after forward) to every stage, and
-runs torchtitan's pipelined train step (``schedule.step`` with the loss inside the schedule,
+with its default weights, the embedding and the output head counted as one layer each; with
+``--even`` as many blocks in every model part, as meshplan's export writes
+``module_fqns_per_model_part``), then ``pipeline_module_split``: one stage per rank for
+``1F1B``, two for ``Interleaved1F1B``, the two schedules a meshplan plan names. Every stage
+gets ``apply_tp`` under ``--tp`` > 1 (sequence and loss parallelism, torchtitan's defaults),
+``apply_ac`` and ``apply_fsdp(pp_enabled=True)`` (FSDP2 over ``--dp`` gloo ranks, fp32 on CPU,
+parameters not resharded after forward); then torchtitan's pipelined train step runs
+(``schedule.step`` with the loss inside the schedule, under ``loss_parallel()`` with TP,
 ``return_outputs=False``; fused AdamW over all of the rank's stages). Peaks are live tensor
-bytes (``meshplan.runtime.memory.PeakMemory``) over steps 2-3; the prediction is
-``estimate(..., framework="torchtitan")``'s peak of the rank's pipeline stage for the same
-plan on the ``cpu`` cluster.
+bytes (``meshplan.runtime.memory.PeakMemory``, loss parallelism's local temporaries tracked)
+over steps 2-3; the prediction is ``estimate(..., framework="torchtitan")``'s peak of the
+rank's pipeline stage for the same plan on the ``cpu`` cluster.
 
-    python benchmarks/torchtitan_cpu_pp_memory.py [--pp 2] [--dp 1] [--schedule 1F1B]
+    python benchmarks/torchtitan_cpu_pp_memory.py [--pp 2] [--dp 1] [--tp 1] [--schedule 1F1B]
         [--microbatches 4] [--micro-batch 2] [--layers 6] [--policy full] [--even]
     python benchmarks/torchtitan_cpu_pp_memory.py --recorded   # the plans of memory_runs.json
 
@@ -36,15 +39,16 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchtitan_cpu_memory import (SEQ_LEN, TINY_HEADS, TINY_VOCAB,  # noqa: E402
                                    _ac_config, _free_port, _init_rank, _spawn,
-                                   _stub_moe_kernels)
+                                   _stub_moe_kernels, _track_loss_parallel)
 
 STEPS = 3
 TIMEOUT_S = 240
 RESULTS = Path(__file__).resolve().parent / "results"
-RECORDED = (  # schedule, dp, micro-batches, policy
-    ("1F1B", 1, 4, "full"), ("1F1B", 2, 8, "none"),
-    ("Interleaved1F1B", 1, 8, "full"), ("Interleaved1F1B", 1, 4, "none"),
-    ("Interleaved1F1B", 2, 4, "op"),
+RECORDED = (  # schedule, dp, tp, micro-batches, policy
+    ("1F1B", 1, 1, 4, "full"), ("1F1B", 2, 1, 8, "none"),
+    ("Interleaved1F1B", 1, 1, 8, "full"), ("Interleaved1F1B", 1, 1, 4, "none"),
+    ("Interleaved1F1B", 2, 1, 4, "op"),
+    ("1F1B", 1, 2, 4, "op"), ("Interleaved1F1B", 1, 2, 8, "none"), ("1F1B", 2, 2, 4, "full"),
 )
 SCHEDULES = ("1F1B", "Interleaved1F1B")
 """The torch.distributed.pipelining schedules of meshplan's plans (vpp 1 and 2; two stages per
@@ -61,10 +65,13 @@ def _even_split(stages: int, layers: int) -> list[list[str]]:
     return names
 
 
-def _worker(rank: int, pp: int, dp: int, schedule_name: str, microbatches: int,
+def _worker(rank: int, pp: int, dp: int, tp: int, schedule_name: str, microbatches: int,
             micro_batch: int, layers: int, policy: str, even: bool, port: str,
             out_dir: str) -> None:
-    _init_rank(rank, pp * dp, port)
+    _init_rank(rank, pp * dp * tp, port)
+    import contextlib
+
+    from torch.distributed.tensor.parallel import loss_parallel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
@@ -73,13 +80,14 @@ def _worker(rank: int, pp: int, dp: int, schedule_name: str, microbatches: int,
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.distributed.pipeline_parallel import (generate_llm_fqn_per_model_part,
                                                           pipeline_module_split)
-    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_fsdp
+    from torchtitan.models.llama3.infra.parallelize import (_op_sac_save_list, apply_fsdp,
+                                                            apply_tp)
     from torchtitan.models.llama3.model.args import TransformerModelArgs
     from torchtitan.models.llama3.model.model import Transformer
 
     from meshplan.runtime.memory import PeakMemory
 
-    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "fsdp"))
+    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "fsdp", "tp"))
     args = TransformerModelArgs(dim=64, n_layers=layers, n_heads=TINY_HEADS[0],
                                 n_kv_heads=TINY_HEADS[1], vocab_size=TINY_VOCAB,
                                 multiple_of=16, max_seq_len=SEQ_LEN)
@@ -88,6 +96,7 @@ def _worker(rank: int, pp: int, dp: int, schedule_name: str, microbatches: int,
     stages_total = pp * (2 if looped else 1)
     torch.manual_seed(0)
     peak = PeakMemory(torch.device("cpu"))
+    _track_loss_parallel(peak)
     with peak:
         whole = Transformer(args)
         with torch.no_grad():
@@ -98,6 +107,8 @@ def _worker(rank: int, pp: int, dp: int, schedule_name: str, microbatches: int,
                                               torch.device("cpu"), names)
         del whole
         for stage, part in zip(stages, parts):
+            if tp > 1:  # sequence and loss parallelism, as torchtitan's defaults
+                apply_tp(part, mesh["tp"], loss_parallel=True, enable_float8_tensorwise_tp=False)
             if policy != "none":
                 apply_ac(part, _ac_config(policy), op_sac_save_list=_op_sac_save_list)
             apply_fsdp(part, mesh["fsdp"], param_dtype=torch.float32,
@@ -112,19 +123,22 @@ def _worker(rank: int, pp: int, dp: int, schedule_name: str, microbatches: int,
         last = any(stage.is_last for stage in stages)
         optimizer = torch.optim.AdamW([p for part in parts for p in part.parameters()],
                                       lr=1e-3, fused=True)
-        # the ranks of one pipeline read the same batch; each data-parallel rank its own
+        # the ranks of one pipeline and TP group read the same batch; each data-parallel rank
+        # its own
         tokens = torch.randint(0, TINY_VOCAB, (microbatches * micro_batch, SEQ_LEN + 1),
-                               generator=torch.Generator().manual_seed(rank % dp))
+                               generator=torch.Generator().manual_seed(
+                                   mesh["fsdp"].get_local_rank()))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         for step in range(STEPS):
             optimizer.zero_grad()
             if step == 1:
                 peak.reset()
             targets, losses = (labels, []) if last else (None, None)
-            if first:
-                schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
-            else:
-                schedule.step(target=targets, losses=losses, return_outputs=False)
+            with loss_parallel() if tp > 1 else contextlib.nullcontext():
+                if first:
+                    schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+                else:
+                    schedule.step(target=targets, losses=losses, return_outputs=False)
             optimizer.step()
     stage_ids = [stage.stage_index for stage in stages]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
@@ -133,18 +147,19 @@ def _worker(rank: int, pp: int, dp: int, schedule_name: str, microbatches: int,
     dist.destroy_process_group()
 
 
-def measure(*, pp: int = 2, dp: int = 1, schedule: str = "1F1B", microbatches: int = 4,
-            micro_batch: int = 2, layers: int = 6, policy: str = "full",
+def measure(*, pp: int = 2, dp: int = 1, tp: int = 1, schedule: str = "1F1B",
+            microbatches: int = 4, micro_batch: int = 2, layers: int = 6, policy: str = "full",
             even: bool = False) -> list[dict]:
     """Per rank: its pipeline rank, its stage indices and its peak bytes."""
     with tempfile.TemporaryDirectory() as tmp:
-        _spawn(_worker, (pp, dp, schedule, microbatches, micro_batch, layers, policy, even,
-                         _free_port(), tmp), pp * dp, TIMEOUT_S)
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(pp * dp)]
+        _spawn(_worker, (pp, dp, tp, schedule, microbatches, micro_batch, layers, policy, even,
+                         _free_port(), tmp), pp * dp * tp, TIMEOUT_S)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text())
+                for r in range(pp * dp * tp)]
 
 
-def predict(*, pp: int = 2, dp: int = 1, schedule: str = "1F1B", microbatches: int = 4,
-            micro_batch: int = 2, layers: int = 6, policy: str = "full",
+def predict(*, pp: int = 2, dp: int = 1, tp: int = 1, schedule: str = "1F1B",
+            microbatches: int = 4, micro_batch: int = 2, layers: int = 6, policy: str = "full",
             even: bool = False) -> list[float]:
     """Predicted peak bytes per pipeline rank (``even`` does not change the model's split)."""
     del even
@@ -153,14 +168,15 @@ def predict(*, pp: int = 2, dp: int = 1, schedule: str = "1F1B", microbatches: i
     from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
     recompute = policy if policy in ("full", "none") else "selective"
     selective_ac = "op" if policy in ("full", "none") else policy
-    config = ParallelConfig(pp=pp, dp=dp, vpp=2 if schedule == "Interleaved1F1B" else 1,
+    config = ParallelConfig(pp=pp, dp=dp, tp=tp, sp=tp > 1,
+                            vpp=2 if schedule == "Interleaved1F1B" else 1,
                             zero_stage=3, recompute=recompute, selective_ac=selective_ac,
                             micro_batch_size=micro_batch,
                             global_batch_size=dp * micro_batch * microbatches,
                             seq_len=SEQ_LEN, dtype="fp32")
     model = dataclasses.replace(load_model("tiny"), num_layers=layers, vocab_size=TINY_VOCAB,
                                 num_heads=TINY_HEADS[0], num_kv_heads=TINY_HEADS[1])
-    est = estimate(model, load_cluster("cpu", nodes=1, gpus_per_node=pp * dp), config,
+    est = estimate(model, load_cluster("cpu", nodes=1, gpus_per_node=pp * dp * tp), config,
                    framework="torchtitan")
     return [stage.peak_bytes for stage in est.memory.per_stage]
 
@@ -170,6 +186,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks")
     parser.add_argument("--dp", type=int, default=1, help="FSDP ranks per stage")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks (SP and loss parallelism on)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1F1B")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=2)
@@ -184,30 +202,32 @@ def main() -> None:
     if args.recorded:
         record()
         return
-    plan = dict(pp=args.pp, dp=args.dp, schedule=args.schedule, microbatches=args.microbatches,
+    plan = dict(pp=args.pp, dp=args.dp, tp=args.tp, schedule=args.schedule,
+                microbatches=args.microbatches,
                 micro_batch=args.micro_batch, layers=args.layers, policy=args.policy,
                 even=args.even)
     predicted = predict(**plan)
     for row in measure(**plan):
         stage = row["pp_rank"]
-        print(f"{args.schedule} pp {args.pp} dp {args.dp} m {args.microbatches} "
+        print(f"{args.schedule} pp {args.pp} dp {args.dp} tp {args.tp} m {args.microbatches} "
               f"mb {args.micro_batch} layers {args.layers} {args.policy}: pp rank {stage} "
               f"(stages {row['stages']}) measured {row['peak_bytes']} B, predicted "
               f"{predicted[stage]:.0f} B, error {predicted[stage] / row['peak_bytes'] - 1:+.3f}")
 
 
 def record() -> None:
-    """Run ``RECORDED`` (pp 2, 8 blocks, micro-batch 2, even split) and write the per-rank
-    measured and predicted peaks."""
+    """Run ``RECORDED`` (pp 2, 8 blocks, micro-batch 2, even split; TP with SP and loss
+    parallelism) and write the per-rank measured and predicted peaks."""
     rows = []
-    for schedule, dp, microbatches, policy in RECORDED:
-        plan = dict(pp=2, dp=dp, schedule=schedule, microbatches=microbatches, micro_batch=2,
-                    layers=8, policy=policy, even=True)
+    for schedule, dp, tp, microbatches, policy in RECORDED:
+        plan = dict(pp=2, dp=dp, tp=tp, schedule=schedule, microbatches=microbatches,
+                    micro_batch=2, layers=8, policy=policy, even=True)
         predicted = predict(**plan)
         for row in measure(**plan):
             rows.append({**plan, **row, "predicted_bytes": predicted[row["pp_rank"]],
                          "error": predicted[row["pp_rank"]] / row["peak_bytes"] - 1})
-            print(f"{schedule} dp {dp} m {microbatches} {policy}: pp rank {row['pp_rank']} "
+            print(f"{schedule} dp {dp} tp {tp} m {microbatches} {policy}: pp rank "
+                  f"{row['pp_rank']} "
                   f"measured {row['peak_bytes']} B, predicted {rows[-1]['predicted_bytes']:.0f} "
                   f"B, error {rows[-1]['error']:+.3f}")
     RESULTS.mkdir(exist_ok=True)
