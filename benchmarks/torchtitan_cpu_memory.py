@@ -113,19 +113,44 @@ def _spawn(worker, args: tuple, nprocs: int, timeout_s: float) -> None:
             raise RuntimeError(f"torchtitan CPU run did not finish in {timeout_s} s")
 
 
+def _new_model(args):
+    """torchtitan's llama3 ``Transformer`` for ``args``, its weights initialised."""
+    from torchtitan.models.llama3.model.model import Transformer
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def _parallelize(model, mesh, *, tp: int, policy: str, pp_enabled: bool) -> None:
+    """torchtitan's parallelisms on ``model`` (a whole model or one pipeline part), in its
+    order: ``apply_tp`` under ``tp`` > 1 (sequence and loss parallelism, its defaults),
+    ``apply_ac`` under ``policy``, ``apply_fsdp`` over the mesh's ``fsdp`` dimension (fp32
+    parameters and reduce on the CPU), each FSDP module reducing with SUM (gloo has no
+    PREMUL_SUM)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.llama3.infra.parallelize import (_op_sac_save_list, apply_fsdp,
+                                                            apply_tp)
+    if tp > 1:
+        apply_tp(model, mesh["tp"], loss_parallel=True, enable_float8_tensorwise_tp=False)
+    if policy != "none":
+        apply_ac(model, _ac_config(policy), op_sac_save_list=_op_sac_save_list)
+    apply_fsdp(model, mesh["fsdp"], param_dtype=torch.float32, reduce_dtype=torch.float32,
+               pp_enabled=pp_enabled)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: int,
             heads: tuple[int, int], port: str, out_dir: str) -> None:
     _init_rank(rank, dp * tp, port)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
     _stub_moe_kernels()
-    from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.distributed.activation_checkpoint import apply_ac
     from torch.distributed.tensor.parallel import loss_parallel
-    from torchtitan.models.llama3.infra.parallelize import (_op_sac_save_list, apply_fsdp,
-                                                            apply_tp)
+    from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.models.llama3.model.args import TransformerModelArgs
-    from torchtitan.models.llama3.model.model import Transformer
 
     from meshplan.runtime.memory import PeakMemory
 
@@ -136,18 +161,8 @@ def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: i
     peak = PeakMemory(torch.device("cpu"))
     _track_loss_parallel(peak)
     with peak:
-        model = Transformer(args)
-        with torch.no_grad():
-            model.init_weights()
-        if tp > 1:
-            apply_tp(model, mesh["tp"], loss_parallel=True, enable_float8_tensorwise_tp=False)
-        if policy != "none":
-            apply_ac(model, _ac_config(policy), op_sac_save_list=_op_sac_save_list)
-        apply_fsdp(model, mesh["fsdp"], param_dtype=torch.float32, reduce_dtype=torch.float32,
-                   pp_enabled=False)
-        for module in model.modules():  # gloo has no PREMUL_SUM: reduce with SUM instead
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
+        model = _new_model(args)
+        _parallelize(model, mesh, tp=tp, policy=policy, pp_enabled=False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         # the ranks of one TP group read the same batch
         tokens = torch.randint(0, vocab, (micro_batch, SEQ_LEN + 1),

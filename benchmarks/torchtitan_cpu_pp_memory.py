@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchtitan_cpu_memory import (SEQ_LEN, TINY_HEADS, TINY_VOCAB,  # noqa: E402
-                                   _ac_config, _free_port, _init_rank, _spawn,
+                                   _free_port, _init_rank, _new_model, _parallelize, _spawn,
                                    _stub_moe_kernels, _track_loss_parallel)
 
 STEPS = 3
@@ -73,17 +73,12 @@ def _worker(rank: int, pp: int, dp: int, tp: int, schedule_name: str, microbatch
 
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
     _stub_moe_kernels()
     from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.distributed.pipeline_parallel import (generate_llm_fqn_per_model_part,
                                                           pipeline_module_split)
-    from torchtitan.models.llama3.infra.parallelize import (_op_sac_save_list, apply_fsdp,
-                                                            apply_tp)
     from torchtitan.models.llama3.model.args import TransformerModelArgs
-    from torchtitan.models.llama3.model.model import Transformer
 
     from meshplan.runtime.memory import PeakMemory
 
@@ -98,24 +93,14 @@ def _worker(rank: int, pp: int, dp: int, tp: int, schedule_name: str, microbatch
     peak = PeakMemory(torch.device("cpu"))
     _track_loss_parallel(peak)
     with peak:
-        whole = Transformer(args)
-        with torch.no_grad():
-            whole.init_weights()
+        whole = _new_model(args)
         names = (_even_split(stages_total, layers) if even
                  else generate_llm_fqn_per_model_part(stages_total, layers))
         stages, parts = pipeline_module_split(whole, mesh["pp"], schedule_name,
                                               torch.device("cpu"), names)
         del whole
         for stage, part in zip(stages, parts):
-            if tp > 1:  # sequence and loss parallelism, as torchtitan's defaults
-                apply_tp(part, mesh["tp"], loss_parallel=True, enable_float8_tensorwise_tp=False)
-            if policy != "none":
-                apply_ac(part, _ac_config(policy), op_sac_save_list=_op_sac_save_list)
-            apply_fsdp(part, mesh["fsdp"], param_dtype=torch.float32,
-                       reduce_dtype=torch.float32, pp_enabled=True)
-            for module in part.modules():  # gloo has no PREMUL_SUM: reduce with SUM instead
-                if isinstance(module, FSDPModule):
-                    module.set_force_sum_reduction_for_comms(True)
+            _parallelize(part, mesh, tp=tp, policy=policy, pp_enabled=True)
             stage.submod = part
         schedule = schedule_class(stages if looped else stages[0], n_microbatches=microbatches,
                                   loss_fn=cross_entropy_loss, scale_grads=False)
