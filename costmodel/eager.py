@@ -168,21 +168,17 @@ def float8_cast_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bool = F
     output gradient. Those are the q, k, v and output projections and the MLP's matrices
     (TP-sharded widths); an MoE layer's experts are not ``nn.Linear`` modules (the linear
     converter leaves them, and the router, in bf16), so there only the projections count.
+    torchao converts each ``nn.Linear`` on its own, so the block input is cast once for each of
+    wq, wk and wv and the MLP input once for each of w1 and w3.
 
-    ``transformer_engine``: Megatron-LM's Transformer Engine linears under the per-tensor
-    current-scaling recipe meshplan's Megatron-LM export asks for (``--fp8-recipe
-    tensorwise``): each activation and gradient cast needs its tensor's max-abs first, as
-    torchao's eager casts do; but Megatron-core marks a step's first micro-batch
-    (``set_is_first_microbatch``), on which TE casts the weights and caches their float8
-    copies for the step's other micro-batches, so the weights are left out here and cast once
-    per step (``timing.te_weight_cast_s``). Under TE's delayed scaling
-    (``ParallelConfig.float8_recipe``) the scale comes from an amax history the cast kernel
-    updates as it writes, so there is no max-abs pass."""
+    ``transformer_engine``: Megatron-LM's Transformer Engine linears
+    (``te_float8_cast_bytes``)."""
+    if transformer_engine:
+        return te_float8_cast_bytes(model, config, moe=moe, tokens=tokens)
     t = config.tp
     h = model.hidden_size
     q, kv = model.q_size / t, model.kv_size / t
-    amax = 0 if config.compile != "none" or (
-        transformer_engine and config.float8_recipe == "delayed") else FLOAT8_AMAX_BYTES
+    amax = 0 if config.compile != "none" else FLOAT8_AMAX_BYTES
     activation = FLOAT8_INPUT_BYTES + amax
     inputs = 3 * h + q  # x into q, k and v; the attention output into its projection
     grads = q + 2 * kv + h
@@ -191,9 +187,65 @@ def float8_cast_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bool = F
         f = model.ffn_hidden_size / t
         inputs += (mats - 1) * h + f  # the MLP's input matrices, then its inner width
         grads += (mats - 1) * f + h
-    weights = 0.0 if transformer_engine else FLOAT8_WEIGHT_BYTES * float8_weight_elements(
-        model, config, moe=moe)
+    weights = FLOAT8_WEIGHT_BYTES * float8_weight_elements(model, config, moe=moe)
     return activation * (inputs + grads) * tokens + weights
+
+
+TE_FUSED_INPUT_BYTES = 1 + 2 * 1
+"""Per element of a linear input that Transformer Engine's norm or activation kernel writes
+in float8 itself under delayed scaling (``layernorm_fwd_fp8`` before ``linear_qkv`` and
+``linear_fc1``, ``fp8_gelu`` / its gated forms before ``linear_fc2``): the float8 write (1),
+then the transpose the weight-gradient GEMM reads (``fp8_transpose``: read 1, write 1). No
+bf16 copy is read back for a cast."""
+TE_FUSED_GRAD_BYTES = 2 * 1
+"""Per element of ``linear_fc1``'s output gradient under delayed scaling: the activation's
+backward writes it in float8 twice, row- and column-major
+(``fp8_cast_transpose_bgrad_dgelu_fused``), where a bf16 gradient (2 bytes) would then be read
+back (2) by a cast-transpose writing the two copies; the activation backward's own reads are
+element-wise work of the block's."""
+
+
+def te_float8_cast_bytes(model: ModelSpec, config: ParallelConfig, *, moe: bool = False,
+                         tokens: float) -> float:
+    """HBM bytes of one layer's float8 casts under Transformer Engine, as Megatron-core builds
+    its block: one fused GEMM for q, k and v (``linear_qkv``, a ``TELayerNormColumnParallel
+    Linear``) and one for the MLP's input matrices (``linear_fc1``, gate and up together), so
+    each of those inputs is cast once; then ``linear_proj`` and ``linear_fc2``.
+
+    Under TE's delayed scaling (``ParallelConfig.float8_recipe``; NeMo's default) the scale
+    comes from an amax history the kernels update as they write, so the kernel that produces a
+    linear's input can write it in float8: the norms before ``linear_qkv`` and ``linear_fc1``
+    and the activation before ``linear_fc2`` (``TE_FUSED_INPUT_BYTES``), and the activation's
+    backward writes ``linear_fc1``'s output gradient (``TE_FUSED_GRAD_BYTES``). The rest, the
+    attention output into ``linear_proj`` and the output gradients of ``linear_qkv`` (from the
+    attention backward), ``linear_proj`` and ``linear_fc2`` (from the residual stream), go
+    through a standalone cast-transpose (``FLOAT8_INPUT_BYTES``). Under per-tensor current
+    scaling (``--fp8-recipe tensorwise``, the recipe meshplan's Megatron-LM export asks for) a
+    cast needs its tensor's max-abs first, so no producer can write float8 directly: every cast
+    is standalone with its max-abs pass, as torchao's eager casts are.
+
+    Weights are left out: Megatron-core marks a step's first micro-batch
+    (``set_is_first_microbatch``), on which TE casts the weights and caches their float8
+    copies for the step's other micro-batches, so they are cast once per step
+    (``timing.te_weight_cast_s``)."""
+    t = config.tp
+    h = model.hidden_size
+    q, kv = model.q_size / t, model.kv_size / t
+    standalone = q + (q + 2 * kv) + h  # proj's input; qkv's and proj's output gradients
+    fused_inputs, fused_grads = h, 0.0  # the first norm into linear_qkv
+    if not moe:
+        mats = 3 if model.activation == "swiglu" else 2
+        f = model.ffn_hidden_size / t
+        standalone += h  # linear_fc2's output gradient
+        fused_inputs += h + f  # the second norm into linear_fc1, the activation into fc2
+        fused_grads += (mats - 1) * f  # linear_fc1's output gradient
+    if config.float8_recipe == "delayed":
+        per_token = (FLOAT8_INPUT_BYTES * standalone + TE_FUSED_INPUT_BYTES * fused_inputs
+                     + TE_FUSED_GRAD_BYTES * fused_grads)
+    else:
+        per_token = (FLOAT8_INPUT_BYTES + FLOAT8_AMAX_BYTES) * (standalone + fused_inputs
+                                                                + fused_grads)
+    return per_token * tokens
 
 
 def float8_weight_elements(model: ModelSpec, config: ParallelConfig, *, moe: bool) -> float:

@@ -34,14 +34,6 @@ KNOWN_SHORTFALLS = {
     # rows on A100 measure HFU 0.74, above the eager GEMM efficiency the model gives every
     # eager trainer (0.734 of peak), so part of what compiling gains there is not modelled
     "fms-fsdp-compile": (0.08, 0.13, 0.07),
-    # NeMo 24.07's FP8 table on DGX H100 (Megatron-core + Transformer Engine, delayed
-    # scaling): mean and max within bounds, biased +5.6 %: the TP 1 rows within 7 %, the TP
-    # 2-4 rows +4 % to +11 % slower predicted than measured (GPT-3 175B on 512 GPUs, with
-    # MLPerf's TP overlap, the most); with the H100 GEMM efficiency that Llama 3 (no
-    # recomputation) and Megatron-Core's bf16 table agree on, float8 runs faster than its
-    # same-fraction-of-peak pricing says; no float8 GEMM or Transformer Engine rate has been
-    # measured for this project
-    "nemo-h100-fp8": (0.06, 0.15, 0.06),
     # OLMo-core's throughput table (compiled FSDP2 on 8 H100, bf16 and float8): the 7B and 8B
     # rows 11-14 % slower predicted than measured, the 1B and 13B within 4 % but 13B float8
     "olmo-core-h100": (0.09, 0.15, 0.07),

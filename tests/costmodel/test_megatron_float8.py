@@ -30,18 +30,23 @@ def _config(**changes) -> ParallelConfig:
 
 def test_te_casts_activations_and_gradients_per_micro_batch_but_not_the_weights():
     """Per element of each linear's input and output gradient: a max-abs read (2 bytes), then
-    a read of the bf16 tensor and two float8 writes (row- and column-major): 6 bytes."""
+    a read of the bf16 tensor and two float8 writes (row- and column-major): 6 bytes.
+    Megatron-core's block has four TE linears (linear_qkv, linear_proj, linear_fc1 with gate
+    and up together, linear_fc2), so the block input and the MLP input are cast once each."""
     model = load_model("llama3-8b")
     tokens = 8192
-    inputs = 3 * H + Q + 2 * H + F  # into wq, wk, wv; wo; w1, w3; w2
-    grads = Q + 2 * KV + H + 2 * F + H  # out of the same seven linears
+    inputs = H + Q + H + F  # into linear_qkv, linear_proj, linear_fc1, linear_fc2
+    grads = Q + 2 * KV + H + 2 * F + H  # out of the same four linears
     expected = 6 * (inputs + grads) * tokens
     assert eager.float8_cast_bytes(model, _config(float8=True), tokens=tokens,
                                    transformer_engine=True) == pytest.approx(expected, rel=1e-12)
-    # torchao (torchtitan, eager) casts the weights on every micro-batch on top: a max-abs
-    # pass and two casts, 2 + 3 + 3 bytes per weight element
+    # torchao (torchtitan, eager) converts seven nn.Linear modules, each casting its own
+    # input (the block input three times, the MLP input twice), and casts the weights on
+    # every micro-batch on top: a max-abs pass and two casts, 2 + 3 + 3 bytes per weight element
+    torchao_inputs = 3 * H + Q + 2 * H + F  # into wq, wk, wv; wo; w1, w3; w2
     assert eager.float8_cast_bytes(model, _config(float8=True), tokens=tokens) \
-        == pytest.approx(expected + 8 * WEIGHTS_PER_LAYER, rel=1e-12)
+        == pytest.approx(6 * (torchao_inputs + grads) * tokens + 8 * WEIGHTS_PER_LAYER,
+                         rel=1e-12)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 4])
@@ -96,18 +101,26 @@ def test_only_torchtitan_gathers_zero3_weights_in_float8():
     assert zero3_gather_bytes(config, params, framework="torchtitan") < 2 * total
 
 
-def test_te_delayed_scaling_drops_the_max_abs_passes():
+def test_te_delayed_scaling_drops_the_max_abs_passes_and_fuses_casts_into_producers():
     """Transformer Engine's delayed scaling (``float8_recipe="delayed"``, NeMo's default) takes
-    its scales from an amax history the cast kernel updates: each activation and gradient
-    cast moves 4 bytes per element instead of 6, and the once-per-step weight cast 6 per weight
-    element instead of 8."""
+    its scales from an amax history the kernels update: a standalone cast-transpose moves 4
+    bytes per element (read bf16, write two float8 copies) instead of 6, and the once-per-step
+    weight cast 6 per weight element instead of 8. The kernel that produces a linear's input
+    can then write it in float8 itself: the two norms (into linear_qkv and linear_fc1) and the
+    SwiGLU (into linear_fc2) write 1 byte, transposed later for the weight gradient (read 1,
+    write 1): 3 bytes; the SwiGLU's backward writes linear_fc1's output gradient in both
+    layouts: 2 bytes. The attention output and the other three output gradients are cast on
+    their own."""
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
     tokens = 8192
-    inputs = 3 * H + Q + 2 * H + F
-    grads = Q + 2 * KV + H + 2 * F + H
+    standalone = Q + (Q + 2 * KV) + H + H  # proj in; qkv, proj and fc2 output gradients
+    by_norms_and_activation = H + H + F
+    by_activation_backward = 2 * F
+    expected = (4 * standalone + 3 * by_norms_and_activation + 2 * by_activation_backward) \
+        * tokens
     delayed = _config(float8=True, float8_recipe="delayed")
     assert eager.float8_cast_bytes(model, delayed, tokens=tokens, transformer_engine=True) \
-        == pytest.approx(4 * (inputs + grads) * tokens, rel=1e-12)
+        == pytest.approx(expected, rel=1e-12)
     calibration = default_calibration()
     rate = (cluster.gpu.hbm_bytes_per_s
             * calibration.device(cluster.gpu.key).memory_efficiency)
