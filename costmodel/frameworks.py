@@ -490,8 +490,8 @@ def deepspeed_host_bytes_per_node(*, total_params: float, zero_stage: int, offlo
 FLOAT8_FRAMEWORKS = ("torchtitan", "megatron")
 """Frameworks whose float8 training the cost model prices: torchtitan's torchao float8
 linears, and Megatron-LM's Transformer Engine linears (``--fp8-recipe tensorwise``, per-tensor
-current scaling, or delayed scaling, the weights cast on a step's first micro-batch and cached for the rest:
-``eager.te_float8_cast_bytes``). MoE experts are priced in bf16 under both (TE's grouped expert
+current scaling, or delayed scaling; the weights cast on a step's first micro-batch and cached
+for the rest: ``eager.te_float8_cast_bytes``). MoE experts are priced in bf16 under both (TE's grouped expert
 linears run float8 too: not modelled)."""
 
 
