@@ -8,6 +8,10 @@ the host AdamW step). This script times each on the GPU it runs on, in bf16:
 
 - ``gemm``: the projection and MLP products of Llama-3.2-1B, Llama-3-8B and Llama-3-70B
   layers (``[tokens, h] x [h, n]``) at 512 to 16,384 tokens, and an 8192-cube;
+- ``narrow_gemm``: the products of MPT-125M to MPT-1B layers (hidden 768 to 2,048, fused QKV,
+  a GeLU MLP four times as wide) and of their tied LM head (vocabulary 50,368) at 8,192 and
+  49,152 tokens: reduction widths below the Llama cases', where pricing llm-foundry's fused
+  cross entropy leaves the small MPT models 7-17 % short (benchmarks/README.md);
 - ``attention``: causal SDPA forward and forward+backward with the flash backend and, where
   torch has it, cuDNN's, at sequence 2k-8k and head size 64/128 (FLOPs counted as the cost
   model counts them: causal forward ``2 * 2 * s * q / 2`` per token, backward twice forward),
@@ -73,6 +77,13 @@ LAYERS = {  # name: (hidden, q size, kv size, ffn hidden), from the models' conf
     "llama3-70b": (8192, 8192, 1024, 28672),
 }
 TOKENS = (512, 2048, 4096, 8192, 16384)
+NARROW_LAYERS = {  # name: (hidden, ffn hidden); MPT's GeLU MLP, its vocabulary 50,368
+    "mpt-125m": (768, 3072),
+    "mpt-350m": (1024, 4096),
+    "mpt-760m": (1536, 6144),
+    "mpt-1b": (2048, 8192),
+}
+NARROW_VOCAB, NARROW_TOKENS = 50368, (8192, 49152)
 ATTENTION = ((2048, 128), (4096, 128), (8192, 128), (4096, 64), (16384, 128), (32768, 128))
 """(sequence, head size) of the attention cases; 16,384 tokens a call (batch = 16384 / s; one
 sequence of s beyond) and 16 query heads of 128 (32 of 64), 8 key-value heads of 128 (16 of
@@ -153,6 +164,30 @@ def gemm_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dry_run
                      predicted_efficiency=_predicted_gemm(cal, flop, side, peak),
                      predicted_efficiency_megatron=_predicted_gemm(cal, flop, side, peak,
                                                                    eager=False)))
+    return rows
+
+
+def narrow_gemm_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dry_run: bool,
+                     peak: float, cal) -> list[dict]:
+    """``narrow_gemm``: each MPT layer product and the tied LM head's forward product
+    (``[tokens, h] x [h, vocab]``) at ``NARROW_TOKENS`` rows (see the module docstring)."""
+    rows = []
+    layers = {"tiny": (32, 128)} if dry_run else NARROW_LAYERS
+    vocab = 256 if dry_run else NARROW_VOCAB
+    for model, (h, ffn) in layers.items():
+        for m in ((16, 64) if dry_run else NARROW_TOKENS):
+            shapes = {"qkv": (h, 3 * h), "out": (h, h), "mlp_up": (h, ffn),
+                      "mlp_down": (ffn, h), "head": (h, vocab)}
+            for name, (k, n) in shapes.items():
+                a = torch.randn(m, k, device=device, dtype=dtype)
+                w = torch.randn(k, n, device=device, dtype=dtype)
+                seconds = timer(lambda a=a, w=w: torch.matmul(a, w))
+                flop = 2.0 * m * k * n
+                rows.append(dict(group="narrow_gemm", case=f"{model} {name} m={m} k={k} n={n}",
+                                 rows=m, seconds=seconds, rate=flop / seconds,
+                                 efficiency=flop / seconds / peak,
+                                 predicted_efficiency=_predicted_gemm(cal, flop, m, peak)))
+                del a, w
     return rows
 
 
@@ -485,8 +520,8 @@ def host_rows(timer: Timer, device: torch.device, *, dry_run: bool, pcie: float,
 
 def markdown(rows: list[dict], title: str) -> str:
     lines = [f"# {title}", ""]
-    for group in ("gemm", "tp_gemm", "attention", "ring", "launch", "float8", "elementwise",
-                  "host"):
+    for group in ("gemm", "narrow_gemm", "tp_gemm", "attention", "ring", "launch", "float8",
+                  "elementwise", "host"):
         part = [row for row in rows if row["group"] == group]
         if not part:
             continue
@@ -539,6 +574,9 @@ def main() -> int:
     rows = []
     steps = (("gemm", lambda: gemm_rows(timer, device, dtype, dry_run=args.dry_run, peak=peak,
                                         cal=cal)),
+             ("narrow_gemm", lambda: narrow_gemm_rows(timer, device, dtype,
+                                                      dry_run=args.dry_run, peak=peak,
+                                                      cal=cal)),
              ("attention", lambda: attention_rows(timer, device, dtype, dry_run=args.dry_run,
                                                   peak=peak, cal=cal)),
              ("tp_gemm", lambda: tp_gemm_rows(timer, device, dtype, dry_run=args.dry_run,
