@@ -491,8 +491,8 @@ FLOAT8_FRAMEWORKS = ("torchtitan", "megatron")
 """Frameworks whose float8 training the cost model prices: torchtitan's torchao float8
 linears, and Megatron-LM's Transformer Engine linears (``--fp8-recipe tensorwise``, per-tensor
 current scaling, or delayed scaling; the weights cast on a step's first micro-batch and cached
-for the rest: ``eager.te_float8_cast_bytes``). MoE experts are priced in bf16 under both (TE's grouped expert
-linears run float8 too: not modelled)."""
+for the rest: ``eager.te_float8_cast_bytes``). MoE experts are priced in bf16 under both
+(TE's grouped expert linears run float8 too: not modelled)."""
 
 
 def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
