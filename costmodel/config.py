@@ -28,6 +28,9 @@ FLOAT8_RECIPES = ("tensorwise", "delayed")
 current tensor (a max-abs pass before each cast), or Transformer Engine's delayed scaling."""
 """What torch.compile covers (``ParallelConfig.compile``): nothing, the transformer blocks, or
 the blocks and the loss."""
+GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+"""Dtypes a sharded data-parallel gradient reduction runs in
+(``ParallelConfig.grad_reduce_dtype``)."""
 CPU_DEVICE_KEY = "cpu"
 """GPU catalog key of the CPU pseudo-device."""
 
@@ -40,10 +43,18 @@ def default_dtype(device_key: str) -> str:
 
 
 def check_run_settings(*, compile_mode: str, float8: bool, float8_head: bool, async_tp: bool,
-                       dtype: str, float8_recipe: str = "tensorwise") -> None:
+                       dtype: str, float8_recipe: str = "tensorwise",
+                       grad_reduce_dtype: str = "fp32") -> None:
     """Raise ValueError (one line) for run settings that cannot go together: an unknown
     torch.compile mode, float8 outside bf16, a float8 head without float8 blocks, async TP
-    without torch.compile (``ParallelConfig`` and the planner's ``SearchSpace`` both check)."""
+    without torch.compile, a gradient reduction in a 16-bit dtype other than the compute one
+    (``ParallelConfig`` and the planner's ``SearchSpace`` both check)."""
+    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+        raise ValueError(f"grad_reduce_dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}, "
+                         f"got {grad_reduce_dtype!r}")
+    if grad_reduce_dtype != "fp32" and grad_reduce_dtype != dtype:
+        raise ValueError(f"grad_reduce_dtype {grad_reduce_dtype} (--grad-reduce-dtype) must be "
+                         f"fp32 or the compute dtype ({dtype})")
     if compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
                          f"{compile_mode!r}")
@@ -117,6 +128,16 @@ class ParallelConfig:
     recipe, Transformer Engine's current scaling, the export's ``--fp8-recipe tensorwise``), or
     ``delayed``, Transformer Engine's delayed scaling under --framework megatron (scales from
     an amax history the cast kernels update, no pass of their own; NeMo's default)."""
+    grad_reduce_dtype: str = "fp32"
+    """Under --framework torchtitan with ZeRO-2/3 (FSDP), the dtype the gradients are
+    reduce-scattered in: ``fp32``, as torchtitan runs it (FSDP2's
+    ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``; 0.2.2's
+    ``training.mixed_precision_reduce`` takes float32 alone, so ``meshplan export --to
+    torchtitan`` refuses the other), or the compute dtype, as FSDP trainers that reduce in
+    bf16 run it (FSDP1 ``MixedPrecision(reduce_dtype=bf16)``: IBM's fms-fsdp, Composer's
+    ``PURE`` mixed precision): half the bytes on the ring, and the unsharded gradients and the
+    reduce-scatter input in the compute dtype instead of fp32. Changes nothing without
+    ZeRO-2/3."""
     float8_head: bool = False
     """With float8, the LM head (torchtitan's ``output`` linear) in float8 too, as torchtitan
     0.2.2 converts it by default (an empty ``filter_fqns``); off leaves it in bf16, as
@@ -219,7 +240,8 @@ class ParallelConfig:
             raise ValueError(f"dtype must be bf16, fp16 or fp32, got {self.dtype!r}")
         check_run_settings(compile_mode=self.compile, float8=self.float8,
                            float8_head=self.float8_head, async_tp=self.async_tp,
-                           dtype=self.dtype, float8_recipe=self.float8_recipe)
+                           dtype=self.dtype, float8_recipe=self.float8_recipe,
+                           grad_reduce_dtype=self.grad_reduce_dtype)
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: configurations key the planner's caches, which
@@ -270,6 +292,11 @@ class ParallelConfig:
     @property
     def bytes_per_activation(self) -> int:
         return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        """Bytes per element of the gradients FSDP reduce-scatters (``grad_reduce_dtype``)."""
+        return 4 if self.grad_reduce_dtype == "fp32" else 2
 
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)

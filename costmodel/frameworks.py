@@ -129,7 +129,7 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
                            kept_gathered_params: float = 0.0,
                            early_root_grad_params: float = 0.0,
                            pipelined: bool = False, float8_blocks: bool = False,
-                           float8_head: bool = False) -> float:
+                           float8_head: bool = False, reduce_bytes: int = FP32_BYTES) -> float:
     """Communication and gather buffers on one rank (bytes).
 
     ``stage_params``: parameters this rank holds before sharding; ``largest_layer_params``:
@@ -137,7 +137,8 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
     when there is a single replica (no DDP buckets, nothing to reduce). torchtitan's FSDP2 also
     takes ``largest_block_params`` (the largest transformer block), ``kept_gathered_params``
     (modules never resharded after forward: its ``[norm, output]`` group on the last stage)
-    ``pipelined``, ``float8_blocks`` and ``float8_head`` (see ``torchtitan_fsdp_buffer_bytes``).
+    ``pipelined``, ``float8_blocks``, ``float8_head`` and ``reduce_bytes`` (see
+    ``torchtitan_fsdp_buffer_bytes``).
     meshplan's
     runtime takes
     ``kept_gathered_params`` (its root group: everything outside the blocks) and
@@ -163,7 +164,7 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
             largest_block_params=largest_block_params or largest_layer_params,
             kept_gathered_params=kept_gathered_params, compute_bytes=compute_bytes,
             gathered_block_bytes=1 if float8_blocks else compute_bytes,
-            gathered_head_bytes=1 if float8_head else compute_bytes)
+            gathered_head_bytes=1 if float8_head else compute_bytes, reduce_bytes=reduce_bytes)
     # meshplan / torchtitan
     if zero_stage <= 1:  # DDP gradient buckets: one more copy of the gradients
         return FP32_BYTES * stage_params if data_parallel else 0.0
@@ -287,7 +288,8 @@ def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: f
                                  pipelined: bool = False,
                                  largest_block_params: float, kept_gathered_params: float,
                                  compute_bytes: int, gathered_block_bytes: int = 0,
-                                 gathered_head_bytes: int = 0) -> float:
+                                 gathered_head_bytes: int = 0,
+                                 reduce_bytes: int = FP32_BYTES) -> float:
     """FSDP2 buffers of torchtitan 0.2.2 at the backward peak (bytes on one rank).
 
     torchtitan's ``apply_fsdp`` (models/llama3/infra/parallelize.py) calls ``fully_shard`` on
@@ -314,12 +316,16 @@ def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: f
     (``FSDPParam.to_accumulated_grad_if_needed``) and adds every later micro-batch's into it:
     the whole stage's fp32 gradients, beside its gathered parameters and the block's fresh
     compute-dtype gradient.
+
+    ``reduce_bytes``: bytes per element of the reduce dtype (``ParallelConfig.grad_reduce_dtype``;
+    fp32 above): in the compute dtype the reduce-scatter input is a compute-dtype copy of the
+    unsharded gradients, and under a pipeline they accumulate in the compute dtype.
     """
     block = gathered_block_bytes or compute_bytes
     head = gathered_head_bytes or compute_bytes
-    grads = (compute_bytes + FP32_BYTES) * largest_block_params
+    grads = (compute_bytes + reduce_bytes) * largest_block_params
     if pipelined:  # counted in bf16 even under float8
-        return (compute_bytes + FP32_BYTES) * stage_params + compute_bytes * largest_block_params
+        return (compute_bytes + reduce_bytes) * stage_params + compute_bytes * largest_block_params
     if not reshard_after_forward:
         return compute_bytes * stage_params + grads  # counted in bf16 even under float8
     return 2 * block * largest_block_params + grads + head * kept_gathered_params
@@ -328,7 +334,8 @@ def torchtitan_fsdp_buffer_bytes(*, reshard_after_forward: bool, stage_params: f
 def torchtitan_cached_bytes(*, freed_grads: float, freed_logits: float, fsdp: bool,
                             compute_bytes: int, largest_gather_params: float,
                             largest_block_params: float, head_params: float,
-                            gathered_block_bytes: int = 0, gathered_head_bytes: int = 0) -> float:
+                            gathered_block_bytes: int = 0, gathered_head_bytes: int = 0,
+                            reduce_bytes: int = FP32_BYTES) -> float:
     """Bytes the CUDA caching allocator keeps reserved but cannot use at torchtitan's forward /
     backward peak (on top of the allocated peak).
 
@@ -341,15 +348,16 @@ def torchtitan_cached_bytes(*, freed_grads: float, freed_logits: float, fsdp: bo
       reduce-scatter stream (torch ``_fsdp_param_group.py``), and the allocator only reuses a
       block on the stream it was allocated on. The all-gather pool holds the gather outputs in
       flight at the loss backward (the ``[norm, output]`` group and the prefetched last block,
-      compute dtype); the reduce-scatter pool the largest fp32 reduce-scatter input, that of
-      the largest gathered group (the embedding or the head). ``gathered_block_bytes`` and
-      ``gathered_head_bytes`` as in ``torchtitan_fsdp_buffer_bytes``.
+      compute dtype); the reduce-scatter pool the largest reduce-scatter input (fp32 unless
+      ``reduce_bytes`` says otherwise), that of the largest gathered group (the embedding or
+      the head). ``gathered_block_bytes``, ``gathered_head_bytes`` and ``reduce_bytes`` as in
+      ``torchtitan_fsdp_buffer_bytes``.
     """
     cached = freed_grads + freed_logits
     if fsdp:
         cached += (gathered_head_bytes or compute_bytes) * head_params \
             + (gathered_block_bytes or compute_bytes) * largest_block_params
-        cached += FP32_BYTES * largest_gather_params
+        cached += reduce_bytes * largest_gather_params
     return cached
 
 
@@ -500,7 +508,8 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                             async_tp: bool = False, float8_head: bool = False,
                             tp_comm_overlap: bool = False,
                             cross_entropy_fusion: bool = False,
-                            float8_recipe: str = "tensorwise") -> None:
+                            float8_recipe: str = "tensorwise",
+                            grad_reduce_dtype: str = "fp32") -> None:
     """Raise ValueError (one line) when the plan asks for what the framework's model does not
     cover: torch.compile, async TP and a float8 LM head are modelled as torchtitan runs them,
     Transformer Engine's TP overlap and the fused cross entropy as Megatron-LM runs them,
@@ -508,7 +517,9 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
     (``FLOAT8_FRAMEWORKS``), and float8 needs float8 tensor cores (an ``fp8`` peak in the GPU
     catalog: H100 and later)."""
     asked = [flag for flag, on in (("--compile", compile_mode != "none"),
-                                   ("--float8-head", float8_head), ("--async-tp", async_tp))
+                                   ("--float8-head", float8_head), ("--async-tp", async_tp),
+                                   (f"--grad-reduce-dtype {grad_reduce_dtype}",
+                                    grad_reduce_dtype != "fp32"))
              if on]
     if asked and framework != "torchtitan":
         raise ValueError(f"{' and '.join(asked)} {'are' if len(asked) > 1 else 'is'} modelled "

@@ -663,7 +663,7 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
         largest_layer_params=params.largest_layer, fp32=fp32,
         data_parallel=config.dp * config.cp > 1, largest_block_params=params.largest_block,
         kept_gathered_params=params.head, pipelined=config.pp > 1, float8_blocks=config.float8,
-        float8_head=config.float8_head)
+        float8_head=config.float8_head, reduce_bytes=config.grad_reduce_bytes)
     block_bytes = 1 if config.float8 else compute_bytes  # a gathered block's parameter
     head_bytes = 1 if config.float8_head else compute_bytes  # the gathered LM head's
     workspace = recompute_workspace_bytes(model, config, stage, framework="torchtitan",
@@ -678,8 +678,8 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
         in_block = buffers
     else:
         at_loss = compute_bytes * (params.dense + params.expert)
-        if config.pp > 1:  # the stage's fp32 gradient accumulators (torchtitan_fsdp_buffer_bytes)
-            at_loss += act.FP32_BYTES * (params.dense + params.expert)
+        if config.pp > 1:  # the stage's gradient accumulators (torchtitan_fsdp_buffer_bytes)
+            at_loss += config.grad_reduce_bytes * (params.dense + params.expert)
         in_block = buffers
     recv = stage_recv_buffer_bytes(model, config, stage, "torchtitan", device_key=device_key)
     # gradients accumulated over micro-batches in the sharded .grad (FSDP2 syncs every
@@ -694,7 +694,7 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     if config.zero_stage == 3 and config.pp == 1:
         mid_block = (2 * block_bytes * params.largest_block
                      + compute_bytes * model.hidden_size * model.ffn_hidden_size / config.tp
-                     + act.FP32_BYTES * params.largest_block)
+                     + config.grad_reduce_bytes * params.largest_block)
     else:  # the buffers stay whole through the block (DDP buckets, a gathered stage)
         mid_block = in_block
     forward_backward = states.params + states.optimizer + live_grads + recv + max(
@@ -714,7 +714,7 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
         fsdp=config.zero_stage >= 2, compute_bytes=compute_bytes,
         largest_gather_params=params.largest_layer, largest_block_params=params.largest_block,
         head_params=params.head, gathered_block_bytes=block_bytes,
-        gathered_head_bytes=head_bytes)
+        gathered_head_bytes=head_bytes, reduce_bytes=config.grad_reduce_bytes)
     comm = calibration.communicator_bytes if config.world_size > 1 else 0.0
     reserved = max(forward_backward + cached, step) * (1 + calibration.allocator_fragmentation) \
         + comm

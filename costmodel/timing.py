@@ -1108,9 +1108,13 @@ maximum (read 2, write 4), the shift with the exponential and its sum (read 4, w
 normalisation (8); backward, the gradient with its cast to bf16 (read 4, write 2)."""
 
 
-def grad_comm_bytes(framework: str, dtype: str) -> int:
+def grad_comm_bytes(framework: str, dtype: str, *, reduce_dtype: str = "fp32") -> int:
     """Bytes per gradient element on the wire: fp32 for Megatron (main grads), FSDP2/DDP with
-    fp32 reduction (meshplan, torchtitan); the compute dtype for DeepSpeed and ``ideal``."""
+    fp32 reduction (meshplan, torchtitan); the compute dtype for DeepSpeed and ``ideal``.
+    ``reduce_dtype``: the FSDP reduce-scatter's dtype (``ParallelConfig.grad_reduce_dtype``),
+    which torchtitan's sharded plans follow; its callers pass it for ZeRO-2/3 only."""
+    if framework == "torchtitan" and reduce_dtype != "fp32":
+        return 2
     if dtype == "fp32" or framework in ("megatron", "meshplan", "torchtitan"):
         return 4
     return 2
@@ -1130,7 +1134,9 @@ def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
         return 0.0
     effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
     total = params.dense + params.expert
-    comm = _bandwidth_s("reduce_scatter", link, total * grad_comm_bytes(framework, config.dtype),
+    comm = _bandwidth_s("reduce_scatter", link,
+                        total * grad_comm_bytes(framework, config.dtype,
+                                                reduce_dtype=config.grad_reduce_dtype),
                         **effs)
     if config.zero_stage == 3:
         passes = zero3_gather_passes(framework, config, recompute)
@@ -1237,7 +1243,8 @@ def _zero_fresh_pages_s(config: ParallelConfig, cluster: ClusterSpec,
     gathers = zero3_gather_passes(framework, config, recompute) if config.zero_stage == 3 \
         else 1
     nbytes = total * (2 * gathers * config.bytes_per_activation
-                      + grad_comm_bytes(framework, config.dtype))
+                      + grad_comm_bytes(framework, config.dtype,
+                                        reduce_dtype=config.grad_reduce_dtype))
     if fsdp2_syncs_once_per_step(framework, config):  # once per step, spread over its
         nbytes /= config.grad_accum_steps              # micro-batches
     return fresh_pages_s(cluster, calibration, nbytes)
@@ -1257,8 +1264,8 @@ shard in its own dtype, the fp32 master, cast to the compute dtype only on the d
 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``all_gather_inputs``)."""
 FSDP2_HOST_GRAD_BYTES = 4
 """Bytes per parameter of the reduce-scattered gradient FSDP2's CPU offload copies to the host
-each backward: the reduce dtype, fp32 for meshplan's runtime (runtime/parallelize.py) and
-torchtitan (``mixed_precision_reduce`` float32)."""
+each backward: the reduce dtype, fp32 for meshplan's runtime (runtime/parallelize.py) and, by
+default, torchtitan (``mixed_precision_reduce`` float32; ``ParallelConfig.grad_reduce_dtype``)."""
 HOST_GRAD_ADD_BYTES = 12
 """Host memory traffic per parameter of adding a micro-batch's fp32 gradient shard to the
 earlier ones': both read, one written."""
@@ -1306,7 +1313,8 @@ def _param_offload_per_microbatch_s(config: ParallelConfig, cluster: ClusterSpec
     if fsdp2_cpu_offload(framework, config, cluster):
         accumulating = (config.grad_accum_steps - 1) / config.grad_accum_steps
         ranks = min(cluster.gpus_per_node, cluster.num_gpus)
-        grad_bytes = FSDP2_HOST_GRAD_BYTES * shard
+        grad_bytes = (FSDP2_HOST_GRAD_BYTES if framework == "meshplan"
+                      else config.grad_reduce_bytes) * shard
         pageable = calibration.host_copy_rate(cluster.pcie_bytes_per_s, pinned=False)
         transfer = (2 * FSDP2_HOST_PARAM_BYTES * shard / pcie
                     + (1 - accumulating) * grad_bytes / pcie)
@@ -1429,7 +1437,9 @@ def _pipelined_fsdp2_step_s(config: ParallelConfig, calibration: Calibration, *,
     has no compute left beside it, and the hidden gathers are not charged."""
     groups = fsdp2_groups(params.layers, params.root)
     total = params.dense + params.expert
-    scatter = coll.reduce_scatter_s(link, total * grad_comm_bytes(framework, config.dtype), **effs)
+    scatter = coll.reduce_scatter_s(
+        link, total * grad_comm_bytes(framework, config.dtype,
+                                      reduce_dtype=config.grad_reduce_dtype), **effs)
     block = params.largest_block or params.largest_layer
     first_gather = coll.all_gather_s(
         link, zero3_gather_bytes(config, params, framework=framework) * block / total,

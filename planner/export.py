@@ -643,6 +643,10 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
     if config.dtype not in TORCHTITAN_DTYPES:
         raise ValueError(f"torchtitan trains in bf16 or fp32, not {config.dtype}; "
                          f"use dtype bf16 or fp32")
+    if config.grad_reduce_dtype != "fp32":
+        raise ValueError(f"torchtitan 0.2.2 reduces gradients in float32 only "
+                         f"(training.mixed_precision_reduce); the plan reduces in "
+                         f"{config.grad_reduce_dtype}: plan with --grad-reduce-dtype fp32")
     per_replica = config.micro_batch_size * config.grad_accum_steps
     training: dict[str, Any] = {
         "local_batch_size": per_replica if config.pp > 1 else config.micro_batch_size,

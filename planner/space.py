@@ -103,6 +103,9 @@ class SearchSpace:
     """With float8, its scaling recipe (``ParallelConfig.float8_recipe``; a setting)."""
     float8_head: bool = False
     """With float8, the LM head in float8 too (``ParallelConfig.float8_head``; a setting)."""
+    grad_reduce_dtype: str = "fp32"
+    """The FSDP gradient reduce-scatter's dtype (``ParallelConfig.grad_reduce_dtype``; a
+    setting, not searched: it trades numerics for traffic, the user's call)."""
     async_tp: bool = False
     """torchtitan's async TP wherever a configuration runs TP with sequence parallelism
     (``ParallelConfig.async_tp``; a setting, not searched; needs compile)."""
@@ -130,7 +133,8 @@ class SearchSpace:
         # checked once here, else every configuration of the space would be refused
         check_run_settings(compile_mode=self.compile, float8=self.float8,
                            float8_head=self.float8_head, async_tp=self.async_tp,
-                           dtype=self.dtype, float8_recipe=self.float8_recipe)
+                           dtype=self.dtype, float8_recipe=self.float8_recipe,
+                           grad_reduce_dtype=self.grad_reduce_dtype)
 
 
 PIN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
@@ -153,7 +157,7 @@ def pins_of(space: SearchSpace) -> dict:
 
 SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_recipe",
                   "float8_head", "async_tp", "tp_comm_overlap", "cross_entropy_fusion",
-                  "overlap_comm")
+                  "overlap_comm", "grad_reduce_dtype")
 """Run settings every configuration of the space carries (recorded when not the default);
 each is a ``ParallelConfig`` field of the same name."""
 

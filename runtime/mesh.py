@@ -91,7 +91,8 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
 
 def _check_settings(config: ParallelConfig) -> None:
     """``UnsupportedPlan`` for torch.compile, float8 training and async TP: settings the cost
-    model prices as torchtitan runs them; this runtime trains eagerly in the plan's dtype."""
+    model prices as torchtitan runs them; this runtime trains eagerly in the plan's dtype. And
+    for a gradient reduction in a 16-bit dtype: the runtime's FSDP2 reduces in fp32."""
     asked = [f"compile {config.compile!r}"] if config.compile != "none" else []
     if config.float8:
         asked.append("float8")
@@ -102,6 +103,10 @@ def _check_settings(config: ParallelConfig) -> None:
                               f"{'are' if len(asked) > 1 else 'is'} not run by meshplan's "
                               f"runtime (eager, in the plan's dtype); export the plan to "
                               f"torchtitan instead: meshplan export PLAN --to torchtitan")
+    if config.grad_reduce_dtype != "fp32":
+        raise UnsupportedPlan(f"the plan reduces gradients in {config.grad_reduce_dtype}; "
+                              f"meshplan's runtime reduces them in fp32: plan with "
+                              f"--grad-reduce-dtype fp32")
 
 
 def check_world_size(config: ParallelConfig, world_size: int) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.costmodel.config import (COMPILE_MODES, DTYPES, FLOAT8_RECIPES, FRAMEWORKS,
-                                       MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES,
-                                       RECOMPUTE_MODES, ParallelConfig)
+                                       GRAD_REDUCE_DTYPES, MESH_AXES, OFFLOAD_DEVICES,
+                                       OFFLOAD_MODES, RECOMPUTE_MODES, ParallelConfig)
 
 # ----- flag value types (argparse turns ArgumentTypeError into "argument --x: <message>") -------
 
@@ -160,6 +160,7 @@ CONFIG_FLAGS: dict[str, FlagSpec] = {
     "recompute": FlagSpec(parse=recompute_modes, metavar="{none,selective,full}[,...]"),
     "compile": FlagSpec(choices=COMPILE_MODES),
     "float8_recipe": FlagSpec(choices=FLOAT8_RECIPES),
+    "grad_reduce_dtype": FlagSpec(choices=GRAD_REDUCE_DTYPES),
     "micro_batch_size": FlagSpec(flag="--micro-batch", metavar="B"),
     "global_batch_size": FlagSpec(flag="--global-batch", metavar="G", required=True),
     "vpp": FlagSpec(metavar="V"),

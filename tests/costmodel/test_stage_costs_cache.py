@@ -129,6 +129,7 @@ OTHER_VALUES = {  # a second value of each field outside timing.LAYER_COMPUTE_FI
     "overlap_comm": False,  # data-parallel and pipeline traffic only
     "tp_comm_overlap": True,  # needs --framework megatron: checked on its own below
     "cross_entropy_fusion": True,  # the same; the LM head's loss only
+    "grad_reduce_dtype": "bf16",  # data-parallel traffic and buffers only (bf16 configs)
 }
 
 

@@ -386,8 +386,8 @@ PLAN_CASES = {
     "unknown-key": (_plan_edit(lambda d: d.update(learning_rate=3e-4)),
                     "unknown plan file key(s) ['learning_rate']; accepted keys: tp, pp, dp, cp, "
                     "ep, sp, zero_stage, offload, offload_device, recompute, selective_ac, "
-                    "recompute_early_stop, compile, float8, float8_recipe, float8_head, "
-                    "async_tp, "
+                    "recompute_early_stop, compile, float8, float8_recipe, grad_reduce_dtype, "
+                    "float8_head, async_tp, "
                     "tp_comm_overlap, cross_entropy_fusion, overlap_comm, micro_batch_size, "
                     "global_batch_size, vpp, seq_len, layers_per_stage, mesh_order, "
                     "flash_attention, dtype, grad_accum_steps, schema_version, framework, model, "

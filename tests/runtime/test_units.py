@@ -128,6 +128,8 @@ def test_mesh_dims_reverse_the_plan_order():
      "the plan's compile 'model\\+loss' and float8 are not run .* export the plan to torchtitan"),
     ({"compile": "model", "async_tp": True, "tp": 2, "sp": True},
      "the plan's compile 'model' and async TP are not run by meshplan's runtime"),
+    ({"dp": 2, "zero_stage": 3, "grad_reduce_dtype": "bf16"},
+     "reduces gradients in bf16; meshplan's runtime reduces them in fp32"),
 ])
 def test_unsupported_plans_are_refused(changes, match):
     config = ParallelConfig(global_batch_size=8, seq_len=64, **changes)
