@@ -113,3 +113,38 @@ def test_the_torchtitan_export_refuses_a_bf16_reduction(tmp_path):
     assert done.code == 0, done.err
     message = usage_error("export", str(plan), "--to", "torchtitan")
     assert "reduces gradients in float32 only" in message
+
+
+def test_a_bf16_reduction_never_costs_time_or_memory():
+    """Over random torchtitan plans with ZeRO-2/3 (layouts, micro-batches, recomputation,
+    pipelines, offload), reducing in bf16 never predicts a longer step or a larger peak."""
+    import random
+
+    from meshplan.costmodel.config import RECOMPUTE_MODES
+    rng = random.Random(13)
+    model = load_model("llama3-8b")
+    checked = 0
+    for _ in range(160):
+        nodes = rng.choice((1, 2, 4))
+        cluster = load_cluster(rng.choice(("dgx-h100", "a100-80gb-400gbps")), nodes=nodes)
+        tp, pp = rng.choice((1, 2, 4, 8)), rng.choice((1, 2, 4))
+        dp = cluster.num_gpus // (tp * pp)
+        if dp < 2:
+            continue
+        micro = rng.choice((1, 2))
+        try:
+            plan = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=tp > 1, zero_stage=rng.choice((2, 3)),
+                                  micro_batch_size=micro,
+                                  global_batch_size=dp * micro * rng.choice((1, 4, 8)),
+                                  seq_len=rng.choice((2048, 8192)),
+                                  recompute=rng.choice(RECOMPUTE_MODES),
+                                  offload=rng.choice(("none", "none", "optimizer")))
+        except ValueError:
+            continue
+        fp32 = estimate(model, cluster, plan, framework="torchtitan")
+        bf16 = estimate(model, cluster, plan.replace(grad_reduce_dtype="bf16"),
+                        framework="torchtitan")
+        assert bf16.time.step_s <= fp32.time.step_s * (1 + 1e-12), plan
+        assert bf16.memory.peak_reserved_bytes <= fp32.memory.peak_reserved_bytes, plan
+        checked += 1
+    assert checked >= 60
