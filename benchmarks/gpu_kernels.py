@@ -146,25 +146,30 @@ def gemm_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dry_run
             for name, (k, n) in shapes.items():
                 a = x if k == h else torch.randn(m, k, device=device, dtype=dtype)
                 w = torch.randn(k, n, device=device, dtype=dtype)
-                seconds = timer(lambda a=a, w=w: torch.matmul(a, w))
-                flop = 2.0 * m * k * n
-                rows.append(dict(group="gemm", case=f"{model} {name} m={m} k={k} n={n}",
-                                 rows=m, seconds=seconds, rate=flop / seconds,
-                                 efficiency=flop / seconds / peak,
-                                 predicted_efficiency=_predicted_gemm(cal, flop, m, peak),
-                                 predicted_efficiency_megatron=_predicted_gemm(
-                                     cal, flop, m, peak, eager=False)))
+                rows.append(_gemm_row(timer, a, w, group="gemm",
+                                      case=f"{model} {name} m={m} k={k} n={n}", peak=peak,
+                                      cal=cal, megatron=True))
                 del a, w
     side = 128 if dry_run else 8192
     a = torch.randn(side, side, device=device, dtype=dtype)
-    seconds = timer(lambda: torch.matmul(a, a))
-    flop = 2.0 * side ** 3
-    rows.append(dict(group="gemm", case=f"square {side}", rows=side, seconds=seconds,
-                     rate=flop / seconds, efficiency=flop / seconds / peak,
-                     predicted_efficiency=_predicted_gemm(cal, flop, side, peak),
-                     predicted_efficiency_megatron=_predicted_gemm(cal, flop, side, peak,
-                                                                   eager=False)))
+    rows.append(_gemm_row(timer, a, a, group="gemm", case=f"square {side}", peak=peak, cal=cal,
+                          megatron=True))
     return rows
+
+
+def _gemm_row(timer: Timer, a: torch.Tensor, w: torch.Tensor, *, group: str, case: str,
+              peak: float, cal, megatron: bool = False) -> dict:
+    """One timed ``a @ w``: seconds, rate, efficiency against ``peak`` and the cost model's
+    (``_predicted_gemm``; the Megatron-LM value too where ``megatron``)."""
+    seconds = timer(lambda: torch.matmul(a, w))
+    m, k = a.shape
+    flop = 2.0 * m * k * w.shape[1]
+    row = dict(group=group, case=case, rows=m, seconds=seconds, rate=flop / seconds,
+               efficiency=flop / seconds / peak,
+               predicted_efficiency=_predicted_gemm(cal, flop, m, peak))
+    if megatron:
+        row["predicted_efficiency_megatron"] = _predicted_gemm(cal, flop, m, peak, eager=False)
+    return row
 
 
 def narrow_gemm_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dry_run: bool,
@@ -181,12 +186,9 @@ def narrow_gemm_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, 
             for name, (k, n) in shapes.items():
                 a = torch.randn(m, k, device=device, dtype=dtype)
                 w = torch.randn(k, n, device=device, dtype=dtype)
-                seconds = timer(lambda a=a, w=w: torch.matmul(a, w))
-                flop = 2.0 * m * k * n
-                rows.append(dict(group="narrow_gemm", case=f"{model} {name} m={m} k={k} n={n}",
-                                 rows=m, seconds=seconds, rate=flop / seconds,
-                                 efficiency=flop / seconds / peak,
-                                 predicted_efficiency=_predicted_gemm(cal, flop, m, peak)))
+                rows.append(_gemm_row(timer, a, w, group="narrow_gemm",
+                                      case=f"{model} {name} m={m} k={k} n={n}", peak=peak,
+                                      cal=cal))
                 del a, w
     return rows
 
