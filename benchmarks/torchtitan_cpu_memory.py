@@ -122,20 +122,26 @@ def _new_model(args):
     return model
 
 
-def _parallelize(model, mesh, *, tp: int, policy: str, pp_enabled: bool) -> None:
+def _parallelize(model, mesh, *, tp: int, policy: str, pp_enabled: bool,
+                 compile_model: bool = False) -> None:
     """torchtitan's parallelisms on ``model`` (a whole model or one pipeline part), in its
     order: ``apply_tp`` under ``tp`` > 1 (sequence and loss parallelism, its defaults),
-    ``apply_ac`` under ``policy``, ``apply_fsdp`` over the mesh's ``fsdp`` dimension (fp32
+    ``apply_ac`` under ``policy``, ``apply_compile`` (each block, after its checkpoint
+    wrapper) under ``compile_model``, ``apply_fsdp`` over the mesh's ``fsdp`` dimension (fp32
     parameters and reduce on the CPU), each FSDP module reducing with SUM (gloo has no
     PREMUL_SUM)."""
     from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config.job_config import Compile
     from torchtitan.distributed.activation_checkpoint import apply_ac
-    from torchtitan.models.llama3.infra.parallelize import (_op_sac_save_list, apply_fsdp,
-                                                            apply_tp)
+    from torchtitan.models.llama3.infra.parallelize import (_op_sac_save_list, apply_compile,
+                                                            apply_fsdp, apply_tp)
     if tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=True, enable_float8_tensorwise_tp=False)
     if policy != "none":
-        apply_ac(model, _ac_config(policy), op_sac_save_list=_op_sac_save_list)
+        apply_ac(model, _ac_config(policy), op_sac_save_list=_op_sac_save_list,
+                 model_compile_enabled=compile_model)
+    if compile_model:
+        apply_compile(model, Compile(enable=True, components=["model"]))
     apply_fsdp(model, mesh["fsdp"], param_dtype=torch.float32, reduce_dtype=torch.float32,
                pp_enabled=pp_enabled)
     for module in model.modules():
@@ -143,8 +149,51 @@ def _parallelize(model, mesh, *, tp: int, policy: str, pp_enabled: bool) -> None
             module.set_force_sum_reduction_for_comms(True)
 
 
+class AllocatorPeak:
+    """Peak bytes held through torch's CPU allocator, from the profiler's allocation events
+    (``profile_memory``): each carries the allocator's running total of the bytes allocated
+    since profiling began and not yet freed. Unlike the live-tensor tracker it needs no
+    dispatch mode, so it sees inside compiled graphs (Dynamo does not trace under a non-infra
+    dispatch mode); the worker allocates its tensors after it starts, so the total is
+    theirs. ``window()`` marks the part of the run whose peak ``peak_bytes`` reports."""
+
+    WINDOW = "meshplan.peak_window"
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+    def __enter__(self):
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+
+    def window(self):
+        from torch.autograd.profiler import record_function
+        return record_function(self.WINDOW)
+
+    @property
+    def peak_bytes(self) -> int:
+        from torch._C._profiler import _ExtraFields_Allocation
+        events = list(self._profile.profiler.kineto_results.experimental_event_tree())
+        windows, totals = [], []
+        while events:
+            event = events.pop()
+            events.extend(event.children)
+            if event.name == self.WINDOW:
+                windows.append((event.start_time_ns, event.end_time_ns))
+            fields = event.extra_fields
+            if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
+                totals.append((event.start_time_ns, fields.total_allocated))
+        return max(total for time_ns, total in totals
+                   if any(first <= time_ns <= last for first, last in windows))
+
+
 def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: int,
-            heads: tuple[int, int], port: str, out_dir: str) -> None:
+            heads: tuple[int, int], compile_mode: str, profiler: bool, port: str,
+            out_dir: str) -> None:
     _init_rank(rank, dp * tp, port)
     from torch.distributed.device_mesh import init_device_mesh
     _stub_moe_kernels()
@@ -158,42 +207,55 @@ def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: i
     args = TransformerModelArgs(dim=64, n_layers=4, n_heads=heads[0], n_kv_heads=heads[1],
                                 vocab_size=vocab, multiple_of=16, max_seq_len=SEQ_LEN)
     torch.manual_seed(0)
-    peak = PeakMemory(torch.device("cpu"))
-    _track_loss_parallel(peak)
+    loss_fn = (torch.compile(cross_entropy_loss) if compile_mode == "model+loss"
+               else cross_entropy_loss)
+    if profiler or compile_mode != "none":
+        peak = AllocatorPeak()
+    else:
+        peak = PeakMemory(torch.device("cpu"))
+        _track_loss_parallel(peak)
     with peak:
         model = _new_model(args)
-        _parallelize(model, mesh, tp=tp, policy=policy, pp_enabled=False)
+        _parallelize(model, mesh, tp=tp, policy=policy, pp_enabled=False,
+                     compile_model=compile_mode != "none")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         # the ranks of one TP group read the same batch
         tokens = torch.randint(0, vocab, (micro_batch, SEQ_LEN + 1),
                                generator=torch.Generator().manual_seed(rank // tp))
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         for step in range(STEPS):
-            optimizer.zero_grad()
-            if step == 1:
-                peak.reset()
-            with loss_parallel() if tp > 1 else contextlib.nullcontext():
-                pred = model(inputs)
-                loss = cross_entropy_loss(pred, labels)
-                del pred
-                loss.backward()
-            optimizer.step()
+            with peak.window() if step and isinstance(peak, AllocatorPeak) \
+                    else contextlib.nullcontext():
+                optimizer.zero_grad()
+                if step == 1 and isinstance(peak, PeakMemory):
+                    peak.reset()
+                with loss_parallel() if tp > 1 else contextlib.nullcontext():
+                    pred = model(inputs)
+                    loss = loss_fn(pred, labels)
+                    del pred
+                    loss.backward()
+                optimizer.step()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak.peak_bytes}))
     dist.destroy_process_group()
 
 
 def measure(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
-            vocab: int = TINY_VOCAB, heads: tuple[int, int] = TINY_HEADS) -> list[int]:
-    """Per-rank peak bytes of torchtitan's step under ``policy``."""
+            vocab: int = TINY_VOCAB, heads: tuple[int, int] = TINY_HEADS,
+            compile_mode: str = "none", profiler: bool = False) -> list[int]:
+    """Per-rank peak bytes of torchtitan's step under ``policy``: live tensor bytes, or under
+    ``compile_mode`` (``model``: each block; ``model+loss``: the loss too) or ``profiler``
+    the CPU allocator's (``AllocatorPeak``)."""
     with tempfile.TemporaryDirectory() as tmp:
-        _spawn(_worker, (policy, micro_batch, dp, tp, vocab, heads, _free_port(), tmp),
+        _spawn(_worker, (policy, micro_batch, dp, tp, vocab, heads, compile_mode, profiler,
+                         _free_port(), tmp),
                dp * tp, TIMEOUT_S)
         return [json.loads(Path(tmp, f"rank{r}.json").read_text())["peak_bytes"]
                 for r in range(dp * tp)]
 
 
 def predict(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
-            vocab: int = TINY_VOCAB, heads: tuple[int, int] = TINY_HEADS) -> float:
+            vocab: int = TINY_VOCAB, heads: tuple[int, int] = TINY_HEADS,
+            compile_mode: str = "none") -> float:
     import dataclasses
 
     from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
@@ -202,7 +264,7 @@ def predict(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
     config = ParallelConfig(dp=dp, tp=tp, sp=tp > 1, zero_stage=3, recompute=recompute,
                             selective_ac=selective_ac, micro_batch_size=micro_batch,
                             global_batch_size=dp * micro_batch, seq_len=SEQ_LEN,
-                            dtype="fp32")
+                            dtype="fp32", compile=compile_mode)
     model = dataclasses.replace(load_model("tiny"), vocab_size=vocab, num_heads=heads[0],
                                 num_kv_heads=heads[1])
     est = estimate(model, load_cluster("cpu", nodes=1, gpus_per_node=dp * tp), config,
@@ -222,12 +284,18 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=2, default=TINY_HEADS,
                         metavar=("Q", "KV"), help="attention and key/value heads (tp divides "
                         "both; the width stays 64)")
+    parser.add_argument("--compile", default="none", choices=("none", "model", "model+loss"),
+                        help="torch.compile each block (model), and the loss (model+loss)")
+    parser.add_argument("--profiler", action="store_true",
+                        help="measure the CPU allocator's peak (AllocatorPeak) without compile")
     args = parser.parse_args()
-    shape = dict(dp=args.dp, tp=args.tp, vocab=args.vocab, heads=tuple(args.heads))
-    peaks = measure(args.policy, args.micro_batch, **shape)
+    shape = dict(dp=args.dp, tp=args.tp, vocab=args.vocab, heads=tuple(args.heads),
+                 compile_mode=args.compile)
+    peaks = measure(args.policy, args.micro_batch, profiler=args.profiler, **shape)
     predicted = predict(args.policy, args.micro_batch, **shape)
     for rank, measured in enumerate(peaks):
-        print(f"policy {args.policy} micro-batch {args.micro_batch} dp {args.dp} tp {args.tp} "
+        print(f"policy {args.policy} compile {args.compile} micro-batch {args.micro_batch} "
+              f"dp {args.dp} tp {args.tp} "
               f"vocab {args.vocab} rank {rank}: measured {measured} B, predicted "
               f"{predicted:.0f} B, error {predicted / measured - 1:+.3f}")
 

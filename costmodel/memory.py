@@ -409,7 +409,7 @@ def _uncached_layer_bytes(model: ModelSpec, config: ParallelConfig, framework: s
         return act.op_policy_layer_bytes(
             model, config, moe=moe, policy=framework,
             saves_attention=framework != "torchtitan" or device_key != CPU_DEVICE_KEY,
-            autocast=autocast)
+            autocast=autocast, compiled=framework == "torchtitan" and config.compile != "none")
     return act.layer_activation_bytes(model, config, recompute=mode, moe=moe,
                                       eager=eager_autograd(framework),
                                       rope_tables=framework != "torchtitan", autocast=autocast,

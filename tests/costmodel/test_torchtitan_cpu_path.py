@@ -87,3 +87,21 @@ def test_the_interleaved_pipeline_path_reproduces_its_rows(monkeypatch):
     assert sorted(m["pp_rank"] for m in measured) == [0, 1]
     for m in measured:
         assert m["peak_bytes"] == pytest.approx(rows[m["pp_rank"]].measured, rel=0.03)
+
+
+COMPILED_ROW = "torchtitan-cpu-tiny-fsdp1-op-compile-model-mb8"
+
+
+@pytest.mark.timeout(400)
+def test_the_compiled_path_reproduces_its_row(monkeypatch):
+    """torchtitan's step with each block compiled after its per-op checkpoint wrapper (one
+    rank), measured again through the CPU allocator's running total (``AllocatorPeak``: the
+    live-tensor tracker cannot run under compile): within 1 % of its row, on which the
+    model's compiled per-op set (the down projection's output not kept) rests."""
+    if importlib.util.find_spec("torchtitan") is None:  # the export extra
+        pytest.skip("torchtitan is not installed")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    benchmark = importlib.import_module("torchtitan_cpu_memory")
+    (run,) = [r for r in memory_runs() if r.id == COMPILED_ROW]
+    (peak,) = benchmark.measure("op", 8, dp=1, compile_mode="model")
+    assert peak == pytest.approx(run.measured, rel=0.01)
