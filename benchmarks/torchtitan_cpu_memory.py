@@ -17,8 +17,15 @@ on the local shards: those functions run here with the tracker active again. Wit
 that the loss backward's three extra vocabulary-shard copies were missing from the
 measurement (a peak 36 % lower at 1,024 vocabulary rows, 8 x 64 tokens).
 
+Under ``--compile model|model+loss`` (each block compiled after its checkpoint wrapper, and the
+loss) the tracker cannot run (Dynamo does not trace under a dispatch mode): the peak is then the
+CPU allocator's, from the profiler's allocation events (``AllocatorPeak``; ``--profiler`` uses
+it for an eager step too). It includes what gloo's threads allocate, so with more than one
+rank it reads 1-3 % above the tracker, and under TP its ranks spread too far to use.
+
     python benchmarks/torchtitan_cpu_memory.py [--policy op|2|full|none] [--micro-batch 2]
-        [--dp 2] [--tp 1] [--vocab 256] [--heads 4 2]
+        [--dp 2] [--tp 1] [--vocab 256] [--heads 4 2] [--compile none|model|model+loss]
+        [--profiler]
 """
 
 from __future__ import annotations
