@@ -405,17 +405,17 @@ def _per_layer(model: ModelSpec, config: ParallelConfig, tag: tuple, compute) ->
 
 def _uncached_layer_bytes(model: ModelSpec, config: ParallelConfig, framework: str, mode: str,
                           *, moe: bool, device_key: str = "", autocast: bool = False) -> float:
+    compiled = framework == "torchtitan" and config.compile != "none"
     if mode == "op":
         return act.op_policy_layer_bytes(
             model, config, moe=moe, policy=framework,
             saves_attention=framework != "torchtitan" or device_key != CPU_DEVICE_KEY,
-            autocast=autocast, compiled=framework == "torchtitan" and config.compile != "none")
+            autocast=autocast, compiled=compiled)
     return act.layer_activation_bytes(model, config, recompute=mode, moe=moe,
                                       eager=eager_autograd(framework),
                                       rope_tables=framework != "torchtitan", autocast=autocast,
                                       fused_norm=device_key != CPU_DEVICE_KEY,
-                                      compiled=framework == "torchtitan"
-                                      and config.compile != "none",
+                                      compiled=compiled,
                                       float8_inputs=framework == "megatron" and config.float8)
 
 

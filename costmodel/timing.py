@@ -1108,14 +1108,14 @@ maximum (read 2, write 4), the shift with the exponential and its sum (read 4, w
 normalisation (8); backward, the gradient with its cast to bf16 (read 4, write 2)."""
 
 
-def grad_comm_bytes(framework: str, dtype: str, *, reduce_dtype: str = "fp32") -> int:
-    """Bytes per gradient element on the wire: fp32 for Megatron (main grads), FSDP2/DDP with
-    fp32 reduction (meshplan, torchtitan); the compute dtype for DeepSpeed and ``ideal``.
-    ``reduce_dtype``: the FSDP reduce-scatter's dtype (``ParallelConfig.grad_reduce_dtype``),
-    which torchtitan's sharded plans follow; its callers pass it for ZeRO-2/3 only."""
-    if framework == "torchtitan" and reduce_dtype != "fp32":
-        return 2
-    if dtype == "fp32" or framework in ("megatron", "meshplan", "torchtitan"):
+def grad_comm_bytes(framework: str, dtype: str, *, reduce_bytes: int = 4) -> int:
+    """Bytes per gradient element on the wire: fp32 for Megatron (main grads) and meshplan's
+    FSDP2/DDP; torchtitan's FSDP reduce-scatter's ``reduce_bytes``
+    (``ParallelConfig.grad_reduce_bytes``; its callers pass it for ZeRO-2/3 only, fp32
+    otherwise); the compute dtype for DeepSpeed and ``ideal``."""
+    if framework == "torchtitan":
+        return reduce_bytes
+    if dtype == "fp32" or framework in ("megatron", "meshplan"):
         return 4
     return 2
 
@@ -1136,7 +1136,7 @@ def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
     total = params.dense + params.expert
     comm = _bandwidth_s("reduce_scatter", link,
                         total * grad_comm_bytes(framework, config.dtype,
-                                                reduce_dtype=config.grad_reduce_dtype),
+                                                reduce_bytes=config.grad_reduce_bytes),
                         **effs)
     if config.zero_stage == 3:
         passes = zero3_gather_passes(framework, config, recompute)
@@ -1244,7 +1244,7 @@ def _zero_fresh_pages_s(config: ParallelConfig, cluster: ClusterSpec,
         else 1
     nbytes = total * (2 * gathers * config.bytes_per_activation
                       + grad_comm_bytes(framework, config.dtype,
-                                        reduce_dtype=config.grad_reduce_dtype))
+                                        reduce_bytes=config.grad_reduce_bytes))
     if fsdp2_syncs_once_per_step(framework, config):  # once per step, spread over its
         nbytes /= config.grad_accum_steps              # micro-batches
     return fresh_pages_s(cluster, calibration, nbytes)
@@ -1439,7 +1439,7 @@ def _pipelined_fsdp2_step_s(config: ParallelConfig, calibration: Calibration, *,
     total = params.dense + params.expert
     scatter = coll.reduce_scatter_s(
         link, total * grad_comm_bytes(framework, config.dtype,
-                                      reduce_dtype=config.grad_reduce_dtype), **effs)
+                                      reduce_bytes=config.grad_reduce_bytes), **effs)
     block = params.largest_block or params.largest_layer
     first_gather = coll.all_gather_s(
         link, zero3_gather_bytes(config, params, framework=framework) * block / total,

@@ -41,9 +41,9 @@ def test_a_bf16_reduction_halves_the_reduce_scatter_input_and_the_pipelined_accu
 
 def test_only_torchtitan_sharded_gradients_follow_the_setting():
     assert grad_comm_bytes("torchtitan", "bf16") == 4
-    assert grad_comm_bytes("torchtitan", "bf16", reduce_dtype="bf16") == 2
-    assert grad_comm_bytes("megatron", "bf16", reduce_dtype="bf16") == 4
-    assert grad_comm_bytes("meshplan", "bf16", reduce_dtype="bf16") == 4
+    assert grad_comm_bytes("torchtitan", "bf16", reduce_bytes=2) == 2
+    assert grad_comm_bytes("megatron", "bf16", reduce_bytes=2) == 4
+    assert grad_comm_bytes("meshplan", "bf16", reduce_bytes=2) == 4
 
 
 def _plan(**changes) -> ParallelConfig:
