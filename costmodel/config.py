@@ -163,7 +163,16 @@ class ParallelConfig:
     upcast with the maximum, the shift with the exponential and its sum, the normalisation,
     and in backward the gradient with its cast to bf16; ``timing.MEGATRON_FUSED_CE_BYTES``)
     instead of its separate operators (``timing.MEGATRON_CE_BYTES``); off, as Megatron-LM's
-    own default."""
+    own default. Under --framework torchtitan (the FSDP trainers it stands for), a fused
+    cross-entropy kernel on the 16-bit logits in place of ``F.cross_entropy(logits.float())``:
+    llm-foundry's default ``fused_crossentropy`` (flash-attn's, since its first MPT release),
+    OLMo-core's ``fused_loss``. It reads the logits and writes their gradient in one pass
+    each (``eager.FUSED_LOSS_BYTES_PER_LOGIT``) and keeps the logits and that gradient, no fp32
+    copy (``frameworks.COMPILED_LOSS_LOGIT_COPIES``), as torchtitan's compiled loss does;
+    wherever a configuration runs without TP (under TP torchtitan's loss is its
+    vocabulary-parallel one, and the setting changes nothing there). torchtitan 0.2.2 has no
+    such option, so ``meshplan export --to torchtitan`` refuses it
+    (``--compile model+loss`` is torchtitan's way to the same kernel)."""
     overlap_comm: bool = True
     """Under --framework megatron, megatron-core's overlap of data-parallel and pipeline
     traffic with compute, as ``meshplan export --to megatron`` asks for it: the gradient

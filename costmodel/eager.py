@@ -127,7 +127,9 @@ FUSED_LOSS_BYTES_PER_LOGIT = 8
 """Bytes per logit of a compiled cross entropy on bf16 logits: forward reads the logits twice
 (the maximum, then the exponential sum; the fp32 upcast stays in registers and only the
 per-token log-sum-exp is written), backward reads them once more and writes their bf16
-gradient (softmax minus the one-hot target) in the same kernel."""
+gradient (softmax minus the one-hot target) in the same kernel. A fused cross-entropy kernel
+called by the trainer (``ParallelConfig.cross_entropy_fusion``: flash-attn's, as llm-foundry and
+OLMo-core call it) makes the same passes."""
 
 
 def compiled_layer_elementwise_bytes(model: ModelSpec, config: ParallelConfig, *,

@@ -459,7 +459,8 @@ def logit_copies(framework: str, fp32: bool, *, compiled_loss: bool = False,
     forward (logits, fp32 upcast, log-softmax). torchtitan and meshplan's runtime both run
     ``F.cross_entropy(logits.float(), ...)`` and drop the logits before backward:
     ``TORCHTITAN_LOGIT_COPIES`` at the loss backward; ``COMPILED_LOSS_LOGIT_COPIES`` when
-    torchtitan compiles its loss (``compiled_loss``), ``TORCHTITAN_LOSS_PARALLEL_COPIES``
+    torchtitan compiles its loss or the trainer calls a fused cross-entropy kernel
+    (``compiled_loss``; ``ParallelConfig.cross_entropy_fusion``), ``TORCHTITAN_LOSS_PARALLEL_COPIES``
     under tensor parallelism (``loss_parallel``, which torchtitan's loss then runs in, compiled
     or not).
     """
@@ -518,7 +519,8 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                             grad_reduce_dtype: str = "fp32") -> None:
     """Raise ValueError (one line) when the plan asks for what the framework's model does not
     cover: torch.compile, async TP and a float8 LM head are modelled as torchtitan runs them,
-    Transformer Engine's TP overlap and the fused cross entropy as Megatron-LM runs them,
+    Transformer Engine's TP overlap as Megatron-LM runs it, a fused cross entropy as
+    Megatron-LM runs it and as FSDP trainers' fused kernels run it (torchtitan),
     float8 training of the blocks as torchtitan and Megatron-LM run it
     (``FLOAT8_FRAMEWORKS``), and float8 needs float8 tensor cores (an ``fp8`` peak in the GPU
     catalog: H100 and later)."""
@@ -532,9 +534,10 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                          f"for --framework torchtitan only, got --framework {framework}")
     megatron_only = ((tp_comm_overlap, "--tp-comm-overlap", " (under torchtitan, --async-tp)"),
                      (float8_recipe == "delayed", "--float8-recipe delayed (Transformer Engine's "
-                      "delayed scaling)", ""),
-                     (cross_entropy_fusion, "--cross-entropy-fusion",
-                      " (torchtitan fuses its loss with --compile model+loss)"))
+                      "delayed scaling)", ""))
+    if cross_entropy_fusion and framework not in ("megatron", "torchtitan"):
+        raise ValueError(f"--cross-entropy-fusion is modelled for --framework megatron and "
+                         f"torchtitan only, got --framework {framework}")
     for on, flag, hint in megatron_only:
         if on and framework != "megatron":
             raise ValueError(f"{flag} is modelled for --framework megatron only{hint}, got "

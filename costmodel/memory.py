@@ -250,9 +250,12 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
 
 def loss_logit_copies(framework: str, config: ParallelConfig) -> float:
     """``frameworks.logit_copies`` for the plan: its dtype, whether torchtitan compiles the
-    loss, and whether it runs under tensor parallelism (torchtitan's loss parallelism)."""
+    loss or a fused cross-entropy kernel runs it (``cross_entropy_fusion``), and whether it
+    runs under tensor parallelism (torchtitan's loss parallelism)."""
     return logit_copies(framework, config.dtype == "fp32",
-                        compiled_loss=config.compile == "model+loss", loss_parallel=config.tp > 1)
+                        compiled_loss=(config.compile == "model+loss"
+                                       or config.cross_entropy_fusion),
+                        loss_parallel=config.tp > 1)
 
 
 def last_stage_head_bytes(model: ModelSpec, config: ParallelConfig, framework: str) -> float:

@@ -1062,7 +1062,8 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     """LM head matmul forward + backward and the fp32 cross-entropy passes over the logits
     (Megatron-LM's vocabulary-parallel cross entropy, unfused or fused:
     ``MEGATRON_CE_BYTES``, ``MEGATRON_FUSED_CE_BYTES``; eager frameworks: the unfused loss's
-    own traffic, ``eager.loss_bytes``), and its weight gradient's fresh pages
+    own traffic, ``eager.loss_bytes``, or a compiled or fused kernel's,
+    ``eager.FUSED_LOSS_BYTES_PER_LOGIT``), and its weight gradient's fresh pages
     (``fresh_pages_s``)."""
     device = calibration.device(cluster.gpu.key)
     tokens = act.tokens_per_microbatch(config)
@@ -1081,7 +1082,8 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     host_ops = (1 + BACKWARD_FACTOR) * EAGER_OPS_HEAD * device.op_overhead_s
     weight_grad = fresh_pages_s(cluster, calibration, model.vocab_rows * model.hidden_size
                                 / config.tp * config.bytes_per_activation)
-    if eager_kernels(framework) and config.compile == "model+loss":
+    if eager_kernels(framework) and (config.compile == "model+loss"
+                                     or (config.cross_entropy_fusion and config.tp == 1)):
         loss = eager.FUSED_LOSS_BYTES_PER_LOGIT * logits
     elif eager_kernels(framework):
         loss = eager.loss_bytes(config, logits)

@@ -643,6 +643,10 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
     if config.dtype not in TORCHTITAN_DTYPES:
         raise ValueError(f"torchtitan trains in bf16 or fp32, not {config.dtype}; "
                          f"use dtype bf16 or fp32")
+    if config.cross_entropy_fusion:
+        raise ValueError("torchtitan 0.2.2 has no fused cross-entropy option; the plan was "
+                         "priced with one: plan without --cross-entropy-fusion, or with "
+                         "--compile model+loss (torchtitan's compiled loss)")
     if config.grad_reduce_dtype != "fp32":
         raise ValueError(f"torchtitan 0.2.2 reduces gradients in float32 only "
                          f"(training.mixed_precision_reduce); the plan reduces in "

@@ -113,7 +113,8 @@ class SearchSpace:
     """Transformer Engine's TP overlap under Megatron-LM wherever a configuration runs TP with
     sequence parallelism (``ParallelConfig.tp_comm_overlap``; a setting, not searched)."""
     cross_entropy_fusion: bool = False
-    """Megatron-LM's fused cross entropy (``ParallelConfig.cross_entropy_fusion``; a
+    """A fused cross entropy (``ParallelConfig.cross_entropy_fusion``: Megatron-LM's, or under
+    torchtitan an FSDP trainer's fused kernel wherever a configuration runs without TP; a
     setting, not searched)."""
     overlap_comm: bool = True
     """Megatron-LM's data-parallel and pipeline overlap (``ParallelConfig.overlap_comm``; a
