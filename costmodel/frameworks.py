@@ -460,9 +460,9 @@ def logit_copies(framework: str, fp32: bool, *, compiled_loss: bool = False,
     ``F.cross_entropy(logits.float(), ...)`` and drop the logits before backward:
     ``TORCHTITAN_LOGIT_COPIES`` at the loss backward; ``COMPILED_LOSS_LOGIT_COPIES`` when
     torchtitan compiles its loss or the trainer calls a fused cross-entropy kernel
-    (``compiled_loss``; ``ParallelConfig.cross_entropy_fusion``), ``TORCHTITAN_LOSS_PARALLEL_COPIES``
-    under tensor parallelism (``loss_parallel``, which torchtitan's loss then runs in, compiled
-    or not).
+    (``compiled_loss``; ``ParallelConfig.cross_entropy_fusion``),
+    ``TORCHTITAN_LOSS_PARALLEL_COPIES`` under tensor parallelism (``loss_parallel``, which
+    torchtitan's loss then runs in, compiled or not).
     """
     if framework in ("megatron", "ideal"):
         return 1.0

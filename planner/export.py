@@ -643,7 +643,7 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
     if config.dtype not in TORCHTITAN_DTYPES:
         raise ValueError(f"torchtitan trains in bf16 or fp32, not {config.dtype}; "
                          f"use dtype bf16 or fp32")
-    if config.cross_entropy_fusion:
+    if config.cross_entropy_fusion and config.tp == 1:  # under TP it priced nothing
         raise ValueError("torchtitan 0.2.2 has no fused cross-entropy option; the plan was "
                          "priced with one: plan without --cross-entropy-fusion, or with "
                          "--compile model+loss (torchtitan's compiled loss)")

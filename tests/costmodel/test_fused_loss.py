@@ -1,7 +1,8 @@
-"""A fused cross-entropy kernel under --framework torchtitan (``ParallelConfig.cross_entropy_fusion``):
-the FSDP trainers that call one (llm-foundry's ``fused_crossentropy``, OLMo-core's
-``fused_loss``) read the 16-bit logits and write their gradient in one pass each and keep no
-fp32 copy, where torchtitan's own eager loss upcasts them (``F.cross_entropy(logits.float())``)."""
+"""A fused cross-entropy kernel under --framework torchtitan
+(``ParallelConfig.cross_entropy_fusion``): the FSDP trainers that call one (llm-foundry's
+``fused_crossentropy``, OLMo-core's ``fused_loss``) read the 16-bit logits and write their
+gradient in one pass each and keep no fp32 copy, where torchtitan's own eager loss upcasts
+them (``F.cross_entropy(logits.float())``)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,14 @@ def test_the_cli_plans_a_fused_loss_under_torchtitan_and_its_export_refuses_it(t
     assert "megatron and torchtitan only" in usage_error(
         "estimate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16",
         "--framework", "deepspeed", "--cross-entropy-fusion")
+
+
+def test_the_torchtitan_export_takes_the_setting_where_it_priced_nothing(tmp_path):
+    """Under TP the setting changed no price (torchtitan's loss is its vocabulary-parallel
+    one), so the export has nothing to refuse."""
+    plan = tmp_path / "plan.json"
+    done = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
+                   "--framework", "torchtitan", "--global-batch", "16", "--zero", "3",
+                   "--tp", "2", "--sp", "--cross-entropy-fusion", "-o", str(plan))
+    assert done.code == 0, done.err
+    assert run_cli("export", str(plan), "--to", "torchtitan").code == 0
