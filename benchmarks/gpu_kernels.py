@@ -37,6 +37,18 @@ the host AdamW step). This script times each on the GPU it runs on, in bf16:
   assumption for ``--float8`` (the bf16 GEMM efficiency at the float8 peak), and one
   tensorwise cast of a bf16 activation to float8 (max-abs, scale, cast: 5 bytes per element
   read and written) against HBM bandwidth;
+- ``loss``: the cross entropy an FSDP trainer runs on bf16 logits of Llama 3's vocabulary
+  (16,384 tokens x 128,256, torchtitan's 2 x 8K) and MPT's (8,192 x 50,368), forward and
+  backward, eager (``F.cross_entropy(logits.float(), labels)``, torchtitan's loss) and compiled
+  (the same function under ``torch.compile``: torchtitan's ``compile`` of the loss, and the
+  passes a fused cross-entropy kernel makes). Each as bytes per logit at the device's
+  element-wise bandwidth (seconds x HBM bandwidth x ``memory_efficiency`` / logits) beside the
+  cost model's (``eager.LOSS_BYTES_PER_LOGIT``, ``eager.FUSED_LOSS_BYTES_PER_LOGIT``), and the
+  peak it allocates above the logits it is given, in fp32-sized logit copies, beside the
+  model's count in the same frame (``frameworks.TORCHTITAN_LOGIT_COPIES`` for the eager loss,
+  which in a training step runs with the logits already dropped;
+  ``frameworks.COMPILED_LOSS_LOGIT_COPIES`` less the logits themselves for the compiled one):
+  what the H200 rows' memory and the small MPT models' step time leave open;
 - ``elementwise``: a 1 GiB bf16 add (bytes read and written over time);
 - ``host``: 256 MiB host-device copies from pinned and from pageable memory, each way, and one
   fp32 AdamW step on the CPU over 64 M parameters with torch's fused kernel on all cores.
@@ -44,7 +56,7 @@ the host AdamW step). This script times each on the GPU it runs on, in bf16:
 Each figure is the median of several timed repeats (CUDA events, after warm-up calls), printed
 beside the cost model's value for the catalog GPU (``--gpu``, default ``h200``) under the
 built-in calibration. Writes ``gpu-kernels-<gpu>-<date>.{md,json}`` under ``--out``.
-About two minutes on one H200.
+About three minutes on one H200.
 
     python benchmarks/gpu_kernels.py [--gpu h200] [--out DIR]
     python benchmarks/gpu_kernels.py --dry-run   # CPU: tiny sizes, fp32; tests the plumbing
@@ -88,6 +100,8 @@ ATTENTION = ((2048, 128), (4096, 128), (8192, 128), (4096, 64), (16384, 128), (3
 """(sequence, head size) of the attention cases; 16,384 tokens a call (batch = 16384 / s; one
 sequence of s beyond) and 16 query heads of 128 (32 of 64), 8 key-value heads of 128 (16 of
 64)."""
+LOSS_SHAPES = ((16384, 128256), (8192, 50368))
+"""(tokens, vocabulary) of the loss cases: Llama 3 at torchtitan's 2 x 8,192 tokens, MPT."""
 TP_LAYERS = {  # name: (hidden, q size, kv size, ffn hidden), sharded 8 ways
     "llama3-8b": (4096, 4096, 1024, 14336),
     "llama3-70b": (8192, 8192, 1024, 28672),
@@ -477,6 +491,55 @@ def float8_rows(timer: Timer, device: torch.device, *, dry_run: bool, peak: floa
     return rows
 
 
+def _torch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """torchtitan's cross entropy: the logits upcast to fp32, mean over the tokens."""
+    return torch.nn.functional.cross_entropy(logits.float(), labels)
+
+
+def loss_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *, dry_run: bool,
+              hbm: float, cal) -> list[dict]:
+    """``loss``: the eager and the compiled cross entropy (see the module docstring)."""
+    from meshplan.costmodel import eager, frameworks
+    rows = []
+    compiled = torch.compile(_torch_loss)
+    fp32_fraction = torch.finfo(dtype).bits / 32  # the given logits, in fp32-sized copies
+    for tokens, vocab in ((64, 512),) if dry_run else LOSS_SHAPES:
+        logits = torch.randn(tokens, vocab, device=device, dtype=dtype, requires_grad=True)
+        labels = torch.randint(vocab, (tokens,), device=device)
+        logit_count = tokens * vocab
+        fp32 = dtype == torch.float32
+        cases = (("eager", _torch_loss,
+                  eager.LOSS_BYTES_PER_LOGIT_FP32 if fp32 else eager.LOSS_BYTES_PER_LOGIT,
+                  frameworks.logit_copies("torchtitan", fp32)),
+                 ("compiled", compiled, eager.FUSED_LOSS_BYTES_PER_LOGIT,
+                  frameworks.logit_copies("torchtitan", fp32, compiled_loss=True)))
+        for kind, fn, predicted_bytes, copies in cases:
+            def step(fn=fn) -> None:
+                logits.grad = None
+                fn(logits, labels).backward()
+
+            seconds = timer(step, calls=3, repeats=3)
+            extra = None
+            if device.type == "cuda":
+                logits.grad = None
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step()
+                torch.cuda.synchronize()
+                extra = (torch.cuda.max_memory_allocated() - base) / (4.0 * logit_count)
+            held = 0.0 if kind == "eager" else fp32_fraction  # the given logits are counted
+            rows.append(dict(group="loss", case=f"{kind} cross entropy {tokens}x{vocab}",
+                             seconds=seconds,
+                             bytes_per_logit=seconds * hbm * cal.memory_efficiency
+                             / logit_count,
+                             predicted_bytes_per_logit=float(predicted_bytes),
+                             peak_fp32_copies=extra if extra is not None else "",
+                             predicted_fp32_copies=copies - held))
+        del logits, labels
+    return rows
+
+
 def elementwise_rows(timer: Timer, device: torch.device, dtype: torch.dtype, *,
                      dry_run: bool, hbm: float, cal) -> list[dict]:
     n = (4 * MIB if dry_run else 512 * MIB)  # elements: 1 GiB of bf16
@@ -523,7 +586,7 @@ def host_rows(timer: Timer, device: torch.device, *, dry_run: bool, pcie: float,
 def markdown(rows: list[dict], title: str) -> str:
     lines = [f"# {title}", ""]
     for group in ("gemm", "narrow_gemm", "tp_gemm", "attention", "ring", "launch", "float8",
-                  "elementwise", "host"):
+                  "loss", "elementwise", "host"):
         part = [row for row in rows if row["group"] == group]
         if not part:
             continue
@@ -589,6 +652,8 @@ def main() -> int:
              ("float8", lambda: float8_rows(timer, device, dry_run=args.dry_run,
                                             peak=peak if args.dry_run else gpu.peak("fp8"),
                                             hbm=gpu.hbm_bytes_per_s, cal=cal)),
+             ("loss", lambda: loss_rows(timer, device, dtype, dry_run=args.dry_run,
+                                        hbm=gpu.hbm_bytes_per_s, cal=cal)),
              ("elementwise", lambda: elementwise_rows(timer, device, dtype,
                                                       dry_run=args.dry_run,
                                                       hbm=gpu.hbm_bytes_per_s, cal=cal)),

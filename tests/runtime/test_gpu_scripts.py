@@ -138,7 +138,8 @@ def test_kernels_dry_run_writes_every_group(tmp_path):
     [result] = tmp_path.glob("gpu-kernels-dryrun-cpu-*.json")
     rows = json.loads(result.read_text())["rows"]
     assert {row["group"] for row in rows} == {"gemm", "narrow_gemm", "tp_gemm", "attention",
-                                              "ring", "launch", "float8", "elementwise", "host"}
+                                              "ring", "launch", "float8", "loss",
+                                              "elementwise", "host"}
     assert not [row for row in rows if "error" in row]
     assert all(row["seconds"] > 0 for row in rows)
     assert (tmp_path / result.name.replace(".json", ".md")).exists()
