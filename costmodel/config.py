@@ -307,6 +307,15 @@ class ParallelConfig:
         """Bytes per element of the gradients FSDP reduce-scatters (``grad_reduce_dtype``)."""
         return 4 if self.grad_reduce_dtype == "fp32" else 2
 
+    @property
+    def fused_loss_kernel(self) -> bool:
+        """Whether an FSDP trainer (--framework torchtitan, meshplan) runs its loss as one
+        fused kernel on the 16-bit logits: torchtitan's compiled loss (``compile``
+        ``model+loss``), or a fused cross-entropy kernel wherever no TP runs
+        (``cross_entropy_fusion``; under TP torchtitan's loss is its vocabulary-parallel
+        one)."""
+        return self.compile == "model+loss" or (self.cross_entropy_fusion and self.tp == 1)
+
     def replace(self, **changes) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
 

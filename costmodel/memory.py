@@ -253,9 +253,7 @@ def loss_logit_copies(framework: str, config: ParallelConfig) -> float:
     loss or a fused cross-entropy kernel runs it (``cross_entropy_fusion``), and whether it
     runs under tensor parallelism (torchtitan's loss parallelism)."""
     return logit_copies(framework, config.dtype == "fp32",
-                        compiled_loss=(config.compile == "model+loss"
-                                       or config.cross_entropy_fusion),
-                        loss_parallel=config.tp > 1)
+                        compiled_loss=config.fused_loss_kernel, loss_parallel=config.tp > 1)
 
 
 def last_stage_head_bytes(model: ModelSpec, config: ParallelConfig, framework: str) -> float:

@@ -1082,8 +1082,7 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     host_ops = (1 + BACKWARD_FACTOR) * EAGER_OPS_HEAD * device.op_overhead_s
     weight_grad = fresh_pages_s(cluster, calibration, model.vocab_rows * model.hidden_size
                                 / config.tp * config.bytes_per_activation)
-    if eager_kernels(framework) and (config.compile == "model+loss"
-                                     or (config.cross_entropy_fusion and config.tp == 1)):
+    if eager_kernels(framework) and config.fused_loss_kernel:
         loss = eager.FUSED_LOSS_BYTES_PER_LOGIT * logits
     elif eager_kernels(framework):
         loss = eager.loss_bytes(config, logits)
