@@ -56,6 +56,8 @@ EAGER_PARAMETERS = (  # fitted on the eager (FSDP trainer) fit runs only, the re
     ("h100_eager_matmul_efficiency", 0.55, 0.3, 0.95),
     ("a100_eager_flash_attention_efficiency", 0.35, 0.1, 0.9),
     ("h100_eager_flash_attention_efficiency", 0.25, 0.1, 0.9),
+    ("a100_triton_attention_efficiency", 0.3, 0.05, 0.9),
+    ("h100_triton_attention_efficiency", 0.17, 0.05, 0.9),
     ("gpu_prefetch_contention_bytes", 2.4, 0.0, 8.0),
     ("gpu_prefetch_contention", 0.1, 0.0, 0.6),
 )
@@ -128,7 +130,9 @@ def calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
 
 def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibration:
     """``base`` with the eager-framework values of ``EAGER_PARAMETERS`` set to ``x``: each
-    generation's eager GEMM and fused-attention efficiency (H200 and B200 take H100's), and the
+    generation's eager GEMM efficiency, its fused-attention efficiency (SDPA's flash kernel)
+    and its Triton attention kernel's (the MosaicML rows' ``attn_impl: triton``; H200 and B200
+    take H100's values), and the
     prefetched collectives' contention on every GPU (``prefetch_contention_bytes`` over the
     time they move bytes, ``prefetch_contention`` over their calls' latency), their overlap
     ``PREFETCH_OVERLAP``."""
@@ -140,6 +144,7 @@ def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibrati
             base.device(key),
             eager_matmul_efficiency=v[f"{generation}_eager_matmul_efficiency"],
             eager_flash_attention_efficiency=v[f"{generation}_eager_flash_attention_efficiency"],
+            triton_attention_efficiency=v[f"{generation}_triton_attention_efficiency"],
             prefetch_overlap=PREFETCH_OVERLAP,
             prefetch_contention_bytes=v["gpu_prefetch_contention_bytes"],
             prefetch_contention=v["gpu_prefetch_contention"])
@@ -328,7 +333,9 @@ FIT_SOURCE = (
     "8 H100s, 30B on 16, 70B on 64, MPT-7B on 8 A100-80GB, 13B on 64 A100-40GB, MPT-1B at 16k "
     "and 32k tokens on 8 GPUs of each kind, MPT-1B and 3B on 512 H100s; torchtitan's Llama 2 "
     "13B on 64 A100s and Llama 3.1 8B on 8 Grand Teton H100s): each generation's "
-    "eager GEMM and fused-attention efficiency, and the prefetched FSDP collectives' "
+    "eager GEMM efficiency, its SDPA flash-attention efficiency (the torchtitan rows) and its "
+    "Triton flash-attention efficiency (the MosaicML rows, which ran llm-foundry's "
+    "attn_impl: triton), and the prefetched FSDP collectives' "
     "contention (HBM bytes per byte on the ring; their overlap is PREFETCH_OVERLAP, not "
     "fitted). Then DeepSpeed ZeRO-3's per-rank call cost on its two fit rows "
     "(Narayanan et al. 2021 Table 2: 174.6B on 768 A100s, 529.6B on 2,240), its gather "

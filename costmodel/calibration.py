@@ -81,6 +81,11 @@ class DeviceCalibration:
     """Fraction of dense peak fused attention reaches when an eager PyTorch framework calls it
     (the flash-attn package or SDPA's flash kernels, against the cuDNN / Transformer Engine
     kernels of Megatron-LM and Llama 3's stack); None: ``flash_attention_efficiency``."""
+    triton_attention_efficiency: float | None = None
+    """Fraction of dense peak the Triton flash-attention kernel reaches
+    (``ParallelConfig.attention_kernel`` ``triton``: llm-foundry's ``attn_impl: triton``),
+    forward and backward, in the cost model's FLOP count; None:
+    ``eager_flash_attention_efficiency``."""
     eager_flash_attention_half_seq: float | None = None
     """Sequence length at which the eager fused attention reaches half of
     ``eager_flash_attention_efficiency``: over s keys it runs at that efficiency times
@@ -139,10 +144,14 @@ class DeviceCalibration:
             return self.eager_matmul_efficiency
         return self.matmul_efficiency
 
-    def fused_attention_efficiency(self, eager: bool, seq_len: float | None = None) -> float:
-        """``eager_flash_attention_efficiency`` for an eager framework when set (over
+    def fused_attention_efficiency(self, eager: bool, seq_len: float | None = None,
+                                   kernel: str = "auto") -> float:
+        """``triton_attention_efficiency`` for the Triton kernel (``kernel`` ``triton``) where
+        set; otherwise ``eager_flash_attention_efficiency`` for an eager framework when set (over
         ``seq_len`` keys, times ``s / (s + eager_flash_attention_half_seq)`` where that is
         set), else ``flash_attention_efficiency``."""
+        if kernel == "triton" and self.triton_attention_efficiency is not None:
+            return self.triton_attention_efficiency
         if eager and self.eager_flash_attention_efficiency is not None:
             if self.eager_flash_attention_half_seq is None or seq_len is None:
                 return self.eager_flash_attention_efficiency
@@ -151,7 +160,8 @@ class DeviceCalibration:
         return self.flash_attention_efficiency
 
     def __post_init__(self) -> None:
-        for name in ("eager_matmul_efficiency", "eager_flash_attention_efficiency"):
+        for name in ("eager_matmul_efficiency", "eager_flash_attention_efficiency",
+                     "triton_attention_efficiency"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
@@ -322,6 +332,7 @@ class Calibration:
 DEVICE_SCHEMA = schema_of(DeviceCalibration, limits={
     "matmul_efficiency": EFFICIENCY, "matmul_overhead_s": NON_NEGATIVE,
     "eager_matmul_efficiency": EFFICIENCY, "eager_flash_attention_efficiency": EFFICIENCY,
+    "triton_attention_efficiency": EFFICIENCY,
     "prefetch_overlap": FRACTION, "prefetch_contention": FRACTION,
     "prefetch_contention_bytes": NON_NEGATIVE,
     "optimizer_params_per_s": POSITIVE, "gemm_half_rows": POSITIVE,

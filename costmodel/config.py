@@ -28,6 +28,9 @@ FLOAT8_RECIPES = ("tensorwise", "delayed")
 current tensor (a max-abs pass before each cast), or Transformer Engine's delayed scaling."""
 """What torch.compile covers (``ParallelConfig.compile``): nothing, the transformer blocks, or
 the blocks and the loss."""
+ATTENTION_KERNELS = ("auto", "triton")
+"""Fused attention kernels a configuration can name (``ParallelConfig.attention_kernel``): the
+framework's own, or the Triton flash-attention kernel llm-foundry's ``attn_impl: triton`` runs."""
 GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 """Dtypes a sharded data-parallel gradient reduction runs in
 (``ParallelConfig.grad_reduce_dtype``)."""
@@ -44,11 +47,19 @@ def default_dtype(device_key: str) -> str:
 
 def check_run_settings(*, compile_mode: str, float8: bool, float8_head: bool, async_tp: bool,
                        dtype: str, float8_recipe: str = "tensorwise",
-                       grad_reduce_dtype: str = "fp32") -> None:
+                       grad_reduce_dtype: str = "fp32", attention_kernel: str = "auto",
+                       flash_attention: bool = True) -> None:
     """Raise ValueError (one line) for run settings that cannot go together: an unknown
     torch.compile mode, float8 outside bf16, a float8 head without float8 blocks, async TP
-    without torch.compile, a gradient reduction in a 16-bit dtype other than the compute one
-    (``ParallelConfig`` and the planner's ``SearchSpace`` both check)."""
+    without torch.compile, a gradient reduction in a 16-bit dtype other than the compute one,
+    an unknown attention kernel or a fused one without flash attention (``ParallelConfig`` and
+    the planner's ``SearchSpace`` both check)."""
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
+                         f"got {attention_kernel!r}")
+    if attention_kernel != "auto" and not flash_attention:
+        raise ValueError(f"--attention-kernel {attention_kernel} names a fused attention "
+                         f"kernel; it cannot go with --no-flash-attention")
     if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
         raise ValueError(f"grad_reduce_dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}, "
                          f"got {grad_reduce_dtype!r}")
@@ -157,6 +168,13 @@ class ParallelConfig:
     with the input-gradient GEMMs of those two, the input gradients' reduce-scatters with the
     weight-gradient GEMMs of QKV and FC1; ``timing.tp_comm_parts_s``). Changes nothing where
     no TP with sequence parallelism runs; torchtitan's counterpart is ``async_tp``."""
+    attention_kernel: str = "auto"
+    """Which fused attention kernel the framework calls: ``auto``, its own (Megatron-LM:
+    Transformer Engine's cuDNN kernels; the FSDP trainers torchtitan stands for and meshplan's
+    runtime: torch's SDPA flash kernel, FlashAttention-2), or ``triton``, the Triton port of
+    FlashAttention that llm-foundry's ``attn_impl: triton`` runs (its default until 2024-03; the
+    kernel that takes an ALiBi bias), priced at the device's ``triton_attention_efficiency``.
+    Applies with flash attention on."""
     cross_entropy_fusion: bool = False
     """Under --framework megatron, Megatron-LM's ``--cross-entropy-loss-fusion``: its
     vocabulary-parallel cross entropy as megatron-core's fused kernels (``jit_fuser``: the fp32
@@ -250,7 +268,9 @@ class ParallelConfig:
         check_run_settings(compile_mode=self.compile, float8=self.float8,
                            float8_head=self.float8_head, async_tp=self.async_tp,
                            dtype=self.dtype, float8_recipe=self.float8_recipe,
-                           grad_reduce_dtype=self.grad_reduce_dtype)
+                           grad_reduce_dtype=self.grad_reduce_dtype,
+                           attention_kernel=self.attention_kernel,
+                           flash_attention=self.flash_attention)
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: configurations key the planner's caches, which

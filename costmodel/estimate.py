@@ -101,6 +101,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                             async_tp=config.async_tp, float8_head=config.float8_head,
                             tp_comm_overlap=config.tp_comm_overlap,
                             cross_entropy_fusion=config.cross_entropy_fusion,
+                            attention_kernel=config.attention_kernel,
                             float8_recipe=config.float8_recipe,
                             grad_reduce_dtype=config.grad_reduce_dtype,
                             peak_flop_per_s=cluster.gpu.peak_flop_per_s, gpu_key=cluster.gpu.key)
@@ -297,7 +298,8 @@ def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfi
 
 OPTIONAL_PLAN_KEYS = ("selective_ac", "recompute_early_stop", "compile", "float8",
                       "float8_recipe", "float8_head", "async_tp", "tp_comm_overlap",
-                      "cross_entropy_fusion", "overlap_comm", "grad_reduce_dtype")
+                      "cross_entropy_fusion", "attention_kernel", "overlap_comm",
+                      "grad_reduce_dtype")
 """Settings the ``plan`` object holds only when they differ from their default (torchtitan's
 selective policy, early-stopping recomputation, torch.compile, float8 training), so that the
 documents of plans without them read as before."""

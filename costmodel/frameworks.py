@@ -516,16 +516,20 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                             tp_comm_overlap: bool = False,
                             cross_entropy_fusion: bool = False,
                             float8_recipe: str = "tensorwise",
-                            grad_reduce_dtype: str = "fp32") -> None:
+                            grad_reduce_dtype: str = "fp32",
+                            attention_kernel: str = "auto") -> None:
     """Raise ValueError (one line) when the plan asks for what the framework's model does not
     cover: torch.compile, async TP and a float8 LM head are modelled as torchtitan runs them,
     Transformer Engine's TP overlap as Megatron-LM runs it, a fused cross entropy as
     Megatron-LM runs it and as FSDP trainers' fused kernels run it (torchtitan),
     float8 training of the blocks as torchtitan and Megatron-LM run it
-    (``FLOAT8_FRAMEWORKS``), and float8 needs float8 tensor cores (an ``fp8`` peak in the GPU
+    (``FLOAT8_FRAMEWORKS``), the Triton attention kernel as the FSDP trainers that call it run
+    it (llm-foundry; torchtitan stands for them), and float8 needs float8 tensor cores (an ``fp8`` peak in the GPU
     catalog: H100 and later)."""
     asked = [flag for flag, on in (("--compile", compile_mode != "none"),
                                    ("--float8-head", float8_head), ("--async-tp", async_tp),
+                                   (f"--attention-kernel {attention_kernel}",
+                                    attention_kernel != "auto"),
                                    (f"--grad-reduce-dtype {grad_reduce_dtype}",
                                     grad_reduce_dtype != "fp32"))
              if on]

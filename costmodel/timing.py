@@ -289,7 +289,8 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
                                                        causal=causal) / t
-    efficiency = (device.fused_attention_efficiency(eager_kernels(framework), config.seq_len)
+    efficiency = (device.fused_attention_efficiency(eager_kernels(framework), config.seq_len,
+                                                    config.attention_kernel)
                   if config.flash_attention else device.attention_efficiency)
     core = _gemm_s(attention_flop, 2, peak=peak, efficiency=efficiency,
                    overhead_s=device.matmul_overhead_s)
@@ -826,10 +827,11 @@ class _StageCosts:
         return cost
 
 
-LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop", "float8_recipe")
+LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop", "float8_recipe",
+                        "attention_kernel")
 """The ``ParallelConfig`` fields one layer's compute (``_layer_compute``) depends on: its
-activations' (``memory.LAYER_FIELDS``), the expert split of its weight gradients and whether
-full recomputation stops early (tests/costmodel/test_stage_costs_cache.py checks that no other
+activations' (``memory.LAYER_FIELDS``), the expert split of its weight gradients, whether
+full recomputation stops early and which fused attention kernel runs (tests/costmodel/test_stage_costs_cache.py checks that no other
 field changes it)."""
 _layer_compute_fields = operator.itemgetter(*LAYER_COMPUTE_FIELDS)
 _LAYER_COMPUTE: dict[tuple, tuple[tuple, tuple[float, float, float]]] = {}

@@ -647,6 +647,10 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
         raise ValueError("torchtitan 0.2.2 has no fused cross-entropy option; the plan was "
                          "priced with one: plan without --cross-entropy-fusion, or with "
                          "--compile model+loss (torchtitan's compiled loss)")
+    if config.attention_kernel != "auto":
+        raise ValueError(f"torchtitan 0.2.2 calls torch's SDPA (or flex attention); the plan "
+                         f"was priced with the {config.attention_kernel} attention kernel: "
+                         f"plan with --attention-kernel auto")
     if config.grad_reduce_dtype != "fp32":
         raise ValueError(f"torchtitan 0.2.2 reduces gradients in float32 only "
                          f"(training.mixed_precision_reduce); the plan reduces in "

@@ -116,6 +116,9 @@ class SearchSpace:
     """A fused cross entropy (``ParallelConfig.cross_entropy_fusion``: Megatron-LM's, or under
     torchtitan an FSDP trainer's fused kernel wherever a configuration runs without TP; a
     setting, not searched)."""
+    attention_kernel: str = "auto"
+    """The fused attention kernel the framework calls (``ParallelConfig.attention_kernel``;
+    a setting, not searched: it is the trainer's, not a layout choice)."""
     overlap_comm: bool = True
     """Megatron-LM's data-parallel and pipeline overlap (``ParallelConfig.overlap_comm``; a
     setting, on unless --no-overlap-comm)."""
@@ -135,7 +138,9 @@ class SearchSpace:
         check_run_settings(compile_mode=self.compile, float8=self.float8,
                            float8_head=self.float8_head, async_tp=self.async_tp,
                            dtype=self.dtype, float8_recipe=self.float8_recipe,
-                           grad_reduce_dtype=self.grad_reduce_dtype)
+                           grad_reduce_dtype=self.grad_reduce_dtype,
+                           attention_kernel=self.attention_kernel,
+                           flash_attention=self.flash_attention)
 
 
 PIN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
@@ -158,7 +163,7 @@ def pins_of(space: SearchSpace) -> dict:
 
 SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_recipe",
                   "float8_head", "async_tp", "tp_comm_overlap", "cross_entropy_fusion",
-                  "overlap_comm", "grad_reduce_dtype")
+                  "attention_kernel", "overlap_comm", "grad_reduce_dtype")
 """Run settings every configuration of the space carries (recorded when not the default);
 each is a ``ParallelConfig`` field of the same name."""
 

@@ -92,7 +92,8 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
 def _check_settings(config: ParallelConfig) -> None:
     """``UnsupportedPlan`` for torch.compile, float8 training and async TP: settings the cost
     model prices as torchtitan runs them; this runtime trains eagerly in the plan's dtype. And
-    for a gradient reduction in a 16-bit dtype: the runtime's FSDP2 reduces in fp32."""
+    for a gradient reduction in a 16-bit dtype (the runtime's FSDP2 reduces in fp32) and an
+    attention kernel other than the framework's own (the runtime calls torch's SDPA)."""
     asked = [f"compile {config.compile!r}"] if config.compile != "none" else []
     if config.float8:
         asked.append("float8")
@@ -103,6 +104,10 @@ def _check_settings(config: ParallelConfig) -> None:
                               f"{'are' if len(asked) > 1 else 'is'} not run by meshplan's "
                               f"runtime (eager, in the plan's dtype); export the plan to "
                               f"torchtitan instead: meshplan export PLAN --to torchtitan")
+    if config.attention_kernel != "auto":
+        raise UnsupportedPlan(f"the plan is priced with the {config.attention_kernel} "
+                              f"attention kernel; meshplan's runtime calls torch's SDPA: plan "
+                              f"with --attention-kernel auto")
     if config.grad_reduce_dtype != "fp32":
         raise UnsupportedPlan(f"the plan reduces gradients in {config.grad_reduce_dtype}; "
                               f"meshplan's runtime reduces them in fp32: plan with "
