@@ -188,6 +188,8 @@ def _check_deepspeed_settings(config: ParallelConfig) -> None:
         _warn(f"DeepSpeed's config has no torch.compile switch: call engine.compile() after "
               f"deepspeed.initialize in the training script (it compiles the whole module); "
               f"the plan's compile {config.compile!r} is left out of the export")
+    _warn_attention_kernel(config, "DeepSpeed's config has no attention switch (the model "
+                                   "code picks its kernel)")
 
 
 def _deepspeed_zero(config: ParallelConfig) -> dict[str, Any]:
@@ -367,6 +369,14 @@ torchtitan's default recipe, delayed Transformer Engine's delayed scaling. Trans
 runs it, on the blocks' linears only (the output layer stays bf16, as the plan's LM head)."""
 
 
+def _warn_attention_kernel(config: ParallelConfig, why: str) -> None:
+    """A warning where the plan was priced with an attention kernel the target does not run
+    (``ParallelConfig.attention_kernel``): its step time was the kernel's."""
+    if config.attention_kernel != "auto":
+        _warn(f"{why}; the plan's step was priced with the {config.attention_kernel} attention "
+              f"kernel, which the export leaves out")
+
+
 def _megatron_settings(config: ParallelConfig) -> list[str]:
     """Float8 training (``MEGATRON_FLOAT8``) and the fused cross entropy; torch.compile is
     left out with a warning: Megatron-LM has no switch for it and fuses its own kernels
@@ -375,6 +385,8 @@ def _megatron_settings(config: ParallelConfig) -> list[str]:
         _warn(f"Megatron-LM has no torch.compile switch (it runs its own fused kernels: bias "
               f"and activation, RoPE, cross entropy); the plan's compile {config.compile!r} is "
               f"left out of the export")
+    _warn_attention_kernel(config, "Megatron-LM runs its own fused attention (--use-flash-attn "
+                                   "or Transformer Engine's)")
     if config.float8_head:
         raise ValueError("Megatron-LM runs float8 on the transformer layers' linears only (its "
                          "output layer stays bf16); plan without --float8-head, or export to "

@@ -98,6 +98,8 @@ def test_the_mosaicml_reference_rows_ran_the_triton_kernel():
 
 
 def test_the_cli_plans_with_the_kernel_and_the_torchtitan_export_refuses_it(tmp_path):
+    """torchtitan runs SDPA, so its export refuses the plan; Megatron-LM's export leaves the
+    kernel out with a warning (as it does torch.compile)."""
     plan = tmp_path / "plan.json"
     done = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
                    "--framework", "torchtitan", "--global-batch", "16", "--zero", "3",
@@ -106,6 +108,9 @@ def test_the_cli_plans_with_the_kernel_and_the_torchtitan_export_refuses_it(tmp_
     assert '"attention_kernel": "triton"' in plan.read_text()
     message = usage_error("export", str(plan), "--to", "torchtitan")
     assert "triton attention kernel" in message and "--attention-kernel auto" in message
+    megatron = run_cli("export", str(plan), "--to", "megatron")
+    assert megatron.code == 0, megatron.err
+    assert "priced with the triton attention kernel, which the export leaves out" in megatron.err
     assert "torchtitan only" in usage_error(
         "estimate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16",
         "--framework", "meshplan", "--attention-kernel", "triton")
