@@ -132,8 +132,7 @@ def eager_calibration_from_vector(base: Calibration, x: np.ndarray) -> Calibrati
     """``base`` with the eager-framework values of ``EAGER_PARAMETERS`` set to ``x``: each
     generation's eager GEMM efficiency, its fused-attention efficiency (SDPA's flash kernel)
     and its Triton attention kernel's (the MosaicML rows' ``attn_impl: triton``; H200 and B200
-    take H100's values), and the
-    prefetched collectives' contention on every GPU (``prefetch_contention_bytes`` over the
+    take H100's values), and the prefetched collectives' contention on every GPU (``prefetch_contention_bytes`` over the
     time they move bytes, ``prefetch_contention`` over their calls' latency), their overlap
     ``PREFETCH_OVERLAP``."""
     v = {name: float(value) for (name, *_), value in zip(EAGER_PARAMETERS, x)}

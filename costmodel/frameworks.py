@@ -524,8 +524,8 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
     Megatron-LM runs it and as FSDP trainers' fused kernels run it (torchtitan),
     float8 training of the blocks as torchtitan and Megatron-LM run it
     (``FLOAT8_FRAMEWORKS``), the Triton attention kernel as the FSDP trainers that call it run
-    it (llm-foundry; torchtitan stands for them), and float8 needs float8 tensor cores (an ``fp8`` peak in the GPU
-    catalog: H100 and later)."""
+    it (llm-foundry; torchtitan stands for them), and float8 needs float8 tensor cores (an
+    ``fp8`` peak in the GPU catalog: H100 and later)."""
     asked = [flag for flag, on in (("--compile", compile_mode != "none"),
                                    ("--float8-head", float8_head), ("--async-tp", async_tp),
                                    (f"--attention-kernel {attention_kernel}",
