@@ -54,27 +54,21 @@ def check_run_settings(*, compile_mode: str, float8: bool, float8_head: bool, as
     without torch.compile, a gradient reduction in a 16-bit dtype other than the compute one,
     an unknown attention kernel or a fused one without flash attention (``ParallelConfig`` and
     the planner's ``SearchSpace`` both check)."""
-    if attention_kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
-                         f"got {attention_kernel!r}")
+    for name, value, choices in (("attention_kernel", attention_kernel, ATTENTION_KERNELS),
+                                 ("grad_reduce_dtype", grad_reduce_dtype, GRAD_REDUCE_DTYPES),
+                                 ("compile", compile_mode, COMPILE_MODES),
+                                 ("float8_recipe", float8_recipe, FLOAT8_RECIPES)):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     if attention_kernel != "auto" and not flash_attention:
         raise ValueError(f"--attention-kernel {attention_kernel} names a fused attention "
                          f"kernel; it cannot go with --no-flash-attention")
-    if grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-        raise ValueError(f"grad_reduce_dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}, "
-                         f"got {grad_reduce_dtype!r}")
     if grad_reduce_dtype != "fp32" and grad_reduce_dtype != dtype:
         raise ValueError(f"grad_reduce_dtype {grad_reduce_dtype} (--grad-reduce-dtype) must be "
                          f"fp32 or the compute dtype ({dtype})")
-    if compile_mode not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
-                         f"{compile_mode!r}")
     if float8 and dtype != "bf16":
         raise ValueError(f"float8 training needs dtype bf16 (its casts start from bf16), "
                          f"got {dtype!r}")
-    if float8_recipe not in FLOAT8_RECIPES:
-        raise ValueError(f"float8_recipe must be one of {', '.join(FLOAT8_RECIPES)}, got "
-                         f"{float8_recipe!r}")
     if float8_recipe != "tensorwise" and not float8:
         raise ValueError(f"float8_recipe {float8_recipe} (--float8-recipe) needs float8 "
                          f"training (--float8)")
