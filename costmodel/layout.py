@@ -44,6 +44,101 @@ def check_fits_model(config: ParallelConfig, model: ModelSpec, *, num_gpus: int)
             raise ValueError(f"ep {config.ep} must divide dp*cp = {config.dp * config.cp}")
 
 
+FRAMEWORK_MESH_ORDERS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "deepspeed": (("tp", "cp", "dp", "pp"),),
+    "torchtitan": (("tp", "cp", "dp", "pp"),),
+}
+"""Rank layouts (``ParallelConfig.mesh_order``, fastest-varying axis first) of the frameworks
+that build only some: torchtitan's ``ParallelDims`` mesh (pp, dp, cp, tp from slowest to
+fastest) and DeepSpeed's pipe / data / model topology. Megatron-LM builds both of the
+planner's orders (``--use-tp-pp-dp-mapping`` for the second), meshplan's runtime any."""
+
+FRAMEWORK_NAMES = {"deepspeed": "DeepSpeed", "megatron": "Megatron-LM",
+                   "torchtitan": "torchtitan", "meshplan": "meshplan's runtime"}
+
+
+def framework_layout_error(framework: str, config: ParallelConfig,
+                           model: ModelSpec) -> str | None:
+    """The first reason ``framework`` cannot run the layout of ``config`` for ``model``: one
+    line that says what to change; None when it can.
+
+    One rule for the planner, which searches only the layouts the plan's framework runs
+    (``planner.search``), and for the exports and ``meshplan run``, which refuse the rest
+    (``planner.export``, ``runtime.mesh.check_supported``). What no framework can run is
+    ``check_fits_model``'s; run settings (compile, float8, ...) are
+    ``frameworks.check_framework_options``'s. ``ideal`` runs everything.
+
+    * DeepSpeed: its pipeline engine runs ZeRO 0 and 1 only, with one schedule (no
+      interleaving); it offloads only under ZeRO, to NVMe only under ZeRO-3 (ZeRO-Infinity);
+      its sequence parallelism is DeepSpeed-Ulysses (``deepspeed.sequence.layer``), whose
+      all-to-all scatters the attention heads over the group, so cp must divide the heads of
+      a tensor-parallel rank (Megatron-DeepSpeed repeats k and v to the query heads first;
+      DeepSpeed's path for uneven head counts is not modelled).
+    * Megatron-LM: offloads the optimizer only, through its distributed optimizer, to host
+      memory.
+    * torchtitan: offloads only through FSDP2 (dp x cp > 1), to host memory.
+    * meshplan's runtime: no context parallelism, offload to host memory only, tensor
+      parallelism that splits the MLP and the (padded) vocabulary evenly, and no parameter
+      offload of embeddings tied across pipeline stages. What it cannot run for any layout
+      (MoE, ALiBi, ...) stays ``runtime.mesh.check_supported``'s.
+    """
+    name = FRAMEWORK_NAMES.get(framework)
+    if name is None:
+        return None
+    offload, device, zero = config.offload, config.offload_device, config.zero_stage
+    if framework == "deepspeed":
+        if config.pp > 1 and zero >= 2:
+            return (f"DeepSpeed's pipeline engine runs only ZeRO stage 0 or 1 (pp {config.pp}, "
+                    f"zero_stage {zero}); use zero 1 or pp 1")
+        if config.vpp > 1:
+            return (f"DeepSpeed's pipeline engine has no interleaved schedule (vpp "
+                    f"{config.vpp}); use vpp 1")
+        if offload != "none" and zero == 0:
+            return (f"DeepSpeed offloads only under ZeRO (offload {offload!r}, zero_stage 0); "
+                    f"use zero 1, 2 or 3")
+        if offload != "none" and device == "nvme" and zero != 3:
+            return (f"DeepSpeed offloads to NVMe only under ZeRO-3 (ZeRO-Infinity); got "
+                    f"zero_stage {zero} with offload device nvme")
+        heads = model.num_heads // config.tp
+        if config.cp > 1 and heads % config.cp:
+            return (f"DeepSpeed's sequence parallelism (Ulysses) splits the attention heads: cp "
+                    f"{config.cp} must divide the {heads} heads of each of the {config.tp} "
+                    f"tensor-parallel ranks; use a cp that does, or a smaller tp")
+        return None
+    if offload != "none" and device == "nvme":
+        if framework == "meshplan":
+            return ("offload to nvme is not in meshplan's runtime, which offloads to host "
+                    "memory (offload device cpu); use offload device cpu, or --framework "
+                    "deepspeed (ZeRO-Infinity) and export the plan")
+        return (f"{name} cannot offload to NVMe (offload {offload!r}, device nvme); use "
+                f"offload device cpu, or export to deepspeed (ZeRO-Infinity)")
+    if framework == "megatron":
+        if offload == "optimizer+params":
+            return ("Megatron-LM cannot offload parameters (offload 'optimizer+params'); use "
+                    "offload 'optimizer', or export to deepspeed")
+        if offload == "optimizer" and zero == 0:
+            return ("Megatron-LM offloads the optimizer only through its distributed optimizer "
+                    "(offload 'optimizer', zero_stage 0); use zero >= 1")
+    elif framework == "torchtitan":
+        if offload != "none" and config.dp * config.cp == 1:
+            return (f"torchtitan offloads only through FSDP2, which needs dp x cp > 1 (offload "
+                    f"{offload!r}, dp {config.dp}, cp {config.cp})")
+    elif framework == "meshplan":
+        if config.cp > 1:
+            return (f"context parallelism (cp {config.cp}) is not in meshplan's runtime; use "
+                    f"cp 1, or --framework torchtitan or megatron and export the plan")
+        for what, size in (("ffn_hidden_size", model.ffn_hidden_size),
+                           ("the (padded) vocabulary", model.vocab_rows)):
+            if size % config.tp:
+                return (f"tp {config.tp} must divide {what} ({size}) for the runtime's even "
+                        f"tensor-parallel split")
+        if model.tied_embeddings and config.pp > 1 and offload == "optimizer+params":
+            return ("tied embeddings across pipeline stages with parameter offload are not "
+                    "implemented (their gradients would sit in host memory); use --offload "
+                    "optimizer or none")
+    return None
+
+
 def axis_sizes(config: ParallelConfig) -> dict[str, int]:
     """Degree of each mesh axis."""
     return {"tp": config.tp, "cp": config.cp, "dp": config.dp, "pp": config.pp}

@@ -599,14 +599,19 @@ def _megatron_overlapped_tp_s(model: ModelSpec, config: ParallelConfig, link: co
 
 
 def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
-                         calibration: Calibration, *, attention_fwd_s: float) -> float:
-    """Ring exchange of K and V chunks (forward) and of K, V, dK, dV (backward), exposed part.
+                         calibration: Calibration, *, attention_fwd_s: float,
+                         framework: str = "megatron", recompute: str = "none") -> float:
+    """Context parallelism's exposed traffic per layer: DeepSpeed's all-to-alls
+    (``ulysses_per_layer_s``), the others' ring exchange of K and V chunks (forward) and of
+    K, V, dK, dV (backward).
 
-    Each of the cp - 1 steps passes this rank's K and V chunk to its ring neighbour and
+    Each of the cp - 1 ring steps passes this rank's K and V chunk to its ring neighbour and
     overlaps with that step's attention block (Liu et al. 2023, Ring Attention).
     """
     if config.cp == 1:
         return 0.0
+    if framework == "deepspeed":
+        return ulysses_per_layer_s(model, config, link, calibration, recompute=recompute)
     chunk = (config.bytes_per_activation * act.tokens_per_microbatch(config) * 2 * model.kv_size
              / config.tp)
     bandwidth = coll.effective_bytes_per_s(link, intra_eff=calibration.nvlink_efficiency,
@@ -616,6 +621,33 @@ def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     bwd = 2 * fwd
     hidden = (1 + BACKWARD_FACTOR) * attention_fwd_s
     return composition.exposed(fwd + bwd, hidden)
+
+
+ULYSSES_FORWARD_ALL_TO_ALLS = 4
+"""All-to-alls of one layer's forward under DeepSpeed-Ulysses: q, k and v from a sequence
+split to a head split before attention, the attention output back after it (Jacobs et al.
+2023, arXiv:2309.14509, Sec. 3; ``deepspeed.sequence.layer.DistributedAttention``). Backward
+runs the same four on the gradients."""
+
+
+def ulysses_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
+                        calibration: Calibration, *, recompute: str = "none") -> float:
+    """Seconds per layer and micro-batch of DeepSpeed-Ulysses, the sequence parallelism that
+    DeepSpeed runs for cp > 1 (``sequence_parallel_size``): ``ULYSSES_FORWARD_ALL_TO_ALLS``
+    forward and as many backward, each over the cp group on a tensor of the rank's tokens
+    times the query width of its tensor-parallel shard (Megatron-DeepSpeed repeats k and v to
+    the query heads before attention, so the four are alike), and the forward's again under
+    full recomputation. ``DistributedAttention`` issues them on the compute stream and waits
+    for each (its overlap needs an ``sp_stream`` that Megatron-DeepSpeed does not pass), so
+    all of it is exposed. Selective recomputation recomputes no attention under Ulysses
+    (Megatron-DeepSpeed checkpoints the core attention only without it), so only full adds
+    traffic."""
+    size = (config.bytes_per_activation * act.tokens_per_microbatch(config) * model.q_size
+            / config.tp)
+    one = coll.all_to_all_s(link, size, intra_eff=calibration.nvlink_efficiency,
+                            inter_eff=calibration.network_efficiency)
+    passes = 3 if recompute == "full" else 2
+    return passes * ULYSSES_FORWARD_ALL_TO_ALLS * one
 
 
 def _ep_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -822,7 +854,8 @@ class _StageCosts:
                                                   framework, moe, layer_mode)
         cost = _LayerCost(compute_s=compute, host_wait_s=host_wait,
                           cp_s=_cp_comm_per_layer_s(model, config, self.links.cp, calibration,
-                                                    attention_fwd_s=core))
+                                                    attention_fwd_s=core, framework=framework,
+                                                    recompute=layer_mode))
         self._layers[key] = cost
         return cost
 

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 from meshplan.costmodel import ModelSpec, ParallelConfig
 from meshplan.costmodel.config import RECOMPUTE_MODES
+from meshplan.costmodel.layout import FRAMEWORK_MESH_ORDERS, framework_layout_error
 from meshplan.planner.plan import Plan
 
 TARGETS = ("deepspeed", "megatron", "torchtitan")
@@ -113,17 +114,19 @@ def _check_not_traced(plan: Plan, target: str) -> None:
                          f"deepspeed instead")
 
 
+def _check_layout(plan: Plan, target: str) -> None:
+    """ValueError for a layout ``target`` cannot run (``layout.framework_layout_error``: the
+    rule the planner searches under, so a plan made for ``target`` always passes)."""
+    refusal = framework_layout_error(target, plan.config, plan.model)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
 def _check_mesh_order(plan: Plan, target: str, supported: tuple[tuple[str, ...], ...]) -> None:
     if plan.config.mesh_order not in supported:
         _warn(f"{target} cannot lay ranks out as {','.join(plan.config.mesh_order)} "
               f"(fastest-varying first); it uses {','.join(supported[0])}, so communication "
               f"times may differ from the prediction")
-
-
-def _check_offload_device(config: ParallelConfig, target: str) -> None:
-    if config.offload != "none" and config.offload_device == "nvme":
-        raise ValueError(f"{target} cannot offload to NVMe (offload {config.offload!r}, device "
-                         f"nvme); use offload device cpu, or export to deepspeed (ZeRO-Infinity)")
 
 
 # ----- DeepSpeed ---------------------------------------------------------------------------------
@@ -143,7 +146,8 @@ def to_deepspeed(plan: Plan) -> dict[str, Any]:
     config = plan.config
     _check_deepspeed_settings(config)
     _check_framework(plan, "deepspeed")
-    _check_mesh_order(plan, "deepspeed", (DEFAULT_MESH_ORDER,))
+    _check_mesh_order(plan, "deepspeed", FRAMEWORK_MESH_ORDERS["deepspeed"])
+    _check_layout(plan, "deepspeed")
     data: dict[str, Any] = {
         "train_batch_size": config.global_batch_size,
         "train_micro_batch_size_per_gpu": config.micro_batch_size,
@@ -168,8 +172,10 @@ def to_deepspeed(plan: Plan) -> dict[str, Any]:
         data["tensor_parallel"] = {"autotp_size": config.tp}
     if config.cp > 1:
         data["sequence_parallel_size"] = config.cp
-        _warn(f"DeepSpeed splits the sequence with Ulysses all-to-all (sequence_parallel_size "
-              f"{config.cp}), not the ring exchange the plan's cp {config.cp} was timed with")
+        if plan.framework != "deepspeed":
+            _warn(f"DeepSpeed splits the sequence with Ulysses all-to-all (sequence_parallel_"
+                  f"size {config.cp}), not the ring exchange the plan's cp {config.cp} was "
+                  f"timed with under framework {plan.framework!r}")
     if config.ep > 1:
         _warn(f"DeepSpeed takes the expert-parallel degree in the model code, not the config: "
               f"build the MoE layers with deepspeed.moe.layer.MoE(..., ep_size={config.ep})")
@@ -193,19 +199,10 @@ def _check_deepspeed_settings(config: ParallelConfig) -> None:
 
 
 def _deepspeed_zero(config: ParallelConfig) -> dict[str, Any]:
-    """The ``zero_optimization`` section; ValueError for what DeepSpeed's ZeRO cannot run."""
-    if config.pp > 1 and config.zero_stage >= 2:
-        raise ValueError(f"DeepSpeed's pipeline engine runs only ZeRO stage 0 or 1 (pp "
-                         f"{config.pp}, zero_stage {config.zero_stage}); use zero 1 or pp 1")
+    """The ``zero_optimization`` section (the layout passed ``_check_layout``)."""
     zero: dict[str, Any] = {"stage": config.zero_stage}
     if config.offload == "none":
         return zero
-    if config.zero_stage == 0:
-        raise ValueError(f"DeepSpeed offloads only under ZeRO (offload {config.offload!r}, "
-                         f"zero_stage 0); use zero 1, 2 or 3")
-    if config.offload_device == "nvme" and config.zero_stage != 3:
-        raise ValueError(f"DeepSpeed offloads to NVMe only under ZeRO-3 (ZeRO-Infinity); got "
-                         f"zero_stage {config.zero_stage} with offload device nvme")
     target = {"device": config.offload_device, "pin_memory": True}
     if config.offload_device == "nvme":
         target["nvme_path"] = NVME_PATH_PLACEHOLDER
@@ -216,10 +213,8 @@ def _deepspeed_zero(config: ParallelConfig) -> dict[str, Any]:
 
 
 def _deepspeed_pipeline(plan: Plan, layers: tuple[int, ...], recompute: str) -> dict[str, Any]:
-    """``pipeline``: stages, how PipelineModule partitions layers, checkpoint interval."""
-    if plan.config.vpp > 1:
-        raise ValueError(f"DeepSpeed's pipeline engine has no interleaved schedule (vpp "
-                         f"{plan.config.vpp}); use vpp 1")
+    """``pipeline``: stages, how PipelineModule partitions layers, checkpoint interval (one
+    schedule, no interleaving: ``_check_layout``)."""
     partition = "uniform"
     if len(set(layers)) > 1:
         partition = "parameters"
@@ -246,6 +241,7 @@ def to_megatron(plan: Plan) -> list[str]:
     _check_not_traced(plan, "Megatron-LM")
     _check_framework(plan, "megatron")
     _check_mesh_order(plan, "megatron", (DEFAULT_MESH_ORDER, MEGATRON_TP_PP_DP_ORDER))
+    _check_layout(plan, "megatron")
     args = _megatron_model(model, seq_len=config.seq_len)
     args += _megatron_parallel(plan)
     args += ["--micro-batch-size", str(config.micro_batch_size),
@@ -397,12 +393,8 @@ def _megatron_settings(config: ParallelConfig) -> list[str]:
 
 
 def _megatron_zero(config: ParallelConfig) -> list[str]:
-    """ZeRO stage, data-parallel overlap and optimizer offload; ValueError for offload Megatron
-    cannot do."""
-    _check_offload_device(config, "Megatron-LM")
-    if config.offload == "optimizer+params":
-        raise ValueError("Megatron-LM cannot offload parameters (offload 'optimizer+params'); "
-                         "use offload 'optimizer', or export to deepspeed")
+    """ZeRO stage, data-parallel overlap and optimizer offload (the layout passed
+    ``_check_layout``)."""
     args = []
     if config.zero_stage >= 1:
         args.append("--use-distributed-optimizer")
@@ -417,9 +409,6 @@ def _megatron_zero(config: ParallelConfig) -> list[str]:
         strategy = "optim_grads" if config.zero_stage == 2 else "optim_grads_params"
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
     if config.offload == "optimizer":
-        if config.zero_stage == 0:
-            raise ValueError("Megatron-LM offloads the optimizer only through its distributed "
-                             "optimizer (offload 'optimizer', zero_stage 0); use zero >= 1")
         args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
                  "--use-precision-aware-optimizer"]
     return args
@@ -650,8 +639,8 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
         _warn(f"torchtitan's {name} has no dropout; {model.name} was planned with dropout (the "
               f"export holds less activation memory than planned)")
     _check_framework(plan, "torchtitan")
-    _check_mesh_order(plan, "torchtitan", (DEFAULT_MESH_ORDER,))
-    _check_offload_device(config, "torchtitan")
+    _check_mesh_order(plan, "torchtitan", FRAMEWORK_MESH_ORDERS["torchtitan"])
+    _check_layout(plan, "torchtitan")
     if config.dtype not in TORCHTITAN_DTYPES:
         raise ValueError(f"torchtitan trains in bf16 or fp32, not {config.dtype}; "
                          f"use dtype bf16 or fp32")
@@ -675,9 +664,6 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
         "mixed_precision_param": TORCHTITAN_DTYPES[config.dtype],
     }
     if config.offload != "none":
-        if config.dp * config.cp == 1:
-            raise ValueError(f"torchtitan offloads only through FSDP2, which needs dp x cp > 1 "
-                             f"(offload {config.offload!r}, dp {config.dp}, cp {config.cp})")
         training["enable_cpu_offload"] = True
         if config.offload == "optimizer":
             _warn("torchtitan's CPU offload (FSDP2 CPUOffloadPolicy) moves parameters and "

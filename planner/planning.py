@@ -23,7 +23,7 @@ from meshplan.planner.search import (AboveCeiling, EmptySpace, NoPlanFits, Searc
                                      SearchTimeout, Solved, empty_space_message,
                                      framework_space, nearest_feasible, search,
                                      space_is_empty)
-from meshplan.planner.space import SearchSpace, pins_of
+from meshplan.planner.space import SearchSpace, framework_refusal, pins_of
 
 SECONDS_PER_DAY = 86400.0
 
@@ -114,6 +114,10 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
     if not 0 <= batch_tolerance < 1:
         raise ValueError(f"--global-batch-tolerance must be in [0, 1), got {batch_tolerance}")
     space = framework_space(space, framework)
+    refusal = framework_refusal(model, cluster, space, framework)
+    if refusal is not None:  # the pins leave nothing the framework runs
+        raise ValueError(f"{refusal} (no configuration of the pinned choices runs under "
+                         f"--framework {framework})")
     if space_is_empty(model, cluster, space) and (batch_tolerance or allow_fewer_gpus):
         return _plan_nearby(model, cluster, space, framework=framework,
                             calibration=calibration, calibration_name=calibration_name,

@@ -24,11 +24,13 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
 from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_once, stage_terms
 from meshplan.costmodel.frameworks import min_micro_batches
+from meshplan.costmodel.layout import FRAMEWORK_MESH_ORDERS, framework_layout_error
 from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.timing import stage_compute_s, stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
@@ -132,13 +134,51 @@ def empty_space_message(model: ModelSpec, cluster: ClusterSpec, space: SearchSpa
             + ("; ".join(hints) if hints else "fewer pinned choices"))
 
 
+FRAMEWORK_SINGLE_VALUES: dict[str, tuple[tuple[str, Any], ...]] = {
+    "deepspeed": (("vpp", 1),),
+    "megatron": (("offload_device", "cpu"),),
+    "torchtitan": (("offload_device", "cpu"),),
+    "meshplan": (("cp", 1), ("offload_device", "cpu")),
+}
+"""Choices a framework runs with one value only (``layout.framework_layout_error``):
+DeepSpeed's pipeline engine has no interleaved schedule; only DeepSpeed offloads to NVMe;
+meshplan's runtime has no context parallelism."""
+
+
 def framework_space(space: SearchSpace, framework: str) -> SearchSpace:
-    """``space`` with the limits ``framework`` itself puts on configurations (its pipeline
-    schedules' fewest micro-batches: ``costmodel.frameworks.min_micro_batches``)."""
-    needs = min_micro_batches(framework, 2) > 1
-    if not needs or space.min_micro_batches_per_stage:
-        return space
-    return dataclasses.replace(space, min_micro_batches_per_stage=needs)
+    """``space`` with the limits ``framework`` itself puts on configurations: its pipeline
+    schedules' fewest micro-batches (``costmodel.frameworks.min_micro_batches``), the rank
+    layouts it builds (``layout.FRAMEWORK_MESH_ORDERS``, unless the user pinned one: the
+    exports warn about it, as ``estimate`` accepts it) and the choices it runs with one value
+    only (``FRAMEWORK_SINGLE_VALUES``). ValueError, with ``layout.framework_layout_error``'s
+    reason, when the user pinned only values the framework cannot run; the rest of that rule
+    is applied configuration by configuration (``candidates``, ``_Refiner``)."""
+    changes: dict[str, Any] = {}
+    if min_micro_batches(framework, 2) > 1 and not space.min_micro_batches_per_stage:
+        changes["min_micro_batches_per_stage"] = True
+    orders = FRAMEWORK_MESH_ORDERS.get(framework)
+    if orders is not None and space.mesh_order is None:  # a pinned layout is the user's call
+        changes["mesh_order"] = orders
+    for name, value in FRAMEWORK_SINGLE_VALUES.get(framework, ()):
+        pinned = getattr(space, name)
+        if pinned is None:
+            changes[name] = (value,)
+        elif value not in pinned:
+            raise ValueError(framework_layout_error(framework, _probe(name, pinned[0]), None))
+    return dataclasses.replace(space, **changes) if changes else space
+
+
+def _probe(name: str, value: Any) -> ParallelConfig:
+    """A small configuration whose only unusual choice is ``name`` = ``value`` (one of
+    ``FRAMEWORK_SINGLE_VALUES``'s), to read the framework's reason for refusing it."""
+    fields: dict[str, Any] = {"global_batch_size": 2, "seq_len": 2, name: value}
+    if name == "vpp":
+        fields["pp"] = 2
+    elif name == "cp":
+        fields["seq_len"] = 2 * value
+    else:  # offload_device
+        fields.update(offload="optimizer", zero_stage=1, dp=2)
+    return ParallelConfig(**fields)
 
 
 class SearchTimeout(Exception):
@@ -1046,14 +1086,18 @@ class _Refiner:
         tp, cp, pp, dp, ep = degrees
         space = self.space
         try:
-            return ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=sp, zero_stage=zero,
-                                  offload=offload, offload_device=device, micro_batch_size=mb,
-                                  global_batch_size=space.global_batch_size, vpp=vpp,
-                                  seq_len=space.seq_len, mesh_order=order, dtype=space.dtype,
-                                  flash_attention=space.flash_attention,
-                                  **settings_of(space))
+            config = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=sp, zero_stage=zero,
+                                    offload=offload, offload_device=device,
+                                    micro_batch_size=mb,
+                                    global_batch_size=space.global_batch_size, vpp=vpp,
+                                    seq_len=space.seq_len, mesh_order=order, dtype=space.dtype,
+                                    flash_attention=space.flash_attention,
+                                    **settings_of(space))
         except ValueError:
             return None
+        # only what the plan's framework runs (the same rule as space.candidates)
+        return config if framework_layout_error(self.framework, config, self.model) is None \
+            else None
 
     def linear_bound(self, config: ParallelConfig) -> Bound:
         """``bound`` of ``config`` (ZeRO-0, no offload: linear work only per micro-batch)
@@ -1299,13 +1343,38 @@ class _Refiner:
                 and all(r <= self.capacity for r in self.heavy_reserved(config, "none")))
 
     def kind_choices(self, degrees) -> list[tuple]:
-        """The (ZeRO stage, offload, offload device) choices of a degree tuple."""
+        """The (ZeRO stage, offload, offload device) choices of a degree tuple that the
+        framework runs with these degrees (``layout.framework_layout_error``; its rule reads
+        no other choice of a configuration), so that no branch of the tree is spent on a
+        choice whose every member ``config`` would refuse."""
         tp, cp, pp, dp, ep = degrees
-        return [(zero, offload, device)
+        key = ("kind choices", degrees, self.core)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = [
+                (zero, offload, device)
                 for zero in zero_choices(self.space, dp * cp, core=self.core,
                                          framework=self.framework)
                 for offload, device in offload_choices(self.space, zero, self.model,
-                                                       self.cluster)]
+                                                       self.cluster)
+                if self.runs(degrees, zero, offload, device)]
+        return hit
+
+    def runs(self, degrees, zero, offload, device) -> bool:
+        """Whether the framework runs these degrees with this (ZeRO, offload) choice: its rule
+        on a configuration of them (micro-batch 1, no interleaving; a choice ``ParallelConfig``
+        refuses is left to the members, which it refuses too)."""
+        tp, cp, pp, dp, ep = degrees
+        try:
+            probe = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=zero,
+                                   offload=offload, offload_device=device,
+                                   global_batch_size=self.space.global_batch_size,
+                                   seq_len=self.space.seq_len, dtype=self.space.dtype,
+                                   flash_attention=self.space.flash_attention,
+                                   **settings_of(self.space))
+        except ValueError:
+            return True
+        return framework_layout_error(self.framework, probe, self.model) is None
 
     def traffic_floor(self, degrees, b, sp, order, choice) -> float:
         """A lower bound of the per-micro-batch work summed over stages of every member of a

@@ -27,7 +27,14 @@ every configuration ``meshplan estimate`` accepts, except where noted:
   interleaved schedule's rule);
 * rank layout: tp-cp-dp-pp (Megatron's) and tp-cp-pp-dp (data parallel outermost), one of them
   when pp or dp is 1 (both orders give the same layout); tensor parallelism is always the
-  innermost axis.
+  innermost axis; under DeepSpeed and torchtitan the first only (``layout.
+  FRAMEWORK_MESH_ORDERS``: the only one they build).
+
+Every configuration is one the plan's framework runs (``layout.framework_layout_error``): under
+DeepSpeed no pipeline with ZeRO-2/3 or interleaving, cp only where Ulysses can split the heads;
+under meshplan's runtime no context parallelism; offload only as each framework offloads. A
+pinned choice the framework cannot run at all is refused with that rule's reason
+(``search.framework_space``).
 
 Run settings (``SETTING_FIELDS``: torchtitan's selective policy, early-stopping recomputation,
 torch.compile, float8 training, async TP) are not searched: every configuration carries the
@@ -39,10 +46,12 @@ never remove the optimum (tests/planner/test_brute_force.py checks that claim).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from meshplan.costmodel import ClusterSpec, ModelSpec, ParallelConfig
 from meshplan.costmodel.config import OFFLOAD_DEVICES, RECOMPUTE_MODES, check_run_settings
+from meshplan.costmodel.layout import framework_layout_error
 
 MESH_ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
 ONE_REPLICA_ZERO = (0, 3)
@@ -241,11 +250,34 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
     sequences of at least ``CORE_MIN_CP_SEQ_LEN`` tokens, ZeRO 1-3 with several replicas,
     micro-batches up to ``CORE_MAX_MICRO_BATCH``, vpp up to ``CORE_MAX_VPP``. Pinned choices
     are used as given in both spaces. ``framework``: whose ZeRO stages one replica searches
-    (``zero_choices``; the default, ``meshplan``, searches the most). ``core_cp_seq_len``: the
-    sequence length from which the core space has cp > 1 (the search's short-limit core,
-    ``search.SHORT_LIMIT_CORE_CP_SEQ_LEN``, starts lower).
+    (``zero_choices``; the default, ``meshplan``, searches the most), and whose layouts are
+    kept (``layout.framework_layout_error``: only what the framework runs).
+    ``core_cp_seq_len``: the sequence length from which the core space has cp > 1 (the
+    search's short-limit core, ``search.SHORT_LIMIT_CORE_CP_SEQ_LEN``, starts lower).
     """
-    out = []
+    return [config for config in iter_candidates(model, cluster, space, core=core,
+                                                 framework=framework,
+                                                 core_cp_seq_len=core_cp_seq_len)
+            if framework_layout_error(framework, config, model) is None]
+
+
+def framework_refusal(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace,
+                      framework: str) -> str | None:
+    """Why ``framework`` runs none of the configurations of ``space`` (its reason for the
+    first), or None when it runs one (usually found at once) or the space has none."""
+    reason = None
+    for config in iter_candidates(model, cluster, space, framework=framework):
+        why = framework_layout_error(framework, config, model)
+        if why is None:
+            return None
+        reason = reason or why
+    return reason
+
+
+def iter_candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
+                    core: bool = False, framework: str = "meshplan",
+                    core_cp_seq_len: int = CORE_MIN_CP_SEQ_LEN) -> Iterator[ParallelConfig]:
+    """``candidates`` one by one, whether or not the framework runs them."""
     for tp, cp, pp, dp, ep in degree_tuples(model, cluster, space, core=core,
                                             core_cp_seq_len=core_cp_seq_len):
         per_replica = space.global_batch_size // dp
@@ -271,8 +303,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
                                                flash_attention=space.flash_attention,
                                                **settings_of(space))
                                 if config is not None:
-                                    out.append(config)
-    return out
+                                    yield config
 
 
 def zero_choices(space: SearchSpace, replicas: int, *, core: bool = False,

@@ -56,29 +56,17 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
             check_runnable(model, pp=config.pp)
         except ValueError as err:
             raise UnsupportedPlan(str(err)) from None
-    for name, size in (("ffn_hidden_size", model.ffn_hidden_size),
-                       ("the (padded) vocabulary", model.vocab_rows)):
-        if size % config.tp:
-            raise UnsupportedPlan(f"tp {config.tp} must divide {name} ({size}) for the "
-                                  "runtime's even tensor-parallel split")
+    refusal = layout.framework_layout_error("meshplan", config, model)
+    if refusal is not None:  # the planner searches only layouts this rule lets through
+        raise UnsupportedPlan(refusal)
     if config.pp > 1 and config.grad_accum_steps < config.pp:
         raise UnsupportedPlan(f"the runtime's 1F1B schedules need at least pp = {config.pp} "
                               f"micro-batches per step, the plan has {config.grad_accum_steps}"
                               " (global batch / (dp x micro-batch)); pin a smaller "
                               "--micro-batch")
-    if config.cp > 1:
-        raise UnsupportedPlan(f"context parallelism (cp {config.cp}) is not implemented by "
-                              "the runtime yet; use cp 1")
     if config.ep > 1 or model.is_moe:
         raise UnsupportedPlan(f"MoE models and expert parallelism are not implemented by the "
                               f"runtime yet (model {model.name}, ep {config.ep})")
-    if config.offload_device != "cpu" and config.offload != "none":
-        raise UnsupportedPlan(f"offload to {config.offload_device} is not implemented; the "
-                              "runtime offloads to host memory (offload_device cpu)")
-    if model.tied_embeddings and config.pp > 1 and config.offload == "optimizer+params":
-        raise UnsupportedPlan("tied embeddings across pipeline stages with parameter offload "
-                              "are not implemented (their gradients would sit in host memory); "
-                              "use --offload optimizer or none")
     if model.rope_scaling not in ("", "linear", "llama3"):
         raise UnsupportedPlan(f"RoPE scaling {model.rope_scaling!r} (the config's rope_scaling)"
                               " is not implemented by the runtime (linear and llama3 are)")

@@ -470,7 +470,7 @@ def test_rank_layouts_the_search_treats_as_alike_estimate_alike(case):
                                           framework)
     refiner = search_module._Refiner(model, cluster, space, framework=framework,
                                      calibration=CAL)
-    configs = [c for c in candidates(model, cluster, space)
+    configs = [c for c in candidates(model, cluster, space, framework=framework)
                if c.pp > 1 and c.dp > 1 and c.mesh_order == MESH_ORDERS[0]]
     alike = [c for c in configs if refiner.orders_alike((c.tp, c.cp, c.pp, c.dp, c.ep))]
     rng = random.Random(13)

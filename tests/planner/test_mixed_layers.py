@@ -99,7 +99,7 @@ def test_tables_match_the_cost_model_on_every_range(model, pp, dp, ep, framework
 def brute_force(model, c, space, framework) -> float | None:
     capacity = c.gpu.hbm_bytes * (1 - space.memory_margin)
     best = math.inf
-    for config in candidates(model, c, space):
+    for config in candidates(model, c, space, framework=framework):
         lo = max(1, config.vpp)
         for split in itertools.product(range(lo, model.num_layers + 1), repeat=config.pp):
             if sum(split) != model.num_layers:

@@ -87,7 +87,9 @@ def test_every_pin_estimate_accepts_is_planned(pin):
     flags = {"--vpp": ["--pp", "4", "--vpp", "8", "--tp", "2"],
              "--micro-batch": ["--micro-batch", "32", "--tp", "8", "--cp", "1", "--pp", "1",
                                "--seq-len", "1024", "--recompute", "full"],
-             "--cp": ["--cp", "3", "--tp", "8", "--seq-len", "6144"]}[pin[0]]
+             # meshplan's runtime has no CP: Megatron-LM's (ring) for this pin
+             "--cp": ["--cp", "3", "--tp", "8", "--seq-len", "6144", "--framework",
+                      "megatron"]}[pin[0]]
     r = run_cli(*["estimate", *base[:-2], *flags])
     code, stdout, stderr = r.code, r.out, r.err
     assert code == 0, stderr
@@ -209,12 +211,13 @@ def test_empty_space_names_the_nearest_batches_and_node_counts():
 
 
 def test_no_plan_fits_names_nvme_when_it_binds():
-    """13B on one A100 offloading to NVMe only (pinned), with 100 GiB of NVMe: the offloaded
-    fp32 master and Adam moments (12 bytes per parameter, about 145 GiB) do not fit it."""
+    """13B on one A100 offloading to NVMe only (pinned; DeepSpeed's ZeRO-Infinity, the one
+    framework that offloads there), with 100 GiB of NVMe: the offloaded fp32 master and Adam
+    moments (12 bytes per parameter, about 145 GiB) do not fit it."""
     r = run_cli("plan", "--model", "llama2-13b", "--cluster", "dgx-a100-80gb", "--nodes", "1",
                 "--gpus-per-node", "1", "--host-memory-gib", "64", "--nvme-gib", "100",
                 "--offload-device", "nvme", "--global-batch", "8", "--seq-len", "4096",
-                "--deterministic")
+                "--deterministic", "--framework", "deepspeed")
     assert r.code == 3, r.err
     line = r.err.strip()
     assert "\n" not in line

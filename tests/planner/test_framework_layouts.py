@@ -1,0 +1,114 @@
+"""The planner searches only layouts the plan's framework runs (``layout.framework_layout_
+error``), so ``plan -> export`` and ``plan -> run`` never refuse a plan for its layout; the
+exports and the runtime refuse with the same reasons."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
+                               load_model)
+from meshplan.costmodel.layout import framework_layout_error
+from meshplan.planner import export
+from meshplan.planner.plan import Plan
+from meshplan.planner.search import framework_space, search
+from meshplan.planner.space import SearchSpace, candidates
+from meshplan.runtime.mesh import UnsupportedPlan, check_supported
+from meshplan.testing import run_cli
+
+CAL = default_calibration()
+
+
+def _plan(model, cluster, config, framework) -> Plan:
+    est = estimate(model, cluster, config, framework=framework, calibration=CAL)
+    return Plan.from_estimate(est, provenance={})
+
+
+@pytest.mark.parametrize("config,framework,words", [
+    (dict(pp=2, dp=2, zero_stage=2), "deepspeed", "runs only ZeRO stage 0 or 1"),
+    (dict(pp=2, vpp=2, dp=2, zero_stage=1), "deepspeed", "no interleaved schedule"),
+    (dict(dp=4, offload="optimizer"), "deepspeed", "offloads only under ZeRO"),
+    (dict(dp=4, zero_stage=2, offload="optimizer", offload_device="nvme"), "deepspeed",
+     "to NVMe only under ZeRO-3"),
+    (dict(dp=4, zero_stage=3, offload="optimizer+params"), "megatron",
+     "cannot offload parameters"),
+    (dict(dp=4, offload="optimizer"), "megatron", "only through its distributed optimizer"),
+    (dict(dp=4, zero_stage=1, offload="optimizer", offload_device="nvme"), "torchtitan",
+     "cannot offload to NVMe"),
+    (dict(cp=2, dp=2, zero_stage=1), "meshplan", "is not in meshplan's runtime"),
+])
+def test_the_exports_and_the_runtime_refuse_with_the_rule(config, framework, words):
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-a100-80gb", nodes=1)
+    values = dict(tp=2, pp=1, dp=1, global_batch_size=16, seq_len=4096)
+    values.update(config)
+    values["tp"] = 8 // (values["pp"] * values["dp"] * values.get("cp", 1))
+    config = ParallelConfig(**values)
+    why = framework_layout_error(framework, config, model)
+    assert why is not None and words in why
+    assert all(framework_layout_error(other, config, model) != why
+               for other in ("deepspeed", "megatron", "torchtitan", "meshplan")
+               if other != framework)
+    assert framework_layout_error("ideal", config, model) is None
+    plan = _plan(model, cluster, config, framework)
+    if framework == "meshplan":
+        with pytest.raises(UnsupportedPlan, match=words):
+            check_supported(config, model)
+    else:
+        with pytest.raises(ValueError, match=words):
+            export.render(plan, framework)
+
+
+@pytest.mark.parametrize("framework", ["deepspeed", "megatron", "torchtitan", "meshplan"])
+def test_every_candidate_is_a_layout_the_framework_runs(framework):
+    """Llama-2-70B on 4 DGX A100 at 4K tokens, every candidate of the whole space."""
+    model, cluster = load_model("llama2-70b"), load_cluster("dgx-a100-80gb", nodes=4)
+    space = framework_space(SearchSpace(global_batch_size=256, seq_len=4096), framework)
+    configs = candidates(model, cluster, space, framework=framework)
+    assert configs
+    for config in configs:
+        assert framework_layout_error(framework, config, model) is None, config
+    seen = {(c.pp > 1, c.zero_stage, c.vpp > 1, c.cp > 1, c.mesh_order) for c in configs}
+    if framework == "deepspeed":
+        assert not any(pp and (zero >= 2 or v) for pp, zero, v, _, _ in seen)
+        assert {order for *_, order in seen} == {("tp", "cp", "dp", "pp")}
+        assert any(cp for _, _, _, cp, _ in seen)  # Ulysses where the heads split
+    if framework == "meshplan":
+        assert not any(cp for _, _, _, cp, _ in seen)
+    if framework in ("megatron", "torchtitan"):  # both run pipelines with ZeRO-3 and CP
+        assert any(pp and zero == 3 for pp, zero, *_ in seen)
+        assert any(cp for _, _, _, cp, _ in seen)
+
+
+def test_a_deepspeed_plan_exports_and_a_default_plan_runs(tmp_path):
+    """The plans the CLI writes pass their framework's export / the runtime's check (before the
+    shared rule, this DeepSpeed search chose pp 8 with ZeRO-2 and interleaving, which the
+    export refused; the default framework chose cp 8 for Llama-3-8B at 32K tokens on one
+    node, which ``run`` refused; now it chooses tp 2 x dp 4 with full recomputation)."""
+    out = tmp_path / "ds.json"
+    r = run_cli("plan", "--model", "llama2-70b", "--cluster", "dgx-a100-80gb", "--nodes", "4",
+                "--framework", "deepspeed", "--global-batch", "256", "--seq-len", "4096",
+                "--deterministic", "-o", str(out))
+    assert r.code == 0, r.err
+    r = run_cli("export", str(out), "--to", "deepspeed")
+    assert r.code == 0, r.err
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
+    result = search(model, cluster, SearchSpace(global_batch_size=8, seq_len=32768),
+                    framework="meshplan", calibration=CAL, top_k=3, deterministic=True)
+    for solved in result.ranked:
+        assert solved.estimate.config.cp == 1
+        check_supported(solved.estimate.config, model)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--framework", "deepspeed", "--pp", "2", "--vpp", "2"], "no interleaved schedule"),
+    (["--cp", "2"], "context parallelism (cp 2) is not in meshplan's runtime"),
+    (["--framework", "megatron", "--offload-device", "nvme"], "cannot offload to NVMe"),
+    # a conditional rule: no single pin is refused, their combination is
+    (["--framework", "deepspeed", "--zero", "2", "--pp", "4"], "runs only ZeRO stage 0 or 1"),
+])
+def test_a_pin_the_framework_cannot_run_is_one_line_and_exit_2(args, words):
+    r = run_cli("plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb",
+                "--global-batch", "64", "--seq-len", "4096", "--deterministic", *args)
+    assert r.code == 2, r.err
+    line = r.err.strip()
+    assert "\n" not in line and words in line and "Traceback" not in line
