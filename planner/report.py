@@ -182,6 +182,11 @@ def estimate_report(est: Estimate) -> str:
     """The whole readable report of ``meshplan estimate``."""
     mem, c, th = est.memory, est.cluster, est.throughput
     verdict = "FITS" if est.fits else f"DOES NOT FIT: {est.why_not}"
+    from meshplan.costmodel.layout import framework_layout_error
+
+    refusal = framework_layout_error(est.framework, est.config, est.model)
+    if refusal is not None:  # priced all the same; the planner would not choose it
+        verdict += f"\nnote: {refusal}"
     return "\n".join([
         _header(est),
         "",

@@ -112,3 +112,17 @@ def test_a_pin_the_framework_cannot_run_is_one_line_and_exit_2(args, words):
     assert r.code == 2, r.err
     line = r.err.strip()
     assert "\n" not in line and words in line and "Traceback" not in line
+
+
+def test_estimate_prices_any_layout_and_notes_the_refusal():
+    """``estimate`` answers for a layout the framework does not run (a what-if), with the
+    rule's reason as a note after the verdict; none for one it runs."""
+    base = ["estimate", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--pp", "2",
+            "--dp", "4", "--global-batch", "64", "--framework", "deepspeed"]
+    r = run_cli(*base, "--zero", "2")
+    assert r.code == 0, r.err
+    last = r.out.strip().splitlines()[-1]
+    assert last.startswith("note: DeepSpeed's pipeline engine runs only ZeRO stage 0 or 1")
+    r = run_cli(*base, "--zero", "1")
+    assert r.code == 0, r.err
+    assert "note:" not in r.out
