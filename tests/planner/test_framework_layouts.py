@@ -126,3 +126,17 @@ def test_estimate_prices_any_layout_and_notes_the_refusal():
     r = run_cli(*base, "--zero", "1")
     assert r.code == 0, r.err
     assert "note:" not in r.out
+
+
+def test_no_measured_run_is_a_layout_its_framework_refuses():
+    """Every published step-time run and every measured memory run ran under its framework,
+    so the rule refuses none of them (331 and 112 runs; DeepSpeed's pipelines with ZeRO-1,
+    its ZeRO-3 without pipelines, torchtitan's 4D layouts, the runtime's offload plans)."""
+    from meshplan.costmodel.memory_runs import memory_runs
+    from meshplan.costmodel.reference import reference_runs
+
+    runs = [*reference_runs(), *memory_runs()]
+    assert len(runs) > 400
+    refused = {run.id: why for run in runs
+               if (why := framework_layout_error(run.framework, run.config, run.model))}
+    assert not refused, refused
