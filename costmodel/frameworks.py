@@ -395,6 +395,16 @@ def min_micro_batches(framework: str, pp: int) -> int:
     return pp if pp > 1 and framework in ("meshplan", "torchtitan") else 1
 
 
+def per_stage_recompute(framework: str) -> bool:
+    """Whether the framework recomputes each pipeline stage in its own mode: meshplan's runtime
+    (its plan's per-stage list) and the ``ideal`` accounting. Megatron-LM
+    (``--recompute-granularity``, ``--recompute-method`` and ``--recompute-num-layers`` apply
+    to every stage), torchtitan (one ``[activation_checkpoint]`` section for every model part)
+    and DeepSpeed (one ``activation_checkpointing`` section) take one mode for the whole model,
+    so the planner gives every stage the same one there (``planner.tables``)."""
+    return framework in ("meshplan", "ideal")
+
+
 def vocab_parallel_loss(framework: str) -> bool:
     """Whether the loss runs on vocabulary-sharded logits (Megatron's vocab-parallel cross
     entropy, torchtitan's loss_parallel); meshplan's runtime gathers the logits first."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import io
 import json
 from dataclasses import dataclass
@@ -45,3 +46,13 @@ def run_cli(*argv: Any) -> CliResult:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main([str(a) for a in argv])
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def stage_modes(modes: tuple[str, ...], stages: int, framework: str):
+    """Every recompute-mode assignment a brute force tries for ``stages`` stages: any mode per
+    stage where the framework runs a mode per stage (meshplan's runtime; the ``ideal``
+    accounting), otherwise one mode for all (Megatron-LM, torchtitan and DeepSpeed take one
+    for the whole model). Written out here, apart from the planner's own rule."""
+    if framework in ("meshplan", "ideal") or stages == 1:
+        return itertools.product(modes, repeat=stages)
+    return [(mode,) * stages for mode in modes]

@@ -29,8 +29,9 @@ from typing import Any
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
 from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_once, stage_terms
-from meshplan.costmodel.frameworks import min_micro_batches
-from meshplan.costmodel.layout import FRAMEWORK_MESH_ORDERS, framework_layout_error
+from meshplan.costmodel.frameworks import min_micro_batches, per_stage_recompute
+from meshplan.costmodel.layout import (FRAMEWORK_MESH_ORDERS, FRAMEWORK_NAMES,
+                                       framework_layout_error)
 from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.timing import stage_compute_s, stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
@@ -150,7 +151,9 @@ def framework_space(space: SearchSpace, framework: str) -> SearchSpace:
     schedules' fewest micro-batches (``costmodel.frameworks.min_micro_batches``), the rank
     layouts it builds (``layout.FRAMEWORK_MESH_ORDERS``, unless the user pinned one: the
     exports warn about it, as ``estimate`` accepts it) and the choices it runs with one value
-    only (``FRAMEWORK_SINGLE_VALUES``). ValueError, with ``layout.framework_layout_error``'s
+    only (``FRAMEWORK_SINGLE_VALUES``). ValueError for a per-stage recompute list pinned under
+    a framework that takes one mode for the model (``frameworks.per_stage_recompute``), and,
+    with ``layout.framework_layout_error``'s
     reason, when the user pinned only values the framework cannot run; the rest of that rule
     is applied configuration by configuration (``candidates``, ``_Refiner``)."""
     changes: dict[str, Any] = {}
@@ -159,6 +162,12 @@ def framework_space(space: SearchSpace, framework: str) -> SearchSpace:
     orders = FRAMEWORK_MESH_ORDERS.get(framework)
     if orders is not None and space.mesh_order is None:  # a pinned layout is the user's call
         changes["mesh_order"] = orders
+    pinned_modes = space.recompute_pinned
+    if pinned_modes and len(set(pinned_modes)) > 1 and not per_stage_recompute(framework):
+        raise ValueError(f"{FRAMEWORK_NAMES.get(framework, framework)} takes one recompute "
+                         f"mode for all pipeline stages, got --recompute "
+                         f"{','.join(pinned_modes)}; pin one mode, or plan for meshplan's "
+                         f"runtime (--framework meshplan)")
     for name, value in FRAMEWORK_SINGLE_VALUES.get(framework, ()):
         pinned = getattr(space, name)
         if pinned is None:

@@ -23,6 +23,9 @@ Constraints (one family each):
   e[i] >= 0, e[i] >= comm_i - hidden_i (same for g[i], d[i])     exposed = max(0, raw - hidden)
   t[i] = linear_i + e[i] + g[i]
   T >= t[i], D >= d[i], O >= optimizer_i, F >= offload_i
+  y[i][r] = w[r], sum_r w[r] = 1                                 one mode for every stage, where
+                                                                 the framework takes one
+                                                                 (``tables.uniform_modes``)
 
 Objective (v x step time in ns, ``costmodel.composition.scaled_step``, as the cost model
 composes a step; t[i] is ``composition.micro_total`` of the stage's terms):
@@ -92,6 +95,9 @@ def greedy_hint(tables: CandidateTables) -> tuple[list[int], list[str]] | None:
         return scaled_step_ns([terms[i, r] for i, r in enumerate(chosen)],
                               micro_batches=tables.micro_batches, vpp=tables.vpp)
 
+    if tables.uniform_modes:  # one mode for every stage: the fastest that fits them all
+        every = [[r] * p for r in tables.allowed[0] if all((i, r) in terms for i in range(p))]
+        return (layers, min(every, key=objective)) if every else None
     best = objective(modes)
     for i in range(p):  # one pass of per-stage improvement
         for r in tables.allowed[i]:
@@ -101,6 +107,18 @@ def greedy_hint(tables: CandidateTables) -> tuple[list[int], list[str]] | None:
                 if value < best:
                     best, modes = value, trial
     return layers, modes
+
+
+def _tie_modes(model: cp_model.CpModel, chosen: list[dict]) -> None:
+    """One mode for every stage (``CandidateTables.uniform_modes``): per stage, ``chosen[i]``
+    maps each mode to an expression that is 1 when the stage takes it, 0 otherwise; a mode
+    Boolean w[r], exactly one true, equals each of them (a mode some stage cannot take is 0)."""
+    modes = sorted(set().union(*chosen))
+    w = {r: model.NewBoolVar(f"w_{r}") for r in modes}
+    model.AddExactlyOne(w.values())
+    for stage in chosen:
+        for r in modes:
+            model.Add(stage.get(r, 0) == w[r])
 
 
 def _affine(form, y, n, lo):
@@ -217,6 +235,8 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
         stages.append(_stage_time(model, terms, bound, i))
         y_all.append(y)
         n_all.append(n)
+    if tables.uniform_modes:
+        _tie_modes(model, y_all)
     model.Add(sum(sum(n.values()) for n in n_all) == tables.num_layers)
     objective = _step_objective(model, stages, big=big,
                                 micro_batches=tables.micro_batches, vpp=tables.vpp)
@@ -334,6 +354,20 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
         z = {x: model.NewBoolVar(f"z{stage}{x}") for x in options}
         model.AddExactlyOne(z.values())
         ends[stage] = (z, {x: stage_time_ns(tables, stage, *x) for x in options})
+    if tables.uniform_modes:  # a group's stages all take the mode: c sums to its size
+        chosen = [{r: sum(var for x, var in ends[stage][0].items() if x[1] == r)
+                   for r in {x[1] for x in ends[stage][0]}} for stage in ends]
+        modes = sorted(set().union(*chosen, *({k[2] for k in c if k[0] == gi}
+                                              for gi in range(len(groups)))))
+        w = {r: model.NewBoolVar(f"w_{r}") for r in modes}
+        model.AddExactlyOne(w.values())
+        for stage in chosen:
+            for r in modes:
+                model.Add(stage.get(r, 0) == w[r])
+        for gi, group in enumerate(groups):
+            for r in modes:
+                model.Add(sum(c[k] for k in c if k[0] == gi and k[2] == r)
+                          == len(group) * w[r])
     layers_used = sum(k[1] * c[k] for k in c) + sum(
         x[0] * var for stage in ends for x, var in ends[stage][0].items())
     model.Add(layers_used == tables.num_layers)
@@ -493,6 +527,9 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
         stages.append(_stage_time(model, terms, bound, i))
         y_all.append(y)
         x_all.append(x)
+    if tables.uniform_modes:
+        _tie_modes(model, [{r: sum(var for (mode, _), var in y.items() if mode == r)
+                            for r in {mode for mode, _ in y}} for y in y_all])
     objective = _step_objective(model, stages, big=big,
                                 micro_batches=tables.micro_batches, vpp=tables.vpp)
     if cutoff_s is not None:

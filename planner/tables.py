@@ -34,6 +34,7 @@ from meshplan.costmodel.calls import buckets
 from meshplan.costmodel.estimate import stage_dp_buckets, stage_terms
 from meshplan.costmodel import composition, traced
 from meshplan.costmodel.config import even_split
+from meshplan.costmodel.frameworks import per_stage_recompute
 from meshplan.costmodel.memory import recompute_workspace_bytes, stage_memory
 from meshplan.costmodel.timing import stage_link_signature
 
@@ -129,6 +130,8 @@ class CandidateTables:
     config: ParallelConfig
     allowed: tuple[tuple[str, ...], ...]
     """Recompute modes each stage may use."""
+    uniform_modes: bool
+    """Every stage must take the same mode (``frameworks.per_stage_recompute`` false)."""
     lo: tuple[int, ...]
     hi: tuple[int, ...]
     time_ns: tuple[dict[str, StageTerms[Linear]], ...]
@@ -230,6 +233,12 @@ def _linear(first: float, second: float, scale: float) -> Linear:
     return Linear(base=int(round(first * scale)), slope=int(round((second - first) * scale)))
 
 
+def _uniform_modes(framework: str, stages: int, pinned_modes) -> bool:
+    """Whether the solver must give every stage one mode: a framework that takes one for the
+    whole model, several stages, and no per-stage list the user pinned."""
+    return stages > 1 and not pinned_modes and not per_stage_recompute(framework)
+
+
 def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                  modes: tuple[str, ...], framework: str, calibration: Calibration,
                  memory_margin: float = 0.0,
@@ -283,7 +292,9 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         times.append(stage_times)
         memories.append(stage_memory_forms)
         mosts.append(stage_most)
-    return CandidateTables(config=config, allowed=allowed, lo=lo, hi=hi, time_ns=tuple(times),
+    return CandidateTables(config=config, allowed=allowed,
+                           uniform_modes=_uniform_modes(framework, p, pinned_modes),
+                           lo=lo, hi=hi, time_ns=tuple(times),
                            memory_bytes=tuple(memories), capacity_bytes=capacity,
                            num_layers=model.num_layers, micro_batches=config.grad_accum_steps,
                            vpp=config.vpp, most_layers=tuple(mosts),
@@ -444,6 +455,8 @@ class TracedTables:
 
     config: ParallelConfig
     allowed: tuple[tuple[str, ...], ...]
+    uniform_modes: bool
+    """Every stage must take the same mode (``frameworks.per_stage_recompute`` false)."""
     kinds: tuple[int, ...]
     """Kind of every layer, in order."""
     prefix: tuple[tuple[int, ...], ...]
@@ -648,7 +661,9 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
                                         * (1 + calibration.allocator_fragmentation))
     heavy_buckets = tuple(b for _, _, b in heavy_forms)
     light_buckets = tuple(b for _, _, b in light_forms) if light_forms else ()
-    return TracedTables(config=config, allowed=allowed, kinds=kinds, prefix=prefix,
+    return TracedTables(config=config, allowed=allowed,
+                        uniform_modes=_uniform_modes(framework, p, pinned_modes),
+                        kinds=kinds, prefix=prefix,
                         time_ns=tuple(t for t, _, _ in heavy_forms),
                         memory_bytes=tuple(m for _, m, _ in heavy_forms),
                         capacity_bytes=math.floor(cluster.gpu.hbm_bytes * (1 - memory_margin)),

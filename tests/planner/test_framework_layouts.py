@@ -4,6 +4,8 @@ exports and the runtime refuse with the same reasons."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
@@ -140,3 +142,33 @@ def test_no_measured_run_is_a_layout_its_framework_refuses():
     refused = {run.id: why for run in runs
                if (why := framework_layout_error(run.framework, run.config, run.model))}
     assert not refused, refused
+
+
+@pytest.mark.parametrize("framework", ["megatron", "torchtitan"])
+def test_one_recompute_mode_for_a_framework_that_takes_one(tmp_path, framework):
+    """Llama-3-70B on 8 DGX H100 at 8K tokens, where memory binds: the plan's stages share one
+    recompute mode, so the export takes it as planned (before, the torchtitan plan was
+    selective on its first two stages and none on the rest, which the export widened to
+    selective everywhere, with a warning)."""
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", "--model", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "8",
+                "--global-batch", "512", "--seq-len", "8192", "--framework", framework,
+                "--deterministic", "-o", str(out))
+    assert r.code == 0, r.err
+    recompute = json.loads(out.read_text())["recompute"]
+    assert isinstance(recompute, str) or len(set(recompute)) == 1, recompute
+    r = run_cli("export", str(out), "--to", framework)
+    assert r.code == 0 and "recompute mode" not in r.err, r.err
+
+
+def test_a_per_stage_recompute_list_is_pinned_only_where_it_runs():
+    base = ["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--pp", "2",
+            "--global-batch", "64", "--seq-len", "4096", "--deterministic",
+            "--recompute", "full,none"]
+    r = run_cli(*base, "--framework", "megatron")
+    assert r.code == 2
+    line = r.err.strip()
+    assert "\n" not in line and "Megatron-LM takes one recompute mode for all pipeline " \
+        "stages, got --recompute full,none" in line
+    r = run_cli(*base, "--framework", "meshplan")
+    assert r.code == 0, r.err

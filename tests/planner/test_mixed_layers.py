@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from meshplan.testing import stage_modes
 from meshplan.costmodel import (ModelSpec, ParallelConfig, default_calibration, estimate,
                                 load_cluster)
 from meshplan.costmodel.estimate import stage_terms
@@ -104,7 +105,7 @@ def brute_force(model, c, space, framework) -> float | None:
         for split in itertools.product(range(lo, model.num_layers + 1), repeat=config.pp):
             if sum(split) != model.num_layers:
                 continue
-            for modes in itertools.product(space.recompute_modes, repeat=config.pp):
+            for modes in stage_modes(space.recompute_modes, config.pp, framework):
                 est = estimate(model, c, config.replace(layers_per_stage=split, recompute=modes),
                                framework=framework, calibration=CAL)
                 if est.fits and est.memory.peak_reserved_bytes <= capacity:

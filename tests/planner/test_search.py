@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from meshplan.testing import stage_modes
 from meshplan.costmodel import (ClusterSpec, ModelSpec, ParallelConfig, default_calibration, estimate,
                        load_cluster, load_model)
 from meshplan.costmodel.config import RECOMPUTE_MODES
@@ -218,7 +219,7 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
     best, any_step = None, math.inf
     for layers in compositions(model.num_layers, config.pp, max(1, config.vpp)):
-        for modes in itertools.product(space.recompute_modes, repeat=config.pp):
+        for modes in stage_modes(space.recompute_modes, config.pp, framework):
             est = estimate(model, cluster, config.replace(layers_per_stage=layers,
                                                           recompute=modes),
                            framework=framework, calibration=CAL)

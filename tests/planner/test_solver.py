@@ -50,8 +50,8 @@ def hand_tables(*, lo, hi, layers, time_ns, memory_bytes, capacity, micro_batche
     p = len(lo)
     modes = tuple(time_ns[0])
     config = ParallelConfig(pp=p, global_batch_size=micro_batches, vpp=vpp, seq_len=256)
-    return CandidateTables(config=config, allowed=(modes,) * p, lo=tuple(lo),
-                           hi=tuple(hi), time_ns=tuple(time_ns), memory_bytes=tuple(memory_bytes),
+    return CandidateTables(config=config, allowed=(modes,) * p, uniform_modes=False,
+                           lo=tuple(lo), hi=tuple(hi), time_ns=tuple(time_ns), memory_bytes=tuple(memory_bytes),
                            capacity_bytes=capacity, num_layers=layers,
                            micro_batches=micro_batches, vpp=vpp)
 
@@ -73,6 +73,8 @@ def enumerate_optimum(tables: CandidateTables):
         options = [[r for r in tables.allowed[i] if fits(tables, i, n, r)]
                    for i, n in enumerate(layers)]
         for modes in itertools.product(*options):
+            if tables.uniform_modes and len(set(modes)) > 1:
+                continue
             value = objective_ns(tables, layers, modes)
             if best is None or value < best[0]:
                 best = (value, layers, modes)
@@ -320,13 +322,20 @@ CONFIG = ParallelConfig(tp=2, pp=4, dp=1, sp=True, zero_stage=1, micro_batch_siz
 """8 layers of width 4096 over 4 stages of 2 A100s; 16 micro-batches."""
 
 
-def real_tables(hbm_gib: float | None, *, modes=RECOMPUTE_MODES, pinned_modes=None):
+def real_tables(hbm_gib: float | None, *, modes=RECOMPUTE_MODES, pinned_modes=None,
+                uniform: bool = False):
+    """Megatron-LM's tables of ``CONFIG``; with a mode per stage unless ``uniform`` (Megatron
+    takes one mode for the model, so its own tables have ``uniform_modes``: these tests of
+    the per-stage regimes lift it)."""
     cluster = load_cluster("dgx-a100-80gb", nodes=1)
     if hbm_gib is not None:
         cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(
             cluster.gpu, hbm_bytes=int(hbm_gib * 2**30)))
     tables = build_tables(MODEL, cluster, CONFIG, modes=modes, framework="megatron",
                           calibration=CAL, pinned_modes=pinned_modes)
+    assert tables.uniform_modes == (pinned_modes is None)
+    if not uniform:
+        tables = dataclasses.replace(tables, uniform_modes=False)
     return tables, cluster
 
 
@@ -362,6 +371,28 @@ def test_real_tables_regimes(hbm_gib, layers, modes):
         assert even.memory.peak_reserved_bytes / 2**30 == pytest.approx(8.106, abs=1e-3)
         slack = solver.solve(real_tables(None)[0], time_limit_s=10, deterministic_s=DETERMINISTIC_S)
         assert sol.objective > slack.objective
+
+
+@pytest.mark.parametrize("hbm_gib", [None, 7.0, 6.5])
+def test_one_mode_for_every_stage_where_the_framework_takes_one(monkeypatch, hbm_gib):
+    """Megatron-LM's own tables (one recompute mode for the model): both formulations give the
+    enumerated optimum over the assignments that use one mode, the greedy hint uses one too,
+    and where memory binds it is slower than the per-stage optimum (7 GiB: full everywhere
+    against full on stage 0 alone)."""
+    tables, _ = real_tables(hbm_gib, uniform=True)
+    want = enumerate_optimum(tables)
+    for formulation in (contextlib.nullcontext(), per_stage_formulation(monkeypatch)):
+        with formulation:
+            sol = solver.solve(tables, time_limit_s=10, deterministic_s=DETERMINISTIC_S)
+        assert len(set(sol.modes)) == 1 and sol.status == "OPTIMAL"
+        assert sol.objective == want[0]
+    hint = solver.greedy_hint(tables)
+    assert hint is None or len(set(hint[1])) == 1
+    free = enumerate_optimum(real_tables(hbm_gib)[0])
+    if hbm_gib is None:  # slack: no recomputation anywhere either way
+        assert want[0] == free[0]
+    else:
+        assert want[0] > free[0]
 
 
 def test_real_tables_infeasible(monkeypatch):
@@ -423,8 +454,9 @@ def big_tables():
                                                                    hbm_bytes=30 * 2**30))
     config = ParallelConfig(tp=8, pp=16, dp=1, sp=True, zero_stage=1, micro_batch_size=1,
                             global_batch_size=64, seq_len=2048)
-    return build_tables(model, cluster, config, modes=RECOMPUTE_MODES, framework="megatron",
-                        calibration=CAL)
+    tables = build_tables(model, cluster, config, modes=RECOMPUTE_MODES, framework="megatron",
+                          calibration=CAL)
+    return dataclasses.replace(tables, uniform_modes=False)  # a mode per stage: the hard case
 
 
 def test_time_limit_gives_typed_outcomes(monkeypatch):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from meshplan.testing import stage_modes
 from meshplan.costmodel import default_calibration, estimate, load_cluster, load_model
 from meshplan.costmodel.config import even_split
 from meshplan import cli
@@ -62,7 +63,7 @@ def brute_force(model, cluster, space, framework, *, splits=None):
     best = None
     for config in candidates(model, cluster, space, framework=framework):
         for split in splits or compositions(model.num_layers, config.pp):
-            for modes in itertools.product(space.recompute_modes, repeat=config.pp):
+            for modes in stage_modes(space.recompute_modes, config.pp, framework):
                 est = estimate(model, cluster,
                                config.replace(layers_per_stage=split, recompute=modes),
                                framework=framework, calibration=CALIBRATION)
@@ -80,7 +81,7 @@ def brute_force_by_capacity(model, clusters, space, framework):
     every = []
     for config in candidates(model, clusters[0], space, framework=framework):
         for split in compositions(model.num_layers, config.pp):
-            for modes in itertools.product(space.recompute_modes, repeat=config.pp):
+            for modes in stage_modes(space.recompute_modes, config.pp, framework):
                 staged = config.replace(layers_per_stage=split, recompute=modes)
                 est = estimate(model, clusters[0], staged, framework=framework,
                                calibration=CALIBRATION)
