@@ -76,7 +76,8 @@ def framework_layout_error(framework: str, config: ParallelConfig,
       DeepSpeed's path for uneven head counts is not modelled).
     * Megatron-LM: offloads the optimizer only, through its distributed optimizer, to host
       memory.
-    * torchtitan: offloads only through FSDP2 (dp x cp > 1), to host memory.
+    * torchtitan: offloads only through FSDP2's CPU offload (dp x cp > 1), which moves the
+      parameters and gradients with the optimizer states, to host memory.
     * meshplan's runtime: no context parallelism, offload to host memory only, tensor
       parallelism that splits the MLP and the (padded) vocabulary evenly, and no parameter
       offload of embeddings tied across pipeline stages. What it cannot run for any layout
@@ -120,6 +121,10 @@ def framework_layout_error(framework: str, config: ParallelConfig,
             return ("Megatron-LM offloads the optimizer only through its distributed optimizer "
                     "(offload 'optimizer', zero_stage 0); use zero >= 1")
     elif framework == "torchtitan":
+        if offload == "optimizer":
+            return ("torchtitan offloads only through FSDP2's CPUOffloadPolicy, which moves "
+                    "the parameters and gradients to the host with the optimizer states; use "
+                    "offload 'optimizer+params' (ZeRO-3) or none")
         if offload != "none" and config.dp * config.cp == 1:
             return (f"torchtitan offloads only through FSDP2, which needs dp x cp > 1 (offload "
                     f"{offload!r}, dp {config.dp}, cp {config.cp})")

@@ -663,12 +663,8 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
         "seq_len": config.seq_len,
         "mixed_precision_param": TORCHTITAN_DTYPES[config.dtype],
     }
-    if config.offload != "none":
+    if config.offload != "none":  # parameters and optimizer (``_check_layout``)
         training["enable_cpu_offload"] = True
-        if config.offload == "optimizer":
-            _warn("torchtitan's CPU offload (FSDP2 CPUOffloadPolicy) moves parameters and "
-                  "gradients to the host with the optimizer states; the plan offloads only "
-                  "the optimizer (less GPU memory, more host traffic than planned)")
     mode = recompute_mode(plan, target="torchtitan")
     checkpointing: dict[str, Any] = {"mode": mode}
     if mode == "selective":

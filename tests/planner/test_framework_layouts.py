@@ -37,6 +37,8 @@ def _plan(model, cluster, config, framework) -> Plan:
     (dict(dp=4, offload="optimizer"), "megatron", "only through its distributed optimizer"),
     (dict(dp=4, zero_stage=1, offload="optimizer", offload_device="nvme"), "torchtitan",
      "cannot offload to NVMe"),
+    (dict(dp=4, zero_stage=3, offload="optimizer"), "torchtitan",
+     "moves the parameters and gradients to the host with the optimizer states"),
     (dict(cp=2, dp=2, zero_stage=1), "meshplan", "is not in meshplan's runtime"),
 ])
 def test_the_exports_and_the_runtime_refuse_with_the_rule(config, framework, words):
