@@ -22,7 +22,6 @@ boundary that other hops do not) are priced apart by the tables and by ``costmod
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import random
 from dataclasses import dataclass

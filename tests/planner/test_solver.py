@@ -51,7 +51,8 @@ def hand_tables(*, lo, hi, layers, time_ns, memory_bytes, capacity, micro_batche
     modes = tuple(time_ns[0])
     config = ParallelConfig(pp=p, global_batch_size=micro_batches, vpp=vpp, seq_len=256)
     return CandidateTables(config=config, allowed=(modes,) * p, uniform_modes=False,
-                           lo=tuple(lo), hi=tuple(hi), time_ns=tuple(time_ns), memory_bytes=tuple(memory_bytes),
+                           lo=tuple(lo), hi=tuple(hi), time_ns=tuple(time_ns),
+                           memory_bytes=tuple(memory_bytes),
                            capacity_bytes=capacity, num_layers=layers,
                            micro_batches=micro_batches, vpp=vpp)
 
