@@ -1092,21 +1092,25 @@ class _Refiner:
 
     def _make_config(self, degrees, mb, sp, order, vpp, zero, offload,
                      device) -> ParallelConfig | None:
+        config = self._build(degrees, mb, sp, order, vpp, zero, offload, device)
+        # only what the plan's framework runs (the same rule as space.candidates)
+        return config if config is not None and framework_layout_error(
+            self.framework, config, self.model) is None else None
+
+    def _build(self, degrees, mb, sp, order, vpp, zero, offload,
+               device) -> ParallelConfig | None:
+        """The configuration of these choices, None if ``ParallelConfig`` refuses them."""
         tp, cp, pp, dp, ep = degrees
         space = self.space
         try:
-            config = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=sp, zero_stage=zero,
-                                    offload=offload, offload_device=device,
-                                    micro_batch_size=mb,
-                                    global_batch_size=space.global_batch_size, vpp=vpp,
-                                    seq_len=space.seq_len, mesh_order=order, dtype=space.dtype,
-                                    flash_attention=space.flash_attention,
-                                    **settings_of(space))
+            return ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, sp=sp, zero_stage=zero,
+                                  offload=offload, offload_device=device, micro_batch_size=mb,
+                                  global_batch_size=space.global_batch_size, vpp=vpp,
+                                  seq_len=space.seq_len, mesh_order=order, dtype=space.dtype,
+                                  flash_attention=space.flash_attention,
+                                  **settings_of(space))
         except ValueError:
             return None
-        # only what the plan's framework runs (the same rule as space.candidates)
-        return config if framework_layout_error(self.framework, config, self.model) is None \
-            else None
 
     def linear_bound(self, config: ParallelConfig) -> Bound:
         """``bound`` of ``config`` (ZeRO-0, no offload: linear work only per micro-batch)
@@ -1373,17 +1377,10 @@ class _Refiner:
         """Whether the framework runs these degrees with this (ZeRO, offload) choice: its rule
         on a configuration of them (micro-batch 1, no interleaving; a choice ``ParallelConfig``
         refuses is left to the members, which it refuses too)."""
-        tp, cp, pp, dp, ep = degrees
-        try:
-            probe = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=zero,
-                                   offload=offload, offload_device=device,
-                                   global_batch_size=self.space.global_batch_size,
-                                   seq_len=self.space.seq_len, dtype=self.space.dtype,
-                                   flash_attention=self.space.flash_attention,
-                                   **settings_of(self.space))
-        except ValueError:
-            return True
-        return framework_layout_error(self.framework, probe, self.model) is None
+        probe = self._build(degrees, 1, degrees[0] > 1, MESH_ORDERS[0], 1, zero, offload,
+                            device)
+        return probe is None or framework_layout_error(self.framework, probe,
+                                                       self.model) is None
 
     def traffic_floor(self, degrees, b, sp, order, choice) -> float:
         """A lower bound of the per-micro-batch work summed over stages of every member of a

@@ -109,16 +109,19 @@ def greedy_hint(tables: CandidateTables) -> tuple[list[int], list[str]] | None:
     return layers, modes
 
 
-def _tie_modes(model: cp_model.CpModel, chosen: list[dict]) -> None:
+def _tie_modes(model: cp_model.CpModel, chosen: list[dict],
+               more: frozenset = frozenset()) -> dict:
     """One mode for every stage (``CandidateTables.uniform_modes``): per stage, ``chosen[i]``
     maps each mode to an expression that is 1 when the stage takes it, 0 otherwise; a mode
-    Boolean w[r], exactly one true, equals each of them (a mode some stage cannot take is 0)."""
-    modes = sorted(set().union(*chosen))
+    Boolean w[r], exactly one true, equals each of them (a mode some stage cannot take is 0).
+    ``more``: modes other variables may take (counted stages). Returns w."""
+    modes = sorted(set().union(more, *chosen))
     w = {r: model.NewBoolVar(f"w_{r}") for r in modes}
     model.AddExactlyOne(w.values())
     for stage in chosen:
         for r in modes:
             model.Add(stage.get(r, 0) == w[r])
+    return w
 
 
 def _affine(form, y, n, lo):
@@ -357,15 +360,9 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
     if tables.uniform_modes:  # a group's stages all take the mode: c sums to its size
         chosen = [{r: sum(var for x, var in ends[stage][0].items() if x[1] == r)
                    for r in {x[1] for x in ends[stage][0]}} for stage in ends]
-        modes = sorted(set().union(*chosen, *({k[2] for k in c if k[0] == gi}
-                                              for gi in range(len(groups)))))
-        w = {r: model.NewBoolVar(f"w_{r}") for r in modes}
-        model.AddExactlyOne(w.values())
-        for stage in chosen:
-            for r in modes:
-                model.Add(stage.get(r, 0) == w[r])
+        w = _tie_modes(model, chosen, frozenset(k[2] for k in c))
         for gi, group in enumerate(groups):
-            for r in modes:
+            for r in w:
                 model.Add(sum(c[k] for k in c if k[0] == gi and k[2] == r)
                           == len(group) * w[r])
     layers_used = sum(k[1] * c[k] for k in c) + sum(
