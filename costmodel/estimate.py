@@ -8,7 +8,7 @@ from typing import Any
 from meshplan.costmodel import composition, flops, schema, traced
 from meshplan.costmodel.calibration import Calibration, default_calibration
 from meshplan.costmodel.config import FRAMEWORKS, ParallelConfig
-from meshplan.costmodel.layout import check_fits_model
+from meshplan.costmodel.layout import check_fits_model, framework_split
 from meshplan.costmodel.frameworks import check_framework_options, min_micro_batches
 from meshplan.costmodel.hardware import ClusterSpec
 from meshplan.costmodel.memory import (StageMemory, StageParams, host_bytes_per_node,
@@ -92,10 +92,16 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
              framework: str = "meshplan", calibration: Calibration | None = None) -> Estimate:
     """Predict memory and step time of ``config`` for ``model`` on ``cluster``.
 
+    Without a layer split (``layers_per_stage``), the split the framework builds itself where
+    it takes none of the user's (``layout.framework_split``: DeepSpeed's), else the even one.
     Raises ValueError if the configuration cannot run the model on the cluster.
     """
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    if config.layers_per_stage is None and config.pp > 1:
+        split = framework_split(framework, model, config.pp)
+        if split is not None and min(split) >= config.vpp:
+            config = config.replace(layers_per_stage=split)
     check_fits_model(config, model, num_gpus=cluster.num_gpus)
     check_framework_options(framework, compile_mode=config.compile, float8=config.float8,
                             async_tp=config.async_tp, float8_head=config.float8_head,

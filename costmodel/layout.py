@@ -8,6 +8,8 @@ fastest- to slowest-varying axis (``costmodel/config.py``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from meshplan.costmodel import traced
@@ -44,6 +46,112 @@ def check_fits_model(config: ParallelConfig, model: ModelSpec, *, num_gpus: int)
             raise ValueError(f"ep {config.ep} must divide dp*cp = {config.dp * config.cp}")
 
 
+DEEPSPEED_PARTITIONS = ("parameters", "type", "uniform")
+"""DeepSpeed's ``PipelineModule`` partition methods, each of which builds one split of the
+module's layer list for a number of stages (``deepspeed_splits``): ``parameters`` (its default)
+balances the items' parameter counts, ``type:<regex>`` the number of items whose class matches
+(here: the transformer blocks), ``uniform`` the number of items. A split it builds no other
+way cannot be run without editing DeepSpeed."""
+
+
+def deepspeed_partition(weights: tuple[float, ...], parts: int) -> tuple[int, ...]:
+    """Boundaries (``parts + 1`` item indices, 0 first, ``len(weights)`` last) of DeepSpeed's
+    balanced partition of a list of item weights into contiguous parts.
+
+    The linear-partition dynamic programme that ``PipelineModule`` runs for its
+    ``parameters`` and ``type:`` methods: over every prefix of i items cut into j parts it
+    keeps the cut whose parts' largest sum less smallest sum is least, taking the later cut
+    of equal ones (it scans the cut points upward and replaces on ``<=``); with no more items
+    than parts, the ``uniform`` partition. ValueError for fewer than one part."""
+    if parts < 1:
+        raise ValueError(f"deepspeed_partition needs parts >= 1, got {parts!r}")
+    return _balanced(tuple(float(w) for w in weights), parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced(weights: tuple[float, ...], parts: int) -> tuple[int, ...]:
+    n = len(weights)
+    if n <= parts:
+        return deepspeed_uniform(n, parts)
+    prefix = np.zeros(n + 1)
+    prefix[1:] = np.cumsum(weights)
+    top = np.full((n + 1, parts + 1), np.inf)
+    low = np.full((n + 1, parts + 1), np.inf)
+    cut = np.zeros((n + 1, parts + 1), dtype=int)
+    top[0, 0] = 0.0
+    for i in range(1, n + 1):
+        span = prefix[i] - prefix[:i]  # the last part's sum for a cut at k = 0 .. i-1
+        for j in range(1, min(i, parts) + 1):
+            highest = np.maximum(top[:i, j - 1], span)
+            lowest = np.minimum(low[:i, j - 1], span)
+            cost = highest - lowest
+            least = cost.min()
+            k = int(np.flatnonzero(cost == least)[-1])
+            top[i, j], low[i, j], cut[i, j] = highest[k], lowest[k], k
+    bounds = [n]
+    for j in range(parts, 0, -1):
+        bounds.append(int(cut[bounds[-1], j]))
+    return tuple(reversed(bounds))
+
+
+def deepspeed_uniform(items: int, parts: int) -> tuple[int, ...]:
+    """Boundaries of DeepSpeed's ``uniform`` partition: ``items // parts`` items a part, the
+    first ``items % parts`` parts one more; with no more items than parts, one item a part
+    while they last."""
+    if items <= parts:
+        return tuple(min(p, items) for p in range(parts + 1))
+    size, extra = divmod(items, parts)
+    return tuple(p * size + min(p, extra) for p in range(parts + 1))
+
+
+def pipeline_items(model: ModelSpec) -> tuple[tuple[float, ...], tuple[bool, ...]]:
+    """(parameters, is a transformer block) of each item of the layer list a DeepSpeed
+    ``PipelineModule`` of ``model`` holds: the embedding, the blocks, the final norm and the
+    LM head (a tied head counts the embedding's matrix again: ``PipelineModule`` counts a
+    ``TiedLayerSpec`` wherever it sits); a traced model's layers as traced."""
+    if model.is_traced:
+        return (tuple(float(model.layer_params(i)) for i in range(model.num_layers)),
+                (True,) * model.num_layers)
+    embedding = model.embedding_params
+    blocks = [float(model.layer_params(i)) for i in range(model.num_layers)]
+    head = float(model.vocab_rows * model.hidden_size)
+    weights = (float(embedding), *blocks, float(model.norm_params), head)
+    return weights, (False, *(True,) * model.num_layers, False, False)
+
+
+def deepspeed_splits(model: ModelSpec, pp: int) -> dict[str, tuple[int, ...]]:
+    """Transformer blocks per stage under each of ``DEEPSPEED_PARTITIONS`` for ``pp``
+    stages (a stage may get none)."""
+    weights, blocks = pipeline_items(model)
+    bounds = {"parameters": deepspeed_partition(weights, pp),
+              "type": deepspeed_partition(tuple(float(b) for b in blocks), pp),
+              "uniform": deepspeed_uniform(len(weights), pp)}
+    return {method: tuple(sum(blocks[b[s]:b[s + 1]]) for s in range(pp))
+            for method, b in bounds.items()}
+
+
+def framework_split(framework: str, model: ModelSpec, pp: int) -> tuple[int, ...] | None:
+    """The layers per stage ``framework`` builds for ``pp`` stages when it cannot take a split
+    of the plan's choosing; None where it can (Megatron-LM's pipeline layouts, torchtitan's
+    split points and meshplan's runtime take any split).
+
+    DeepSpeed builds its split from a partition method (``DEEPSPEED_PARTITIONS``): the plan
+    takes ``parameters``, ``PipelineModule``'s default, unless it leaves a stage without a
+    block (an embedding larger than several blocks on few layers), then ``type`` (blocks
+    balanced to within one), which ``planner.export`` names."""
+    if framework != "deepspeed" or pp == 1:
+        return None
+    splits = deepspeed_splits(model, pp)
+    return splits["parameters"] if min(splits["parameters"]) >= 1 else splits["type"]
+
+
+def deepspeed_partition_method(model: ModelSpec, layers: tuple[int, ...]) -> str | None:
+    """The first of ``DEEPSPEED_PARTITIONS`` that builds ``layers`` (blocks per stage), None
+    if none does."""
+    splits = deepspeed_splits(model, len(layers))
+    return next((m for m in DEEPSPEED_PARTITIONS if splits[m] == tuple(layers)), None)
+
+
 FRAMEWORK_MESH_ORDERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "deepspeed": (("tp", "cp", "dp", "pp"),),
     "torchtitan": (("tp", "cp", "dp", "pp"),),
@@ -69,15 +177,18 @@ def framework_layout_error(framework: str, config: ParallelConfig,
     ``frameworks.check_framework_options``'s. ``ideal`` runs everything.
 
     * DeepSpeed: its pipeline engine runs ZeRO 0 and 1 only, with one schedule (no
-      interleaving); it offloads only under ZeRO, to NVMe only under ZeRO-3 (ZeRO-Infinity);
+      interleaving), on a split one of its partition methods builds
+      (``deepspeed_partition_method``); it offloads only under ZeRO, to NVMe only under ZeRO-3 (ZeRO-Infinity);
       its sequence parallelism is DeepSpeed-Ulysses (``deepspeed.sequence.layer``), whose
       all-to-all scatters the attention heads over the group, so cp must divide the heads of
       a tensor-parallel rank (Megatron-DeepSpeed repeats k and v to the query heads first;
       DeepSpeed's path for uneven head counts is not modelled).
     * Megatron-LM: offloads the optimizer only, through its distributed optimizer, to host
       memory.
-    * torchtitan: offloads only through FSDP2's CPU offload (dp x cp > 1), which moves the
-      parameters and gradients with the optimizer states, to host memory.
+    * torchtitan: shards data parallelism with FSDP2 (ZeRO-3, or ZeRO-2 without resharding
+      after forward) and runs DDP (ZeRO-0) only as its one parallelism; no ZeRO-1. Offloads
+      only through FSDP2's CPU offload (dp x cp > 1), which moves the parameters and
+      gradients with the optimizer states, to host memory.
     * meshplan's runtime: no context parallelism, offload to host memory only, tensor
       parallelism that splits the MLP and the (padded) vocabulary evenly, and no parameter
       offload of embeddings tied across pipeline stages. What it cannot run for any layout
@@ -100,6 +211,13 @@ def framework_layout_error(framework: str, config: ParallelConfig,
         if offload != "none" and device == "nvme" and zero != 3:
             return (f"DeepSpeed offloads to NVMe only under ZeRO-3 (ZeRO-Infinity); got "
                     f"zero_stage {zero} with offload device nvme")
+        if config.pp > 1 and config.layers_per_stage is not None and \
+                deepspeed_partition_method(model, config.layers_per_stage) is None:
+            split = framework_split("deepspeed", model, config.pp)
+            return (f"DeepSpeed's PipelineModule builds only its partition methods' splits "
+                    f"({', '.join(DEEPSPEED_PARTITIONS)}), not {list(config.layers_per_stage)}; "
+                    f"for pp {config.pp} it builds {list(split)} (plan or estimate with "
+                    f"--framework deepspeed and no --layers-per-stage)")
         heads = model.num_heads // config.tp
         if config.cp > 1 and heads % config.cp:
             return (f"DeepSpeed's sequence parallelism (Ulysses) splits the attention heads: cp "
@@ -121,6 +239,12 @@ def framework_layout_error(framework: str, config: ParallelConfig,
             return ("Megatron-LM offloads the optimizer only through its distributed optimizer "
                     "(offload 'optimizer', zero_stage 0); use zero >= 1")
     elif framework == "torchtitan":
+        ddp = zero == 0 and config.tp == config.pp == config.cp == 1
+        if config.dp * config.cp > 1 and zero < 2 and not ddp:
+            return (f"torchtitan shards data parallelism with FSDP2 (ZeRO-2 or 3) and "
+                    f"replicates it (DDP, ZeRO-0) only without tp, pp or cp; it has no "
+                    f"ZeRO-1 (zero_stage {zero}, tp {config.tp}, pp {config.pp}, cp "
+                    f"{config.cp}); use zero 2 or 3")
         if offload == "optimizer":
             return ("torchtitan offloads only through FSDP2's CPUOffloadPolicy, which moves "
                     "the parameters and gradients to the host with the optimizer states; use "

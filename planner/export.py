@@ -41,7 +41,8 @@ from typing import Any, NamedTuple
 
 from meshplan.costmodel import ModelSpec, ParallelConfig
 from meshplan.costmodel.config import RECOMPUTE_MODES
-from meshplan.costmodel.layout import FRAMEWORK_MESH_ORDERS, framework_layout_error
+from meshplan.costmodel.layout import (FRAMEWORK_MESH_ORDERS, deepspeed_partition_method,
+                                       framework_layout_error)
 from meshplan.planner.plan import Plan
 
 TARGETS = ("deepspeed", "megatron", "torchtitan")
@@ -213,15 +214,13 @@ def _deepspeed_zero(config: ParallelConfig) -> dict[str, Any]:
 
 
 def _deepspeed_pipeline(plan: Plan, layers: tuple[int, ...], recompute: str) -> dict[str, Any]:
-    """``pipeline``: stages, how PipelineModule partitions layers, checkpoint interval (one
-    schedule, no interleaving: ``_check_layout``)."""
-    partition = "uniform"
-    if len(set(layers)) > 1:
-        partition = "parameters"
-        _warn(f"DeepSpeed's PipelineModule cannot take an explicit split; the plan's layers per "
-              f"stage {list(layers)} are exported as partition 'parameters' (balance parameter "
-              f"counts); check the split it prints")
-    return {"stages": plan.config.pp, "partition": partition,
+    """``pipeline``: stages, the ``PipelineModule`` partition method that builds the plan's
+    split (``layout.deepspeed_partition_method``; ``_check_layout`` refused any other) and the
+    split itself, checkpoint interval (one schedule, no interleaving: ``_check_layout``).
+    ``partition`` is advice: DeepSpeed's engine does not read it, the training script passes
+    it to ``PipelineModule(partition_method=...)`` (``type`` as ``type:<block class>``)."""
+    partition = deepspeed_partition_method(plan.model, layers)
+    return {"stages": plan.config.pp, "partition": partition, "layers_per_stage": list(layers),
             "activation_checkpoint_interval": 1 if recompute == "full" else 0}
 
 
@@ -696,18 +695,11 @@ def _torchtitan_parallelism(plan: Plan) -> dict[str, Any]:
     """Degrees and the FSDP2 mode for the ZeRO stage, and the pipeline split.
 
     ZeRO-3 is FSDP2 resharding after forward (``always``); ZeRO-2 keeps the gathered parameters
-    until backward (``never``). torchtitan has no ZeRO-1 and runs DDP only without other
-    parallelism, so ZeRO-1 (and ZeRO-0 next to tp/pp/cp) is exported as ZeRO-2, which holds no
-    more memory and moves the same bytes; plain DDP stays ZeRO-0.
+    until backward (``never``); ZeRO-0 is DDP, which torchtitan runs only as the one
+    parallelism (ZeRO-1, and ZeRO-0 beside tp, pp or cp, are refused by ``_check_layout``).
     """
     config = plan.config
-    ddp = config.zero_stage == 0 and config.offload == "none" and \
-        config.tp == config.pp == config.cp == 1
-    if config.zero_stage < 2 and not ddp and config.dp * config.cp > 1:
-        why = ("has no ZeRO-1" if config.zero_stage == 1 else
-               "runs plain data parallel (DDP) only without tp, pp, cp and offload")
-        _warn(f"torchtitan {why}; ZeRO-{config.zero_stage} is exported as FSDP2 without "
-              f"resharding after forward (ZeRO-2: no more memory, the same communication volume)")
+    ddp = config.zero_stage < 2
     values: dict[str, Any] = {
         "data_parallel_replicate_degree": config.dp if ddp else 1,
         "data_parallel_shard_degree": 1 if ddp else config.dp,

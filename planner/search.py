@@ -39,8 +39,9 @@ from meshplan.planner import solver as cpsat
 from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, stage_classes,
                                      stage_micro_terms, uniform_layers)
 from meshplan.planner.space import (CORE_MIN_CP_SEQ_LEN, MESH_ORDERS, SearchSpace, candidates,
-                                    degree_tuples, micro_batch_choices, offload_choices, pick,
-                                    settings_of, vpp_choices, zero_choices)
+                                    degree_tuples, layout_error, micro_batch_choices,
+                                    offload_choices, pick, settings_of, vpp_choices,
+                                    zero_choices)
 from meshplan.planner.tables import (CandidateTables, TracedTables, build_tables,
                                      build_traced_tables, layer_bounds, mixed_layers,
                                      stage_config,
@@ -920,9 +921,8 @@ class _Refiner:
        v), nor does its memory;
     3. per sample, a stage's linear work does not grow with the micro-batch, and its memory
        does not fall with it;
-    4. memory does not grow with the ZeRO stage or offload (the leanest member of a family
-       holds the most layers), except across ZeRO stages under torchtitan with pipeline
-       stages, where every ZeRO stage's leanest member bounds (``lean_members``);
+    4. memory does not grow with the ZeRO stage or offload among the choices the framework
+       runs (the leanest member of a family holds the most layers; ``lean_members``);
     5. a middle stage needs no less memory than a later one (``bounds``);
     6. compute per micro-batch depends on neither v nor ZeRO and offload, and the
        once-per-step terms (data-parallel traffic, optimizer, offload step) grow with a
@@ -1056,7 +1056,7 @@ class _Refiner:
         for b in sorted(mbs, reverse=True):
             for sp in sps:
                 for order in orders:
-                    if self.config(degrees, b, sp, order, 1, 0, "none", "cpu") is not None:
+                    if self.base(degrees, b, sp, order, 1) is not None:
                         out.append((b, sp, order))
         return out
 
@@ -1090,12 +1090,24 @@ class _Refiner:
             self.configs[key] = self._make_config(*key)
         return self.configs[key]
 
+    def base(self, degrees, mb, sp, order, vpp) -> ParallelConfig | None:
+        """The family's ZeRO-0 configuration without offload, whose linear work every member
+        shares (the work depends on neither choice): built whether or not the framework runs
+        ZeRO-0 with these degrees (torchtitan runs it only as its one parallelism), None where
+        ``ParallelConfig`` refuses it or the framework runs no (ZeRO, offload) choice of the
+        degrees (``kind_choices``). Cached."""
+        key = ("base", degrees, mb, sp, order, vpp, self.core)
+        if key not in self.cache:
+            self.cache[key] = (self._build(degrees, mb, sp, order, vpp, 0, "none", "cpu")
+                               if self.kind_choices(degrees) else None)
+        return self.cache[key]
+
     def _make_config(self, degrees, mb, sp, order, vpp, zero, offload,
                      device) -> ParallelConfig | None:
         config = self._build(degrees, mb, sp, order, vpp, zero, offload, device)
         # only what the plan's framework runs (the same rule as space.candidates)
-        return config if config is not None and framework_layout_error(
-            self.framework, config, self.model) is None else None
+        return config if config is not None and layout_error(
+            self.framework, config, self.model, self.space) is None else None
 
     def _build(self, degrees, mb, sp, order, vpp, zero, offload,
                device) -> ParallelConfig | None:
@@ -1138,7 +1150,7 @@ class _Refiner:
         for b, sp, order in layouts:
             if b != largest:
                 break
-            piece = self.linear_bound(self.config(degrees, b, sp, order, 1, 0, "none", "cpu"))
+            piece = self.linear_bound(self.base(degrees, b, sp, order, 1))
             per_sample = piece.per_micro_s / b
             values.append(self.pipeline_floor(degrees, per_sample / piece.stages, per_sample,
                                               smallest, v_max))
@@ -1203,7 +1215,7 @@ class _Refiner:
             degrees, b, sp, order, vpps = node.data
             if not vpps:
                 return [], 0
-            base = self.config(degrees, b, sp, order, 1, 0, "none", "cpu")
+            base = self.base(degrees, b, sp, order, 1)
             if base is None:
                 return [self.node(node.bound, "layout_caps", node.data)], 0
             piece = self.linear_bound(base)
@@ -1357,8 +1369,8 @@ class _Refiner:
 
     def kind_choices(self, degrees) -> list[tuple]:
         """The (ZeRO stage, offload, offload device) choices of a degree tuple that the
-        framework runs with these degrees (``layout.framework_layout_error``; its rule reads
-        no other choice of a configuration), so that no branch of the tree is spent on a
+        framework runs with these degrees (``space.layout_error``; its rule reads no other
+        choice of a configuration but the pinned split, which it reads), so that no branch of the tree is spent on a
         choice whose every member ``config`` would refuse."""
         tp, cp, pp, dp, ep = degrees
         key = ("kind choices", degrees, self.core)
@@ -1379,8 +1391,8 @@ class _Refiner:
         refuses is left to the members, which it refuses too)."""
         probe = self._build(degrees, 1, degrees[0] > 1, MESH_ORDERS[0], 1, zero, offload,
                             device)
-        return probe is None or framework_layout_error(self.framework, probe,
-                                                       self.model) is None
+        return probe is None or layout_error(self.framework, probe, self.model,
+                                             self.space) is None
 
     def traffic_floor(self, degrees, b, sp, order, choice) -> float:
         """A lower bound of the per-micro-batch work summed over stages of every member of a
@@ -1431,7 +1443,7 @@ class _Refiner:
         ``estimate.stage_once``) makes the bound hold for every mode. The rest of the terms
         do not depend on the micro-batch, so they are shared by the layouts of a (degrees,
         sp, rank layout) (``once_terms``)."""
-        base = self.config(degrees, b, sp, order, 1, 0, "none", "cpu")
+        base = self.base(degrees, b, sp, order, 1)
         if base is None:
             return {choice: 0.0 for choice in choices}
         model, cluster = self.model, self.cluster
@@ -1524,19 +1536,13 @@ class _Refiner:
         return None
 
     def lean_members(self, degrees, b, sp, order, v) -> list[ParallelConfig]:
-        """The members whose capacities bound a family's: its leanest (``leanest``), except
-        under torchtitan with pipeline stages, where ZeRO-3 is not always the leanest: FSDP2
-        under ``torch.distributed.pipelining`` keeps the stage gathered and its gradients in
-        fp32 for every micro-batch (``frameworks.torchtitan_fsdp_buffer_bytes``), and with the
-        gather and reduce-scatter pools of one block that exceeds DDP's replicated states on
-        stages of a few layers. There each ZeRO stage's leanest offload is a member, and the
-        bounds take the least over them."""
+        """The members whose capacities bound a family's: its leanest (``leanest``). (Under
+        torchtitan, FSDP2 beside a pipeline keeps each stage gathered with fp32 gradients
+        for every micro-batch, which on stages of a few layers held more than DDP with a
+        sharded optimizer; torchtitan runs neither ZeRO-0 nor ZeRO-1 beside a pipeline
+        (``layout.framework_layout_error``), so the leanest member bounds every family.)"""
         lean = self.leanest(degrees, b, sp, order, v)
-        if lean is None or self.framework != "torchtitan" or degrees[2] == 1:
-            return [] if lean is None else [lean]
-        members = (self._most_offloaded(degrees, b, sp, order, v, zero)
-                   for zero in self._zero_stages(degrees))
-        return [config for config in members if config is not None]
+        return [] if lean is None else [lean]
 
     def least_split(self, degrees, b, sp, order, v, time_config: ParallelConfig,
                     **options) -> tuple[float, float] | None:
@@ -1561,7 +1567,7 @@ class _Refiner:
         return self.cache[key]
 
     def _family(self, degrees, b, sp, order, v) -> "_Family | None":
-        base = self.config(degrees, b, sp, order, v, 0, "none", "cpu")
+        base = self.base(degrees, b, sp, order, v)
         lean = self.leanest(degrees, b, sp, order, v)
         if base is None or lean is None:
             return None
@@ -1646,7 +1652,7 @@ class _Refiner:
             sizes.setdefault((sp, order), []).append(b)
         out = {}
         for (sp, order), bs in sizes.items():
-            timing = self.config(degrees, max(bs), sp, order, 1, 0, "none", "cpu")
+            timing = self.base(degrees, max(bs), sp, order, 1)
             if timing is None:
                 continue
             split = self.least_split(degrees, min(bs), sp, order, 1, timing,

@@ -76,10 +76,11 @@ class Solution:
 
 def greedy_hint(tables: CandidateTables) -> tuple[list[int], list[str]] | None:
     """The cost model's even split (``costmodel.config.even_split``: extra layers to the
-    middle stages) with, per stage, the fastest fitting mode; None if some stage fits under
-    no mode."""
+    middle stages), or the tables' pinned one, with, per stage, the fastest fitting mode;
+    None if some stage fits under no mode."""
     p = len(tables.lo)
-    layers = list(even_split(tables.num_layers, p))
+    layers = (list(tables.lo) if tables.lo == tables.hi
+              else list(even_split(tables.num_layers, p)))
     modes = []
     for i, n in enumerate(layers):
         if not tables.lo[i] <= n <= tables.hi[i]:

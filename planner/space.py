@@ -258,7 +258,16 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
     return [config for config in iter_candidates(model, cluster, space, core=core,
                                                  framework=framework,
                                                  core_cp_seq_len=core_cp_seq_len)
-            if framework_layout_error(framework, config, model) is None]
+            if layout_error(framework, config, model, space) is None]
+
+
+def layout_error(framework: str, config: ParallelConfig, model: ModelSpec,
+                 space: SearchSpace) -> str | None:
+    """``layout.framework_layout_error`` of a candidate as the plan would hold it: with the
+    space's pinned layer split (a candidate leaves its split to the solver)."""
+    if space.layers_per_stage is not None and len(space.layers_per_stage) == config.pp:
+        config = config.replace(layers_per_stage=space.layers_per_stage)
+    return framework_layout_error(framework, config, model)
 
 
 def framework_refusal(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace,
@@ -267,7 +276,7 @@ def framework_refusal(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace
     first), or None when it runs one (usually found at once) or the space has none."""
     reason = None
     for config in iter_candidates(model, cluster, space, framework=framework):
-        why = framework_layout_error(framework, config, model)
+        why = layout_error(framework, config, model, space)
         if why is None:
             return None
         reason = reason or why

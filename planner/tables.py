@@ -35,6 +35,7 @@ from meshplan.costmodel.estimate import stage_dp_buckets, stage_terms
 from meshplan.costmodel import composition, traced
 from meshplan.costmodel.config import even_split
 from meshplan.costmodel.frameworks import per_stage_recompute
+from meshplan.costmodel.layout import framework_split
 from meshplan.costmodel.memory import recompute_workspace_bytes, stage_memory
 from meshplan.costmodel.timing import stage_link_signature
 
@@ -244,8 +245,12 @@ def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                  memory_margin: float = 0.0,
                  pinned_layers: tuple[int, ...] | None = None,
                  pinned_modes: tuple[str, ...] | None = None) -> CandidateTables:
-    """Tables for ``config``; stages may use ``modes`` (or exactly ``pinned_modes[i]``)."""
+    """Tables for ``config``; stages may use ``modes`` (or exactly ``pinned_modes[i]``).
+    Layers per stage: ``pinned_layers``, else the split the framework builds itself where it
+    takes none of the plan's (``layout.framework_split``), else free."""
     p = config.pp
+    if pinned_layers is None:
+        pinned_layers = framework_split(framework, model, p)
     lo, hi = layer_bounds(model, config, pinned_layers)
     if p == 1:  # one stage holds every layer: its terms are read at that count, exactly
         lo, hi = (model.num_layers,), (model.num_layers,)
@@ -603,8 +608,10 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
                         pinned_layers: tuple[int, ...] | None = None,
                         pinned_modes: tuple[str, ...] | None = None) -> TracedTables:
     """Tables for a candidate of a traced model or of one that mixes dense and MoE layers
-    (see ``TracedTables``)."""
+    (see ``TracedTables``); layers per stage as ``build_tables`` pins them."""
     p = config.pp
+    if pinned_layers is None:
+        pinned_layers = framework_split(framework, model, p)
     kinds = layer_kinds(model)
     num_kinds = max(kinds) + 1
     prefix = tuple(tuple(sum(1 for k in kinds[:j] if k == kind) for j in range(len(kinds) + 1))

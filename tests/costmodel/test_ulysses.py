@@ -66,4 +66,4 @@ def test_ulysses_needs_cp_to_divide_each_tensor_parallel_ranks_heads():
     why = framework_layout_error("deepspeed", bad, model)
     assert why is not None and "cp 8 must divide the 4 heads" in why
     assert framework_layout_error("megatron", bad, model) is None
-    assert framework_layout_error("torchtitan", bad, model) is None
+    assert framework_layout_error("torchtitan", bad.replace(zero_stage=3), model) is None

@@ -46,6 +46,12 @@ from meshplan.testing import usage_error
 # ----- plans -------------------------------------------------------------------------------------
 PLAN_3D = {"tp": 2, "pp": 2, "dp": 2, "sp": True, "zero_stage": 1, "recompute": "selective",
            "micro_batch_size": 1, "global_batch_size": 64, "seq_len": 8192}
+PLAN_3D_FSDP = {**PLAN_3D, "zero_stage": 2}
+"""The 3D plan as torchtitan runs it: it has no ZeRO-1, so FSDP2 without resharding after
+forward (ZeRO-2)."""
+PLAN_2D_ZERO3 = {**PLAN_3D, "pp": 1, "dp": 4, "zero_stage": 3}
+"""A plan every export takes: no pipeline beside ZeRO-3 (DeepSpeed's engine runs ZeRO 0-1
+there), FSDP for torchtitan."""
 PLAN_ZERO3_OFFLOAD = {"dp": 8, "zero_stage": 3, "offload": "optimizer+params",
                       "recompute": "full", "micro_batch_size": 1, "global_batch_size": 64,
                       "seq_len": 8192}
@@ -110,7 +116,8 @@ def test_deepspeed_3d_zero1():
         "activation_checkpointing": {"partition_activations": True,
                                      "contiguous_memory_optimization": True,
                                      "number_checkpoints": 16, "cpu_checkpointing": False},
-        "pipeline": {"stages": 2, "partition": "uniform", "activation_checkpoint_interval": 0},
+        "pipeline": {"stages": 2, "partition": "parameters", "layers_per_stage": [16, 16],
+                     "activation_checkpoint_interval": 0},
         "tensor_parallel": {"autotp_size": 2},
     }
 
@@ -158,13 +165,26 @@ def test_deepspeed_rejects_what_it_cannot_run(config, message):
 
 
 def test_deepspeed_uneven_split_and_full_recompute_in_pipeline_section():
-    plan = make_plan(pp=2, dp=4, global_batch_size=64, layers_per_stage=(15, 17),
+    # Llama-3-8B in PipelineModule's items: embedding E = 128256 x 4096 = 525.3M, 32 blocks
+    # of B = 218.1M, the norm, the head (E again). By parameters over 3 stages: E + 10B,
+    # 12B, 10B + E (2706M, 2617M, 2706M) is the most even; 11 middle blocks leave 2399M
+    plan = make_plan(nodes=3, pp=3, dp=8, global_batch_size=64, layers_per_stage=(10, 12, 10),
                      recompute="full")
-    with pytest.warns(ExportWarning, match=r"\[15, 17\]"):
-        data = export.to_deepspeed(for_target(plan, "deepspeed"))
-    assert data["pipeline"] == {"stages": 2, "partition": "parameters",
+    data = quietly(export.to_deepspeed, for_target(plan, "deepspeed"))
+    assert data["pipeline"] == {"stages": 3, "partition": "parameters",
+                                "layers_per_stage": [10, 12, 10],
                                 "activation_checkpoint_interval": 1}
-    assert data["activation_checkpointing"]["number_checkpoints"] == 17
+    assert data["activation_checkpointing"]["number_checkpoints"] == 12
+    # blocks balanced to within one, the extra ones first: DeepSpeed's type: method
+    plan = make_plan(nodes=3, pp=3, dp=8, global_batch_size=64, layers_per_stage=(11, 11, 10))
+    data = quietly(export.to_deepspeed, for_target(plan, "deepspeed"))
+    assert data["pipeline"]["partition"] == "type"
+
+
+def test_deepspeed_refuses_a_split_no_partition_method_builds():
+    plan = make_plan(pp=2, dp=4, global_batch_size=64, layers_per_stage=(15, 17))
+    with pytest.raises(ValueError, match=r"PipelineModule.*\[15, 17\].*\[16, 16\]"):
+        export.to_deepspeed(for_target(plan, "deepspeed"))
 
 
 # ----- schema: Megatron-LM -----------------------------------------------------------------------
@@ -355,10 +375,16 @@ def test_megatron_precision(dtype, flag):
 
 
 # ----- schema: torchtitan ------------------------------------------------------------------------
-def test_torchtitan_3d_zero1():
-    plan = for_target(make_plan(**PLAN_3D), "torchtitan")
-    with pytest.warns(ExportWarning, match="no ZeRO-1"):  # exported as FSDP2, ZeRO-2 semantics
-        text = export.to_torchtitan(plan)
+def test_torchtitan_refuses_zero1_and_ddp_beside_other_parallelism():
+    with pytest.raises(ValueError, match="it has no ZeRO-1"):
+        export.to_torchtitan(for_target(make_plan(**PLAN_3D), "torchtitan"))
+    with pytest.raises(ValueError, match=r"replicates it \(DDP, ZeRO-0\) only without tp"):
+        export.to_torchtitan(for_target(make_plan(**{**PLAN_3D, "zero_stage": 0}),
+                                        "torchtitan"))
+
+
+def test_torchtitan_3d_zero2():
+    text = quietly(export.to_torchtitan, for_target(make_plan(**PLAN_3D_FSDP), "torchtitan"))
     layers = [f"layers.{i}" for i in range(32)]
     assert tomllib.loads(text) == {
         "job": {"dump_folder": "./outputs", "description": "meshplan plan: llama3-8b on dgx-h100"},
@@ -415,7 +441,7 @@ def test_torchtitan_interleaved_and_moe():
 
 def test_torchtitan_rejects_fp16_and_nvme():
     with pytest.raises(ValueError, match="bf16 or fp32"):
-        export.to_torchtitan(for_target(make_plan(**PLAN_3D, dtype="fp16"), "torchtitan"))
+        export.to_torchtitan(for_target(make_plan(**PLAN_3D_FSDP, dtype="fp16"), "torchtitan"))
     plan = make_plan(**{**PLAN_ZERO3_OFFLOAD, "offload_device": "nvme"})
     with pytest.raises(ValueError, match="cannot offload to NVMe"):
         export.to_torchtitan(for_target(plan, "torchtitan"))
@@ -519,9 +545,10 @@ def test_per_stage_recompute_maps_to_strongest_mode_everywhere():
     with pytest.warns(ExportWarning, match="per-stage"):
         assert flag_values(export.to_megatron(for_target(plan, "megatron")))[
             "--recompute-granularity"] == "full"
-    with pytest.warns(ExportWarning) as record:  # also: ZeRO-0 next to pp runs as FSDP2
-        text = export.to_torchtitan(for_target(plan, "torchtitan"))
-    assert any("per-stage" in str(w.message) for w in record)
+    fsdp = make_plan(pp=2, dp=4, global_batch_size=64, zero_stage=2,
+                     recompute=("selective", "full"))  # torchtitan: FSDP2 beside a pipeline
+    with pytest.warns(ExportWarning, match="per-stage"):
+        text = export.to_torchtitan(for_target(fsdp, "torchtitan"))
     assert tomllib.loads(text)["activation_checkpoint"]["mode"] == "full"
 
 
@@ -540,7 +567,7 @@ def test_framework_mismatch_warns():
 
 
 def test_render_matches_the_functions():
-    plan = for_target(make_plan(**PLAN_3D), "megatron")
+    plan = for_target(make_plan(**PLAN_2D_ZERO3), "megatron")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExportWarning)
         assert json.loads(export.render(plan, "deepspeed")) == export.to_deepspeed(plan)
@@ -566,7 +593,9 @@ def test_cli_export_to_stdout(capsys, plan_file):
     assert err == ""
 
 
-def test_cli_export_prints_warnings_on_stderr(capsys, plan_file):
+def test_cli_export_prints_warnings_on_stderr(capsys, tmp_path):
+    plan_file = tmp_path / "plan.json"
+    write_plan(make_plan(**PLAN_3D_FSDP, framework="megatron"), plan_file)
     assert cli.main(["export", str(plan_file), "--to", "torchtitan"]) == 0
     out, err = capsys.readouterr()
     assert tomllib.loads(out)["parallelism"]["tensor_parallel_degree"] == 2
@@ -1009,7 +1038,8 @@ def check_torchtitan_job(tt, job, plan: Plan) -> None:
         assert sum(parts, []) == ["tok_embeddings", *layers, "norm", "output"]
 
 
-@pytest.mark.parametrize("config", [PLAN_3D, PLAN_ZERO3_OFFLOAD], ids=["3d-zero1", "zero3-cpu"])
+@pytest.mark.parametrize("config", [PLAN_3D_FSDP, PLAN_ZERO3_OFFLOAD],
+                         ids=["3d-zero2", "zero3-cpu"])
 def test_torchtitan_config_manager_loads_export(torchtitan, tmp_path, config):
     plan = for_target(make_plan(**config), "torchtitan")
     with warnings.catch_warnings():

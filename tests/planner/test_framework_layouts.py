@@ -5,12 +5,14 @@ exports and the runtime refuse with the same reasons."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
                                load_model)
-from meshplan.costmodel.layout import framework_layout_error
+from meshplan.costmodel.layout import (deepspeed_partition, deepspeed_splits, deepspeed_uniform,
+                                       framework_layout_error, framework_split)
 from meshplan.planner import export
 from meshplan.planner.plan import Plan
 from meshplan.planner.search import framework_space, search
@@ -109,6 +111,8 @@ def test_a_deepspeed_plan_exports_and_a_default_plan_runs(tmp_path):
     (["--framework", "megatron", "--offload-device", "nvme"], "cannot offload to NVMe"),
     # a conditional rule: no single pin is refused, their combination is
     (["--framework", "deepspeed", "--zero", "2", "--pp", "4"], "runs only ZeRO stage 0 or 1"),
+    (["--framework", "deepspeed", "--pp", "2", "--layers-per-stage", "15,17"],
+     "builds only its partition methods' splits"),
 ])
 def test_a_pin_the_framework_cannot_run_is_one_line_and_exit_2(args, words):
     r = run_cli("plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb",
@@ -174,3 +178,62 @@ def test_a_per_stage_recompute_list_is_pinned_only_where_it_runs():
         "stages, got --recompute full,none" in line
     r = run_cli(*base, "--framework", "meshplan")
     assert r.code == 0, r.err
+
+
+# ----- DeepSpeed builds its own pipeline split ---------------------------------------------------
+def test_the_partition_is_deepspeeds_own():
+    """``deepspeed_partition`` / ``deepspeed_uniform`` give the boundaries DeepSpeed's own
+    partitioners give, ties included (0-1 weights, equal blocks, large ends, random reals)."""
+    utils = pytest.importorskip("deepspeed.runtime.utils", reason="needs the 'export' extra")
+    rng = random.Random(7)
+    for _ in range(200):
+        n, parts = rng.randint(1, 40), rng.randint(1, 12)
+        kind = rng.random()
+        weights = ([rng.randint(0, 1) for _ in range(n)] if kind < 0.3 else
+                   [rng.choice([3, 5, 5, 5, 100]) for _ in range(n)] if kind < 0.6 else
+                   [rng.random() * 10 for _ in range(n)])
+        want = tuple(int(b) for b in utils.partition_balanced(weights, parts))
+        assert deepspeed_partition(tuple(weights), parts) == want, (weights, parts)
+        assert deepspeed_uniform(n, parts) == tuple(utils.partition_uniform(n, parts))
+
+
+def test_deepspeed_splits_by_hand():
+    """BLOOM's embedding (250,880 x 14,336 = 3.60B) weighs 1.46 of its 2.47B blocks, so by
+    parameters over 12 stages the end stages take 5 blocks with it (15.9B, the middle ones
+    6 blocks, 14.8B; 6 blocks and an end would be 18.4B); balanced blocks (type) put the 10
+    extra first; uniform counts the 73 items (embedding, 70 blocks, norm, head) 7, 6, 6, ...
+    with the extra one first, so the first stage holds the embedding and 6 blocks and the
+    last the head, the norm and 4 blocks."""
+    splits = deepspeed_splits(load_model("bloom-176b"), 12)
+    assert splits["parameters"] == (5,) + (6,) * 10 + (5,)
+    assert splits["type"] == (6,) * 10 + (5, 5)
+    assert splits["uniform"] == (6,) * 11 + (4,)
+    assert framework_split("deepspeed", load_model("bloom-176b"), 12) == splits["parameters"]
+    for other in ("megatron", "torchtitan", "meshplan", "ideal"):
+        assert framework_split(other, load_model("bloom-176b"), 12) is None
+
+
+def test_a_small_model_keeps_a_block_on_every_stage():
+    """Llama-3-8B's embedding (525M) outweighs two of its 218M blocks: by parameters, 16
+    stages would leave the first and last without a block, so DeepSpeed's plan takes the
+    balanced block counts (type: 2 each) instead."""
+    model = load_model("llama3-8b")
+    assert min(deepspeed_splits(model, 16)["parameters"]) == 0
+    assert framework_split("deepspeed", model, 16) == (2,) * 16
+
+
+def test_deepspeed_estimates_and_plans_take_its_split():
+    """``estimate`` without a split prices the split DeepSpeed builds (the even one under the
+    other frameworks), and the planner's DeepSpeed plans hold it: Llama-3-8B over 3 stages
+    is 10, 12, 10 by parameters (see test_export), the even split 10, 11, 11 or alike."""
+    model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=3)
+    config = ParallelConfig(pp=3, dp=8, global_batch_size=64, seq_len=4096, zero_stage=1)
+    est = estimate(model, cluster, config, framework="deepspeed", calibration=CAL)
+    assert est.config.layers_per_stage == (10, 12, 10)
+    other = estimate(model, cluster, config, framework="megatron", calibration=CAL)
+    assert other.config.stage_layers(32) != (10, 12, 10)
+    r = run_cli("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "3",
+                "--framework", "deepspeed", "--pp", "3", "--tp", "1", "--global-batch", "64",
+                "--seq-len", "4096", "--deterministic", "--json")
+    assert r.code == 0, r.err
+    assert all(p["layers_per_stage"] == [10, 12, 10] for p in r.json()["plans"])

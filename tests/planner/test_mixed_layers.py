@@ -155,7 +155,7 @@ def test_a_pipeline_with_expert_parallelism_is_found(monkeypatch):
     c = load_cluster("dgx-a100-80gb", nodes=8, gpus_per_node=1)
     c = dataclasses.replace(c, nics_per_node=1)
     space = SearchSpace(global_batch_size=32, seq_len=256, pp=(2, 4), cp=(1,),
-                        zero_stage=(1,), offload=("none",), micro_batch_size=(2,), vpp=(1,),
+                        zero_stage=(2,), offload=("none",), micro_batch_size=(2,), vpp=(1,),
                         mesh_order=(("tp", "cp", "pp", "dp"),),
                         recompute_modes=("none", "selective"))
     want = brute_force(model, c, space, "torchtitan")

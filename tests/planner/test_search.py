@@ -33,6 +33,7 @@ from meshplan.costmodel import (ClusterSpec, ModelSpec, ParallelConfig, default_
                        load_cluster, load_model)
 from meshplan.costmodel.config import RECOMPUTE_MODES
 from meshplan.costmodel.estimate import compose_step, stage_terms
+from meshplan.costmodel.layout import framework_split
 from meshplan.planner import solver
 from meshplan.planner import search as search_module
 from meshplan.planner.search import (NoPlanFits, SearchTimeout, bound, framework_space,
@@ -217,7 +218,12 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                 space: SearchSpace, framework: str) -> CandidateOptimum:
     capacity = cluster.gpu.hbm_bytes * (1 - space.memory_margin)
     best, any_step = None, math.inf
-    for layers in compositions(model.num_layers, config.pp, max(1, config.vpp)):
+    # the splits the framework runs: DeepSpeed builds its own (the rule is tested against
+    # DeepSpeed's partitioner in test_framework_layouts.py), the others take any
+    own = framework_split(framework, model, config.pp)
+    splits = [own] if own is not None else compositions(model.num_layers, config.pp,
+                                                        max(1, config.vpp))
+    for layers in splits:
         for modes in stage_modes(space.recompute_modes, config.pp, framework):
             est = estimate(model, cluster, config.replace(layers_per_stage=layers,
                                                           recompute=modes),
