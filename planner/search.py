@@ -39,9 +39,9 @@ from meshplan.planner import solver as cpsat
 from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, stage_classes,
                                      stage_micro_terms, uniform_layers)
 from meshplan.planner.space import (CORE_MIN_CP_SEQ_LEN, MESH_ORDERS, SearchSpace, candidates,
-                                    degree_tuples, layout_error, micro_batch_choices,
-                                    offload_choices, pick, settings_of, vpp_choices,
-                                    zero_choices)
+                                    degree_tuples, framework_refusal, layout_error,
+                                    micro_batch_choices, offload_choices, pick, settings_of,
+                                    vpp_choices, zero_choices)
 from meshplan.planner.tables import (CandidateTables, TracedTables, build_tables,
                                      build_traced_tables, layer_bounds, mixed_layers,
                                      stage_config,
@@ -508,7 +508,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
            calibration: Calibration, top_k: int = 5, time_limit_s: float = 60.0,
            seed: int = 0, workers: int = 1, deterministic: bool = False,
            max_nodes: int | None = None, ceiling_s: float | None = None) -> SearchResult:
-    """The ``top_k`` fastest plans of ``space``; raises NoPlanFits when none fits.
+    """The ``top_k`` fastest plans of ``space``; raises NoPlanFits when none fits, EmptySpace
+    when no configuration can be formed, ValueError with the framework's reason when its pins
+    leave only layouts the framework does not run (``space.framework_refusal``).
 
     One best-first branch and bound (``_Refiner``) over a tree of candidate sets with bounds
     valid for all their members (degree tuples; then micro-batch, sp and rank layout; then
@@ -594,6 +596,10 @@ def _search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, frame
     refiner.skip = set(core)
     rest = refiner.roots()
     if not core and not rest:
+        refusal = framework_refusal(model, cluster, space, framework)
+        if refusal is not None:  # configurations exist, the framework runs none of them
+            raise ValueError(f"{refusal} (no configuration of the pinned choices runs under "
+                             f"framework {framework})")
         raise EmptySpace(empty_space_message(model, cluster, space))
     for node in rest:
         heapq.heappush(search_pass.heap, node)
@@ -1369,9 +1375,9 @@ class _Refiner:
 
     def kind_choices(self, degrees) -> list[tuple]:
         """The (ZeRO stage, offload, offload device) choices of a degree tuple that the
-        framework runs with these degrees (``space.layout_error``; its rule reads no other
-        choice of a configuration but the pinned split, which it reads), so that no branch of the tree is spent on a
-        choice whose every member ``config`` would refuse."""
+        framework runs with these degrees (``space.layout_error``: its rule reads no other
+        choice of a configuration, and the space's pinned split), so that no branch of the
+        tree is spent on a choice whose every member ``config`` would refuse."""
         tp, cp, pp, dp, ep = degrees
         key = ("kind choices", degrees, self.core)
         hit = self.cache.get(key)

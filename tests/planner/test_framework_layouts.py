@@ -237,3 +237,17 @@ def test_deepspeed_estimates_and_plans_take_its_split():
                 "--seq-len", "4096", "--deterministic", "--json")
     assert r.code == 0, r.err
     assert all(p["layers_per_stage"] == [10, 12, 10] for p in r.json()["plans"])
+
+
+def test_search_refuses_pins_the_framework_cannot_run():
+    """The Python entry point says why, as ``meshplan plan`` does, rather than that the space
+    is empty."""
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-a100-80gb", nodes=1)
+    space = SearchSpace(global_batch_size=64, seq_len=4096, pp=(4,), zero_stage=(2,))
+    with pytest.raises(ValueError, match="runs only ZeRO stage 0 or 1"):
+        search(model, cluster, space, framework="deepspeed", calibration=CAL,
+               deterministic=True)
+    space = SearchSpace(global_batch_size=64, seq_len=4096, tp=(2,), pp=(1,), zero_stage=(1,))
+    with pytest.raises(ValueError, match="it has no ZeRO-1"):
+        search(model, cluster, space, framework="torchtitan", calibration=CAL,
+               deterministic=True)
