@@ -51,7 +51,10 @@ DEEPSPEED_PARTITIONS = ("parameters", "type", "uniform")
 module's layer list for a number of stages (``deepspeed_splits``): ``parameters`` (its default)
 balances the items' parameter counts, ``type:<regex>`` the number of items whose class matches
 (here: the transformer blocks), ``uniform`` the number of items. A split it builds no other
-way cannot be run without editing DeepSpeed."""
+way cannot be run without editing DeepSpeed. The items are the embedding, the blocks, the
+final norm and the head (``pipeline_items``); a layer list with more items (Megatron-DeepSpeed
+adds parameterless functions) builds the same ``parameters`` and ``type:`` splits, and may
+build another ``uniform`` one."""
 
 
 def deepspeed_partition(weights: tuple[float, ...], parts: int) -> tuple[int, ...]:
@@ -130,19 +133,32 @@ def deepspeed_splits(model: ModelSpec, pp: int) -> dict[str, tuple[int, ...]]:
             for method, b in bounds.items()}
 
 
-def framework_split(framework: str, model: ModelSpec, pp: int) -> tuple[int, ...] | None:
-    """The layers per stage ``framework`` builds for ``pp`` stages when it cannot take a split
-    of the plan's choosing; None where it can (Megatron-LM's pipeline layouts, torchtitan's
-    split points and meshplan's runtime take any split).
+def framework_splits(framework: str, model: ModelSpec,
+                     pp: int) -> tuple[tuple[int, ...], ...] | None:
+    """The layer splits ``framework`` builds itself for ``pp`` stages when it cannot take one
+    of the plan's choosing, each once, the one it builds by default first; None where it can
+    (Megatron-LM's pipeline layouts, torchtitan's split points and meshplan's runtime take any
+    split).
 
-    DeepSpeed builds its split from a partition method (``DEEPSPEED_PARTITIONS``): the plan
-    takes ``parameters``, ``PipelineModule``'s default, unless it leaves a stage without a
-    block (an embedding larger than several blocks on few layers), then ``type`` (blocks
-    balanced to within one), which ``planner.export`` names."""
+    DeepSpeed builds its split from a partition method (``DEEPSPEED_PARTITIONS``, ``parameters``
+    its default): the splits of those that give every stage a block (an embedding that
+    outweighs several blocks can leave an end stage without one). The planner tries each
+    (``planner.search``) and ``planner.export`` names the method."""
     if framework != "deepspeed" or pp == 1:
         return None
-    splits = deepspeed_splits(model, pp)
-    return splits["parameters"] if min(splits["parameters"]) >= 1 else splits["type"]
+    splits = []
+    for split in deepspeed_splits(model, pp).values():
+        if min(split) >= 1 and split not in splits:
+            splits.append(split)
+    return tuple(splits)
+
+
+def framework_split(framework: str, model: ModelSpec, pp: int) -> tuple[int, ...] | None:
+    """The first of ``framework_splits`` (DeepSpeed: ``parameters``, its default, where it
+    gives every stage a block), what ``estimate`` prices without a split; None where the
+    framework takes any split."""
+    splits = framework_splits(framework, model, pp)
+    return splits[0] if splits else None
 
 
 def deepspeed_partition_method(model: ModelSpec, layers: tuple[int, ...]) -> str | None:

@@ -218,7 +218,9 @@ def _deepspeed_pipeline(plan: Plan, layers: tuple[int, ...], recompute: str) -> 
     split (``layout.deepspeed_partition_method``; ``_check_layout`` refused any other) and the
     split itself, checkpoint interval (one schedule, no interleaving: ``_check_layout``).
     ``partition`` is advice: DeepSpeed's engine does not read it, the training script passes
-    it to ``PipelineModule(partition_method=...)`` (``type`` as ``type:<block class>``)."""
+    it to ``PipelineModule(partition_method=...)`` (``type`` as ``type:<block class>``), on a
+    layer list of the embedding, the blocks, the final norm and the head (``uniform`` counts
+    items: check the split it prints against ``layers_per_stage``)."""
     partition = deepspeed_partition_method(plan.model, layers)
     return {"stages": plan.config.pp, "partition": partition, "layers_per_stage": list(layers),
             "activation_checkpoint_interval": 1 if recompute == "full" else 0}

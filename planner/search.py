@@ -31,7 +31,7 @@ from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_once, stage_terms
 from meshplan.costmodel.frameworks import min_micro_batches, per_stage_recompute
 from meshplan.costmodel.layout import (FRAMEWORK_MESH_ORDERS, FRAMEWORK_NAMES,
-                                       framework_layout_error)
+                                       framework_layout_error, framework_splits)
 from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
 from meshplan.costmodel.timing import stage_compute_s, stage_link_signature
 from meshplan.costmodel.traced import TRACED_RECOMPUTE
@@ -1027,7 +1027,7 @@ class _Refiner:
     # ----- roots ----------------------------------------------------------------------------
 
     def flat_roots(self, configs: list[ParallelConfig]) -> list[_Node]:
-        return [n for n in (self.candidate_node(c) for c in configs) if n is not None]
+        return [n for c in configs for n in self.candidate_nodes(c)]
 
     def roots(self) -> list[_Node]:
         """Roots of the whole space (of the core space while ``core``), less ``skip``."""
@@ -1298,15 +1298,12 @@ class _Refiner:
                     continue
                 value = max(terms.value(v), node.bound)
                 if v == 1:
-                    child = self.candidate_node(config, floor=value)
-                    if child is not None:
-                        out.append(child)
+                    out.extend(self.candidate_nodes(config, floor=value))
                 else:
                     out.append(self.node(value, "member", config))
             return out, 0
         if kind == "member":
-            child = self.candidate_node(node.data, floor=node.bound)
-            return ([child] if child is not None else []), 0
+            return self.candidate_nodes(node.data, floor=node.bound), 0
         if kind == "candidate":
             return self.memory_node(node)
         if kind == "memory":
@@ -1671,6 +1668,17 @@ class _Refiner:
         tp, cp, pp, dp, ep = degrees
         m = self.space.global_batch_size // (dp * b)
         return vpp_choices(self.space, self.model, pp, m, core=self.core)
+
+    def candidate_nodes(self, config: ParallelConfig, floor: float = 0.0) -> list[_Node]:
+        """``candidate_node`` of ``config``; where the framework builds the split itself, from
+        several methods (``layout.framework_splits``: DeepSpeed's partition methods), and
+        the space pins none, one candidate per split, each with its split in its
+        configuration (its tables hold it: ``tables.build_tables``)."""
+        splits = (framework_splits(self.framework, self.model, config.pp)
+                  if self.space.layers_per_stage is None else None)
+        configs = ([config] if not splits else
+                   [config.replace(layers_per_stage=split) for split in splits])
+        return [node for c in configs if (node := self.candidate_node(c, floor)) is not None]
 
     def candidate_node(self, config: ParallelConfig, floor: float = 0.0) -> _Node | None:
         index = self.indices.setdefault(config, len(self.indices))

@@ -240,17 +240,28 @@ def _uniform_modes(framework: str, stages: int, pinned_modes) -> bool:
     return stages > 1 and not pinned_modes and not per_stage_recompute(framework)
 
 
+def _pinned(model: ModelSpec, config: ParallelConfig, framework: str,
+            pinned_layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The split tables hold (``build_tables``), None when free."""
+    if pinned_layers is not None:
+        return pinned_layers
+    if config.layers_per_stage is not None and config.pp > 1:
+        return config.layers_per_stage
+    return framework_split(framework, model, config.pp)
+
+
 def build_tables(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                  modes: tuple[str, ...], framework: str, calibration: Calibration,
                  memory_margin: float = 0.0,
                  pinned_layers: tuple[int, ...] | None = None,
                  pinned_modes: tuple[str, ...] | None = None) -> CandidateTables:
     """Tables for ``config``; stages may use ``modes`` (or exactly ``pinned_modes[i]``).
-    Layers per stage: ``pinned_layers``, else the split the framework builds itself where it
-    takes none of the plan's (``layout.framework_split``), else free."""
+    Layers per stage: ``pinned_layers``, else ``config``'s own split (a candidate of one of
+    the splits a framework builds itself: ``search._Refiner.candidate_nodes``), else the
+    framework's default where it takes none of the plan's (``layout.framework_split``), else
+    free."""
     p = config.pp
-    if pinned_layers is None:
-        pinned_layers = framework_split(framework, model, p)
+    pinned_layers = _pinned(model, config, framework, pinned_layers)
     lo, hi = layer_bounds(model, config, pinned_layers)
     if p == 1:  # one stage holds every layer: its terms are read at that count, exactly
         lo, hi = (model.num_layers,), (model.num_layers,)
@@ -610,8 +621,7 @@ def build_traced_tables(model: ModelSpec, cluster: ClusterSpec, config: Parallel
     """Tables for a candidate of a traced model or of one that mixes dense and MoE layers
     (see ``TracedTables``); layers per stage as ``build_tables`` pins them."""
     p = config.pp
-    if pinned_layers is None:
-        pinned_layers = framework_split(framework, model, p)
+    pinned_layers = _pinned(model, config, framework, pinned_layers)
     kinds = layer_kinds(model)
     num_kinds = max(kinds) + 1
     prefix = tuple(tuple(sum(1 for k in kinds[:j] if k == kind) for j in range(len(kinds) + 1))

@@ -12,7 +12,7 @@ import pytest
 from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
                                load_model)
 from meshplan.costmodel.layout import (deepspeed_partition, deepspeed_splits, deepspeed_uniform,
-                                       framework_layout_error, framework_split)
+                                       framework_layout_error, framework_split, framework_splits)
 from meshplan.planner import export
 from meshplan.planner.plan import Plan
 from meshplan.planner.search import framework_space, search
@@ -215,17 +215,19 @@ def test_deepspeed_splits_by_hand():
 
 def test_a_small_model_keeps_a_block_on_every_stage():
     """Llama-3-8B's embedding (525M) outweighs two of its 218M blocks: by parameters, 16
-    stages would leave the first and last without a block, so DeepSpeed's plan takes the
-    balanced block counts (type: 2 each) instead."""
+    stages would leave the first and last without a block, so that method is not offered;
+    balanced block counts (type: 2 each) are, and first, as what ``estimate`` prices."""
     model = load_model("llama3-8b")
     assert min(deepspeed_splits(model, 16)["parameters"]) == 0
     assert framework_split("deepspeed", model, 16) == (2,) * 16
+    assert all(min(split) >= 1 for split in framework_splits("deepspeed", model, 16))
+    assert framework_splits("megatron", model, 16) is None
 
 
-def test_deepspeed_estimates_and_plans_take_its_split():
-    """``estimate`` without a split prices the split DeepSpeed builds (the even one under the
-    other frameworks), and the planner's DeepSpeed plans hold it: Llama-3-8B over 3 stages
-    is 10, 12, 10 by parameters (see test_export), the even split 10, 11, 11 or alike."""
+def test_deepspeed_estimates_and_plans_take_its_splits():
+    """``estimate`` without a split prices the split DeepSpeed builds by default (parameters:
+    Llama-3-8B over 3 stages 10, 12, 10, see test_export; the other frameworks the even
+    split), and the planner tries each split DeepSpeed builds and keeps one of them."""
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=3)
     config = ParallelConfig(pp=3, dp=8, global_batch_size=64, seq_len=4096, zero_stage=1)
     est = estimate(model, cluster, config, framework="deepspeed", calibration=CAL)
@@ -236,7 +238,31 @@ def test_deepspeed_estimates_and_plans_take_its_split():
                 "--framework", "deepspeed", "--pp", "3", "--tp", "1", "--global-batch", "64",
                 "--seq-len", "4096", "--deterministic", "--json")
     assert r.code == 0, r.err
-    assert all(p["layers_per_stage"] == [10, 12, 10] for p in r.json()["plans"])
+    built = set(deepspeed_splits(model, 3).values())
+    assert all(tuple(p["layers_per_stage"]) in built for p in r.json()["plans"])
+
+
+def test_the_planner_takes_the_fastest_of_deepspeeds_splits():
+    """BLOOM-176B on 384 A100s, tp 2 x pp 12 x dp 4 x cp 4: the uniform method (73 items
+    over 12 stages: 6 blocks each, the last 4 blocks with the norm and the 250,880-row head)
+    takes blocks off the head's stage, and beats both balanced splits, as each priced alone
+    says; the search finds it among the three."""
+    model, cluster = load_model("bloom-176b"), load_cluster("jean-zay-a100", nodes=48)
+    base = ParallelConfig(tp=2, pp=12, dp=4, cp=4, sp=True, zero_stage=1, micro_batch_size=1,
+                          global_batch_size=2048, seq_len=2048, recompute="none",
+                          flash_attention=False)
+    steps = {method: estimate(model, cluster, base.replace(layers_per_stage=split),
+                              framework="deepspeed", calibration=CAL).time.step_s
+             for method, split in deepspeed_splits(model, 12).items()}
+    assert steps["uniform"] < min(steps["parameters"], steps["type"])
+    space = SearchSpace(global_batch_size=2048, seq_len=2048, tp=(2,), pp=(12,), cp=(4,),
+                        zero_stage=(1,), micro_batch_size=(1,), sp=(True,),
+                        flash_attention=False, recompute_modes=("none",))
+    result = search(model, cluster, space, framework="deepspeed", calibration=CAL, top_k=1,
+                    deterministic=True)
+    best = result.ranked[0].estimate
+    assert best.config.layers_per_stage == (6,) * 11 + (4,)
+    assert best.time.step_s == pytest.approx(steps["uniform"], rel=1e-9)
 
 
 def test_search_refuses_pins_the_framework_cannot_run():
