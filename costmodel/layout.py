@@ -195,10 +195,11 @@ def framework_layout_error(framework: str, config: ParallelConfig,
     * DeepSpeed: its pipeline engine runs ZeRO 0 and 1 only, with one schedule (no
       interleaving), on a split one of its partition methods builds
       (``deepspeed_partition_method``); it offloads only under ZeRO, to NVMe only under
-      ZeRO-3 (ZeRO-Infinity); its sequence parallelism is DeepSpeed-Ulysses (``deepspeed.sequence.layer``), whose
-      all-to-all scatters the attention heads over the group, so cp must divide the heads of
-      a tensor-parallel rank (Megatron-DeepSpeed repeats k and v to the query heads first;
-      DeepSpeed's path for uneven head counts is not modelled).
+      ZeRO-3 (ZeRO-Infinity); its sequence parallelism is DeepSpeed-Ulysses
+      (``deepspeed.sequence.layer``), whose all-to-all scatters the attention heads over the
+      group, so cp must divide the heads of a tensor-parallel rank (Megatron-DeepSpeed
+      repeats k and v to the query heads first; DeepSpeed's path for uneven head counts is
+      not modelled).
     * Megatron-LM: offloads the optimizer only, through its distributed optimizer, to host
       memory.
     * torchtitan: shards data parallelism with FSDP2 (ZeRO-3, or ZeRO-2 without resharding
