@@ -232,7 +232,12 @@ def to_megatron(plan: Plan) -> list[str]:
     """Megatron-LM arguments for ``pretrain_gpt.py``: model shape, degrees, batch, memory.
 
     ZeRO-1 is Megatron's distributed optimizer; ZeRO-2/3 are Megatron-FSDP with sharding
-    strategy ``optim_grads`` / ``optim_grads_params``; optimizer offload is the hybrid CPU
+    strategy ``optim_grads`` / ``optim_grads_params`` and the flags Megatron-LM 0.16's
+    Megatron-FSDP user guide lists with it: ``--no-gradient-accumulation-fusion`` and
+    ``--ckpt-format fsdp_dtensor`` (``validate_args`` asserts that format under Megatron-FSDP;
+    the guide also has ``CUDA_DEVICE_MAX_CONNECTIONS`` unset, which Megatron-LM's example
+    launch scripts set to 1: an environment variable, left to the launch); optimizer offload
+    is the hybrid CPU
     optimizer (``--optimizer-cpu-offload``, fraction 1). Megatron cannot offload parameters or
     offload to NVMe, use ALiBi or an embedding norm: those raise ValueError. Float8 training
     is ``MEGATRON_FLOAT8``; torch.compile has no Megatron-LM switch (a warning). Tokenizer,
@@ -408,7 +413,8 @@ def _megatron_zero(config: ParallelConfig) -> list[str]:
             args.append("--overlap-param-gather")
     if config.zero_stage >= 2:
         strategy = "optim_grads" if config.zero_stage == 2 else "optim_grads_params"
-        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy,
+                 "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor"]
     if config.offload == "optimizer":
         args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
                  "--use-precision-aware-optimizer"]

@@ -270,6 +270,9 @@ def test_megatron_zero3_cpu_optimizer_offload():
         "--recompute-num-layers", "1",
         "--use-distributed-optimizer", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "optim_grads_params",
+        # Megatron-LM 0.16's validate_args asserts this checkpoint format under Megatron-FSDP
+        # (megatron/training/arguments.py); its Megatron-FSDP user guide lists both flags
+        "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor",
         "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
         "--use-precision-aware-optimizer", "--bf16", "--use-flash-attn",
     ]
@@ -727,7 +730,8 @@ MEGATRON_SWITCHES = (
     "disable-bias-linear", "add-qkv-bias", "sequence-parallel", "use-tp-pp-dp-mapping",
     "use-distributed-optimizer", "use-megatron-fsdp", "optimizer-cpu-offload",
     "use-precision-aware-optimizer", "bf16", "fp16", "use-flash-attn", "overlap-grad-reduce",
-    "overlap-param-gather", "tp-comm-overlap", "cross-entropy-loss-fusion")
+    "overlap-param-gather", "tp-comm-overlap", "cross-entropy-loss-fusion",
+    "no-gradient-accumulation-fusion")
 MEGATRON_CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "position-embedding-type": ("learned_absolute", "rope", "mrope", "relative", "none"),
@@ -735,6 +739,7 @@ MEGATRON_CHOICES = {
     "recompute-method": ("uniform", "block"),
     "data-parallel-sharding-strategy": ("no_shard", "optim", "optim_grads",
                                         "optim_grads_params"),
+    "ckpt-format": ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),  # training_config.py
 }
 
 
