@@ -201,7 +201,8 @@ def framework_layout_error(framework: str, config: ParallelConfig,
       repeats k and v to the query heads first; DeepSpeed's path for uneven head counts is
       not modelled).
     * Megatron-LM: offloads the optimizer only, through its distributed optimizer, to host
-      memory.
+      memory; its context parallelism needs a sequence of whole 2 x cp chunks
+      (``validate_args``, core_v0.16.1).
     * torchtitan: shards data parallelism with FSDP2 (ZeRO-3, or ZeRO-2 without resharding
       after forward) and runs DDP (ZeRO-0) only as its one parallelism; no ZeRO-1. Offloads
       only through FSDP2's CPU offload (dp x cp > 1), which moves the parameters and
@@ -249,6 +250,10 @@ def framework_layout_error(framework: str, config: ParallelConfig,
         return (f"{name} cannot offload to NVMe (offload {offload!r}, device nvme); use "
                 f"offload device cpu, or export to deepspeed (ZeRO-Infinity)")
     if framework == "megatron":
+        if config.cp > 1 and config.seq_len % (2 * config.cp):
+            return (f"Megatron-LM's context parallelism splits each sequence into 2 x cp chunks "
+                    f"(load-balanced causal attention): seq_len {config.seq_len} must be a "
+                    f"multiple of 2 x cp = {2 * config.cp}")
         if offload == "optimizer+params":
             return ("Megatron-LM cannot offload parameters (offload 'optimizer+params'); use "
                     "offload 'optimizer', or export to deepspeed")

@@ -37,6 +37,7 @@ def _plan(model, cluster, config, framework) -> Plan:
     (dict(dp=4, zero_stage=3, offload="optimizer+params"), "megatron",
      "cannot offload parameters"),
     (dict(dp=4, offload="optimizer"), "megatron", "only through its distributed optimizer"),
+    (dict(cp=8, seq_len=4104, zero_stage=1), "megatron", "multiple of 2 x cp = 16"),
     (dict(dp=4, zero_stage=1, offload="optimizer", offload_device="nvme"), "torchtitan",
      "cannot offload to NVMe"),
     (dict(dp=4, zero_stage=3, offload="optimizer"), "torchtitan",
