@@ -116,8 +116,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framewor
     space = framework_space(space, framework)
     refusal = framework_refusal(model, cluster, space, framework)
     if refusal is not None:  # the pins leave nothing the framework runs
-        raise ValueError(f"{refusal} (no configuration of the pinned choices runs under "
-                         f"--framework {framework})")
+        raise ValueError(refusal)
     if space_is_empty(model, cluster, space) and (batch_tolerance or allow_fewer_gpus):
         return _plan_nearby(model, cluster, space, framework=framework,
                             calibration=calibration, calibration_name=calibration_name,

@@ -598,8 +598,7 @@ def _search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, frame
     if not core and not rest:
         refusal = framework_refusal(model, cluster, space, framework)
         if refusal is not None:  # configurations exist, the framework runs none of them
-            raise ValueError(f"{refusal} (no configuration of the pinned choices runs under "
-                             f"framework {framework})")
+            raise ValueError(refusal)
         raise EmptySpace(empty_space_message(model, cluster, space))
     for node in rest:
         heapq.heappush(search_pass.heap, node)
@@ -928,7 +927,7 @@ class _Refiner:
     3. per sample, a stage's linear work does not grow with the micro-batch, and its memory
        does not fall with it;
     4. memory does not grow with the ZeRO stage or offload among the choices the framework
-       runs (the leanest member of a family holds the most layers; ``lean_members``);
+       runs (the leanest member of a family holds the most layers; ``least_split``);
     5. a middle stage needs no less memory than a later one (``bounds``);
     6. compute per micro-batch depends on neither v nor ZeRO and offload, and the
        once-per-step terms (data-parallel traffic, optimizer, offload step) grow with a
@@ -1538,26 +1537,17 @@ class _Refiner:
                 return config
         return None
 
-    def lean_members(self, degrees, b, sp, order, v) -> list[ParallelConfig]:
-        """The members whose capacities bound a family's: its leanest (``leanest``). (Under
-        torchtitan, FSDP2 beside a pipeline keeps each stage gathered with fp32 gradients
-        for every micro-batch, which on stages of a few layers held more than DDP with a
-        sharded optimizer; torchtitan runs neither ZeRO-0 nor ZeRO-1 beside a pipeline
-        (``layout.framework_layout_error``), so the leanest member bounds every family.)"""
-        lean = self.leanest(degrees, b, sp, order, v)
-        return [] if lean is None else [lean]
-
     def least_split(self, degrees, b, sp, order, v, time_config: ParallelConfig,
                     **options) -> tuple[float, float] | None:
-        """The least ``capacity_split`` (options passed on) over the family's
-        ``lean_members``, term by term; None where none of them fits a split."""
-        splits = [split for member in self.lean_members(degrees, b, sp, order, v)
-                  if (split := self.capacity_split(member, time_config,
-                                                   roomy=self.roomy(member),
-                                                   **options)) is not None]
-        if not splits:
+        """``capacity_split`` (options passed on) of the family's leanest member
+        (``leanest``: among the choices the framework runs memory does not grow with the ZeRO
+        stage or offload; torchtitan, whose FSDP2 beside a pipeline can hold more than DDP
+        with a sharded optimizer, runs neither ZeRO-0 nor ZeRO-1 there); None where it fits
+        no split."""
+        lean = self.leanest(degrees, b, sp, order, v)
+        if lean is None:
             return None
-        return min(s[0] for s in splits), min(s[1] for s in splits)
+        return self.capacity_split(lean, time_config, roomy=self.roomy(lean), **options)
 
     def family(self, degrees, b, sp, order, v) -> "_Family | None":
         """Bounds of every ZeRO / offload choice at (degrees, b, sp, order, v): the linear

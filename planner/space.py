@@ -273,14 +273,18 @@ def layout_error(framework: str, config: ParallelConfig, model: ModelSpec,
 def framework_refusal(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace,
                       framework: str) -> str | None:
     """Why ``framework`` runs none of the configurations of ``space`` (its reason for the
-    first), or None when it runs one (usually found at once) or the space has none."""
+    first, as one line for ``plan`` and ``search`` to raise), or None when it runs one
+    (usually found at once) or the space has none."""
     reason = None
     for config in iter_candidates(model, cluster, space, framework=framework):
         why = layout_error(framework, config, model, space)
         if why is None:
             return None
         reason = reason or why
-    return reason
+    if reason is None:
+        return None
+    return (f"{reason} (no configuration of the pinned choices runs under --framework "
+            f"{framework})")
 
 
 def iter_candidates(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
