@@ -203,7 +203,8 @@ def framework_layout_error(framework: str, config: ParallelConfig,
     * Megatron-LM: offloads the optimizer only, through its distributed optimizer, to host
       memory; its context parallelism needs a sequence of whole 2 x cp chunks
       (``validate_args``, core_v0.16.1).
-    * torchtitan: shards data parallelism with FSDP2 (ZeRO-3, or ZeRO-2 without resharding
+    * torchtitan: needs seq_len a multiple of 2 x tp x cp (``ParallelDims.seq_len_divisor``,
+      asserted by every model's ``parallelize``, 0.2.2); shards data parallelism with FSDP2 (ZeRO-3, or ZeRO-2 without resharding
       after forward) and runs DDP (ZeRO-0) only as its one parallelism; no ZeRO-1. Offloads
       only through FSDP2's CPU offload (dp x cp > 1), which moves the parameters and
       gradients with the optimizer states, to host memory.
@@ -261,6 +262,11 @@ def framework_layout_error(framework: str, config: ParallelConfig,
             return ("Megatron-LM offloads the optimizer only through its distributed optimizer "
                     "(offload 'optimizer', zero_stage 0); use zero >= 1")
     elif framework == "torchtitan":
+        divisor = 2 * config.tp * config.cp
+        if config.seq_len % divisor:
+            return (f"torchtitan needs seq_len to be a multiple of 2 x tp x cp = {divisor} "
+                    f"(its models' parallelize asserts it: sequence-parallel shards and "
+                    f"load-balanced causal chunks); seq_len {config.seq_len}")
         ddp = zero == 0 and config.tp == config.pp == config.cp == 1
         if config.dp * config.cp > 1 and zero < 2 and not ddp:
             return (f"torchtitan shards data parallelism with FSDP2 (ZeRO-2 or 3) and "
