@@ -40,14 +40,12 @@ import warnings
 from typing import Any, NamedTuple
 
 from meshplan.costmodel import ModelSpec, ParallelConfig
-from meshplan.costmodel.config import RECOMPUTE_MODES
+from meshplan.costmodel.config import MESH_AXES, RECOMPUTE_MODES
 from meshplan.costmodel.layout import (FRAMEWORK_MESH_ORDERS, deepspeed_partition_method,
                                        framework_layout_error)
 from meshplan.planner.plan import Plan
 
 TARGETS = ("deepspeed", "megatron", "torchtitan")
-DEFAULT_MESH_ORDER = ("tp", "cp", "dp", "pp")
-"""Rank layout (fastest-varying first) that Megatron-LM, torchtitan and DeepSpeed use."""
 MEGATRON_TP_PP_DP_ORDER = ("tp", "cp", "pp", "dp")
 """Megatron-LM's other layout, chosen with ``--use-tp-pp-dp-mapping``."""
 NVME_PATH_PLACEHOLDER = "/local_nvme"
@@ -246,7 +244,7 @@ def to_megatron(plan: Plan) -> list[str]:
     model, config = plan.model, plan.config
     _check_not_traced(plan, "Megatron-LM")
     _check_framework(plan, "megatron")
-    _check_mesh_order(plan, "megatron", (DEFAULT_MESH_ORDER, MEGATRON_TP_PP_DP_ORDER))
+    _check_mesh_order(plan, "megatron", (MESH_AXES, MEGATRON_TP_PP_DP_ORDER))
     _check_layout(plan, "megatron")
     args = _megatron_model(model, seq_len=config.seq_len)
     args += _megatron_parallel(plan)
