@@ -88,6 +88,9 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     compiled graph saves: h 256, ffn 704, 4 x 256 tokens, fp32): 14,966,784 bytes beyond the
     block input, what this counts.
 
+    Per-head query and key norms (``ModelSpec.qk_norm``) add ``qk_norm_bytes`` wherever the
+    layer keeps its tensors.
+
     ``float8_inputs`` (Megatron-LM's float8 training): Transformer Engine's linears keep their
     inputs as they cast them for the float8 GEMMs, one byte per element instead of the
     compute dtype's two: the QKV and first MLP matmuls' inputs (the norms' outputs, kept
@@ -107,7 +110,7 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
         mlp = _mlp_activation_bytes(model, config, tokens=tokens, moe=moe)
         total = (seq_split / seq_div + 2 * stats * FP32_BYTES * tokens
                  + 2 * act * tokens * h  # the norms' outputs, whole (gathered under SP)
-                 + (attention + mlp) / t)
+                 + (attention + mlp) / t + qk_norm_bytes(model, config))
         if recompute == "none":
             total += attention_core_bytes(model, config)
         return total
@@ -134,7 +137,7 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
                 seq_split += 2 * FP32_BYTES * tokens * h
         elif model.norm == "rmsnorm":
             seq_split += 2 * act * tokens * h
-    total = seq_split / seq_div + (attention + mlp) / t + casts
+    total = seq_split / seq_div + (attention + mlp) / t + casts + qk_norm_bytes(model, config)
     if float8_inputs and not eager and not moe:
         ffn = model.ffn_hidden_size
         total -= (act - 1) * tokens * (2 * h / seq_div + (model.q_size + ffn) / t)
@@ -145,6 +148,23 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     if recompute == "none":
         total += attention_core_bytes(model, config)
     return total
+
+
+def qk_norm_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """What a layer's query and key norms (``ModelSpec.qk_norm``) keep for backward on one
+    rank for one micro-batch, where the layer keeps its tensors (no full recomputation): each
+    norm's input, the projection's output before the norm (q and kv wide, divided by tp, in the
+    activation dtype), and its fp32 statistics, one per head and token (two for LayerNorm),
+    as a fused norm kernel keeps them. RoPE and attention then keep the normalised q and k,
+    which ``layer_activation_bytes`` counts as Q and K. Per-op policies, which keep matmul
+    outputs and rebuild the norms from them, add nothing (``op_policy_layer_bytes``)."""
+    if not model.qk_norm:
+        return 0.0
+    tokens = tokens_per_microbatch(config)
+    stats = 1 if model.norm == "rmsnorm" else 2
+    heads = model.num_heads + model.kv_heads
+    return tokens * (config.bytes_per_activation * (model.q_size + model.kv_size)
+                     + stats * FP32_BYTES * heads) / config.tp
 
 
 def matmul_output_bytes(model: ModelSpec, config: ParallelConfig, *,

@@ -165,10 +165,13 @@ def _stage_params(model: ModelSpec, config: ParallelConfig, stage: int,
 
 def persistent_layer_params(model: ModelSpec) -> int:
     """Parameters of one dense layer held by tensors under DeepSpeed's persistence threshold
-    (``DS_PERSISTENCE_THRESHOLD`` elements): its norms' weights and biases and, with biases,
+    (``DS_PERSISTENCE_THRESHOLD`` elements): its norms' weights and biases (the query and key
+    norms' too, ``ModelSpec.qk_norm``) and, with biases,
     the projections' biases (QKV, attention output, MLP)."""
     h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
     norm_tensors = [h] * (4 if model.norm == "layernorm" else 2)
+    if model.qk_norm:
+        norm_tensors += [model.head_size] * (4 if model.norm == "layernorm" else 2)
     biases = []
     if model.linear_bias:
         up = 2 if model.activation == "swiglu" else 1

@@ -3,7 +3,8 @@
 A ``ModelSpec`` holds only architecture numbers. Counting follows the module structure of a
 GPT/Llama decoder as Megatron-LM and the runtime build it:
 
-* attention: Q, K, V and output projections (GQA shrinks K and V to ``num_kv_heads`` heads);
+* attention: Q, K, V and output projections (GQA shrinks K and V to ``num_kv_heads`` heads),
+  and a head-wide norm of the queries and one of the keys with ``qk_norm`` (Qwen3);
 * MLP: two matrices (GeLU) or three (SwiGLU), or ``num_experts`` such MLPs plus a router;
 * two norms per layer, a final norm, the word embedding (padded vocabulary), an optional learned
   position embedding, an optional embedding norm (BLOOM) and an LM head unless tied.
@@ -143,6 +144,12 @@ class ModelSpec:
     """Biases on every linear layer (GPT-3, BLOOM); Llama has none."""
     qkv_bias: bool = False
     """Bias on the Q/K/V projections only (Qwen-style), ignored when ``linear_bias``."""
+    qk_norm: bool = False
+    """A norm (the model's ``norm``) over each attention head's query and key before RoPE,
+    one ``head_dim``-wide weight for the queries and one for the keys, shared by the heads
+    (Qwen3's ``q_norm`` / ``k_norm``; Megatron-LM's ``--qk-layernorm``): ``2 head_dim``
+    parameters per layer (twice that for LayerNorm), and activations
+    (``activations.qk_norm_bytes``)."""
     tied_embeddings: bool = True
     """LM head shares the word-embedding matrix."""
     embedding_norm: bool = False
@@ -310,9 +317,16 @@ class ModelSpec:
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
     @functools.cached_property
+    def qk_norm_params(self) -> int:
+        """The query and key norms of one layer (``qk_norm``): a head-wide norm each."""
+        if not self.qk_norm:
+            return 0
+        return 2 * self.head_size * (2 if self.norm == "layernorm" else 1)
+
+    @functools.cached_property
     def attention_params(self) -> int:
         h, q, kv = self.hidden_size, self.q_size, self.kv_size
-        weights = h * q + 2 * h * kv + q * h
+        weights = h * q + 2 * h * kv + q * h + self.qk_norm_params
         if self.linear_bias:
             return weights + q + 2 * kv + h
         return weights + (q + 2 * kv if self.qkv_bias else 0)

@@ -8,7 +8,7 @@ checks ``ModelSpec.num_params`` against them.
 A ModelSpec JSON file holds the dataclass field names as keys (``name`` defaults to the file
 stem). A HuggingFace ``config.json`` is recognised by its keys (``model_type``, ``n_layer``,
 ``num_hidden_layers``...) and translated by ``from_hf_config`` for the Llama/Mistral/Mixtral/
-Qwen2, GPT-2, GPT-NeoX, BLOOM and OPT key styles.
+Qwen2/Qwen3/Qwen3-MoE, GPT-2, GPT-NeoX, BLOOM and OPT key styles.
 """
 
 from __future__ import annotations
@@ -185,8 +185,9 @@ _HF_SIZE_KEYS = {
     "intermediate_size": "ffn_hidden_size", "n_inner": "ffn_hidden_size",
     "ffn_dim": "ffn_hidden_size", "vocab_size": "vocab_size",
     "max_position_embeddings": "seq_len", "n_positions": "seq_len", "n_ctx": "seq_len",
-    "seq_length": "seq_len", "num_local_experts": "num_experts",
-    "num_experts_per_tok": "moe_top_k",
+    "seq_length": "seq_len", "num_local_experts": "num_experts", "num_experts": "num_experts",
+    "num_experts_per_tok": "moe_top_k", "moe_intermediate_size": "moe_ffn_hidden_size",
+    "decoder_sparse_step": "moe_layer_freq",
 }
 """HF keys the translators read as sizes, and the ModelSpec field each becomes."""
 _HF_RULES = {key: dataclasses.replace(MODEL_SCHEMA.rules[field], nullable=False,
@@ -246,14 +247,22 @@ def _canonical_head_dim(head_dim: int | None, *, hidden_size: int, num_heads: in
 
 
 def _from_llama(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
-    """Llama / Mistral / Mixtral / Qwen2 (transformers ``LlamaConfig`` and kin).
+    """Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE (transformers ``LlamaConfig`` and
+    kin).
 
     The MLP is gated (gate, up and down projections) whatever ``hidden_act`` says (``silu`` in
     all of these), which is ModelSpec's three-matrix ``swiglu``. Qwen2 has biases on Q/K/V
     only (``qkv_bias``); Mistral's and Mixtral's ``sliding_window`` (null: none) is kept.
-    Mixtral's ``num_local_experts`` / ``num_experts_per_tok`` become
-    ``num_experts`` / ``moe_top_k`` with experts as wide as ``intermediate_size``.
+    Qwen3 and Qwen3-MoE normalise each head's query and key (``qk_norm``: transformers'
+    ``Qwen3Attention`` ``q_norm`` / ``k_norm``, RMSNorm over ``head_dim``). Mixtral's
+    ``num_local_experts`` (Qwen3-MoE's ``num_experts``, or ``num_local_experts`` as
+    transformers 5 writes it) and ``num_experts_per_tok`` become ``num_experts`` /
+    ``moe_top_k``, with experts as wide as ``intermediate_size`` (Mixtral) or
+    ``moe_intermediate_size`` (Qwen3-MoE, whose ``decoder_sparse_step`` is
+    ``moe_layer_freq``: transformers makes layer i sparse when (i + 1) is a multiple of it,
+    as ModelSpec counts; a non-empty ``mlp_only_layers`` is refused).
     """
+    model_type = config.get("model_type")
     if (_flag(config, "attention_bias", default=False, origin=origin)
             or _flag(config, "mlp_bias", default=False, origin=origin)):
         raise ValueError(f"{origin}: attention_bias/mlp_bias on a Llama-style model cannot be "
@@ -261,14 +270,24 @@ def _from_llama(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
                          f"JSON instead")
     hidden = _get(config, "hidden_size", origin=origin)
     heads = _get(config, "num_attention_heads", origin=origin)
-    experts = _get(config, "num_local_experts", origin=origin, default=0)
+    experts = _get(config, "num_local_experts", "num_experts", origin=origin, default=0)
     window = None
-    if config.get("model_type") == "qwen2" and _flag(config, "use_sliding_window",
-                                                     default=False, origin=origin):
-        raise ValueError(f"{origin}: Qwen2 with use_sliding_window (a window on the layers "
-                         "from max_window_layers on) is not supported; set it false")
-    if config.get("model_type") in ("mistral", "mixtral"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and _flag(
+            config, "use_sliding_window", default=False, origin=origin):
+        raise ValueError(f"{origin}: {model_type} with use_sliding_window (a window on the "
+                         f"layers from max_window_layers on) is not supported; set it false")
+    if model_type in ("mistral", "mixtral"):
         window = _hf_value(config, "sliding_window", Rule(kind="int"), origin=origin)
+    moe_fields: dict[str, Any] = {}
+    if model_type == "qwen3_moe" and experts:
+        if _hf_value(config, "mlp_only_layers", Rule(kind="list", items=Rule(kind="int")),
+                     origin=origin):
+            raise ValueError(f"{origin}: mlp_only_layers (dense MLPs on chosen layers of an "
+                             f"MoE model) cannot be expressed by ModelSpec; write a ModelSpec "
+                             f"JSON instead")
+        moe_fields = dict(
+            moe_ffn_hidden_size=_get(config, "moe_intermediate_size", origin=origin),
+            moe_layer_freq=_get(config, "decoder_sparse_step", origin=origin, default=1))
     return dict(
         num_layers=_get(config, "num_hidden_layers", origin=origin), hidden_size=hidden,
         num_heads=heads,
@@ -279,11 +298,13 @@ def _from_llama(config: Mapping[str, Any], origin: str) -> dict[str, Any]:
         vocab_size=_get(config, "vocab_size", origin=origin),
         seq_len=_get(config, "max_position_embeddings", origin=origin),
         activation="swiglu", norm="rmsnorm", position_embedding="rope", linear_bias=False,
-        qkv_bias=config.get("model_type") == "qwen2", sliding_window=window,
+        qkv_bias=model_type == "qwen2", qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        sliding_window=window,
         tied_embeddings=_flag(config, "tie_word_embeddings", default=False, origin=origin),
         dropout=_dropout(config, {"attention_dropout": 0.0}, origin=origin),
         num_experts=experts,
         moe_top_k=_get(config, "num_experts_per_tok", origin=origin, default=0) if experts else 0,
+        **moe_fields,
         **_rope_and_norm(config, origin=origin, eps_key="rms_norm_eps"))
 
 
@@ -417,7 +438,8 @@ _HF_STYLES: dict[str, Callable[[Mapping[str, Any], str], dict[str, Any]]] = {
     "bloom": _from_bloom, "opt": _from_opt,
 }
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "llama",
-                   "gpt2": "gpt2", "gpt_neox": "gpt_neox", "bloom": "bloom", "opt": "opt"}
+                   "qwen3": "llama", "qwen3_moe": "llama", "gpt2": "gpt2", "gpt_neox": "gpt_neox",
+                   "bloom": "bloom", "opt": "opt"}
 """HuggingFace ``model_type`` to the key style that reads it."""
 
 
@@ -448,7 +470,8 @@ def from_hf_config(config: Mapping[str, Any], *, name: str,
                    origin: str | None = None) -> ModelSpec:
     """Translate a HuggingFace ``config.json`` (as a dict) into a ``ModelSpec`` called ``name``.
 
-    Styles: Llama/Mistral/Mixtral/Qwen2, GPT-2, GPT-NeoX, BLOOM, OPT (see each ``_from_*``
+    Styles: Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE, GPT-2, GPT-NeoX, BLOOM, OPT (see
+    each ``_from_*``
     for what it maps and what it leaves out). Unknown keys are normal in an HF config and
     ignored; the keys read are checked (``_HF_RULES``: sizes are integers within ModelSpec's
     bounds, flags booleans, dropouts probabilities), and invalid sizes surface as ModelSpec's

@@ -288,6 +288,8 @@ def _megatron_model(model: ModelSpec, *, seq_len: int) -> list[str]:
         args.append("--disable-bias-linear")
         if model.qkv_bias:
             args.append("--add-qkv-bias")
+    if model.qk_norm:
+        args.append("--qk-layernorm")
     if not model.dropout:
         args += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
     if model.is_moe:
@@ -444,28 +446,31 @@ TORCHTITAN_FLAVOURS: dict[str, dict[str, dict[str, Any]]] = {
     # and no shared experts.
     "qwen3": {
         "debugmodel": {"vocab_size": 2048, "head_dim": 128, "dim": 256, "n_layers": 8,
-                       "n_heads": 16, "n_kv_heads": 8, "hidden_dim": 3072,
+                       "n_heads": 16, "n_kv_heads": 8, "qk_norm": True, "hidden_dim": 3072,
                        "enable_weight_tying": True},
         "0.6B": {"vocab_size": 151936, "head_dim": 128, "dim": 1024, "n_layers": 28,
-                 "n_heads": 16, "n_kv_heads": 8, "hidden_dim": 3072, "enable_weight_tying": True},
+                 "n_heads": 16, "n_kv_heads": 8, "qk_norm": True, "hidden_dim": 3072,
+                 "enable_weight_tying": True},
         "1.7B": {"vocab_size": 151936, "head_dim": 128, "dim": 2048, "n_layers": 28,
-                 "n_heads": 16, "n_kv_heads": 8, "hidden_dim": 6144, "enable_weight_tying": True},
+                 "n_heads": 16, "n_kv_heads": 8, "qk_norm": True, "hidden_dim": 6144,
+                 "enable_weight_tying": True},
         "4B": {"vocab_size": 151936, "head_dim": 128, "dim": 2560, "n_layers": 36,
-               "n_heads": 32, "n_kv_heads": 8, "hidden_dim": 9728, "enable_weight_tying": True},
+               "n_heads": 32, "n_kv_heads": 8, "qk_norm": True, "hidden_dim": 9728,
+               "enable_weight_tying": True},
         "8B": {"vocab_size": 151936, "head_dim": 128, "dim": 4096, "n_layers": 36,
-               "n_heads": 32, "n_kv_heads": 8, "hidden_dim": 12288},
+               "n_heads": 32, "n_kv_heads": 8, "qk_norm": True, "hidden_dim": 12288},
         "14B": {"vocab_size": 151936, "head_dim": 128, "dim": 5120, "n_layers": 40,
-                "n_heads": 40, "n_kv_heads": 8, "hidden_dim": 17408},
+                "n_heads": 40, "n_kv_heads": 8, "qk_norm": True, "hidden_dim": 17408},
         "32B": {"vocab_size": 151936, "head_dim": 128, "dim": 5120, "n_layers": 64,
-                "n_heads": 64, "n_kv_heads": 8, "hidden_dim": 25600},
+                "n_heads": 64, "n_kv_heads": 8, "qk_norm": True, "hidden_dim": 25600},
         "debugmodel_moe": {"vocab_size": 2048, "head_dim": 128, "dim": 256, "n_layers": 8,
-                           "n_heads": 16, "n_kv_heads": 8, "moe_inter_dim": 768,
-                           "num_experts": 64, "top_k": 8},
+                           "n_heads": 16, "n_kv_heads": 8, "qk_norm": True,
+                           "moe_inter_dim": 768, "num_experts": 64, "top_k": 8},
         "30B-A3B": {"vocab_size": 151936, "head_dim": 128, "dim": 2048, "n_layers": 48,
-                    "n_heads": 32, "n_kv_heads": 4, "moe_inter_dim": 768,
+                    "n_heads": 32, "n_kv_heads": 4, "qk_norm": True, "moe_inter_dim": 768,
                     "num_experts": 128, "top_k": 8},
         "235B-A22B": {"vocab_size": 151936, "head_dim": 128, "dim": 4096, "n_layers": 94,
-                      "n_heads": 64, "n_kv_heads": 4, "moe_inter_dim": 1536,
+                      "n_heads": 64, "n_kv_heads": 4, "qk_norm": True, "moe_inter_dim": 1536,
                       "num_experts": 128, "top_k": 8},
     },
     # Not here: llama4 and deepseek_v3 (every MoE layer has shared experts, and deepseek_v3 has
@@ -490,6 +495,7 @@ class TorchtitanArchitecture(NamedTuple):
     top_k: int = 0
     expert_ffn: int = 0
     tied: bool = False
+    qk_norm: bool = False
 
     def describe(self, fields: tuple[str, ...] | None = None) -> str:
         """``hidden 4096, 32 layers, ...``: the given fields, or those that are set."""
@@ -504,6 +510,7 @@ _ARCHITECTURE_LABELS = {
     "vocab": "vocab {}".format, "ffn": "ffn {}".format, "experts": "{} experts".format,
     "top_k": "top-{}".format, "expert_ffn": "expert ffn {}".format,
     "tied": lambda tied: "tied embeddings" if tied else "untied embeddings",
+    "qk_norm": lambda norm: "query/key norms" if norm else "no query/key norms",
 }
 
 
@@ -528,7 +535,8 @@ def torchtitan_flavour_architecture(name: str, args: dict[str, Any]) -> Torchtit
     return TorchtitanArchitecture(
         dim, args["n_layers"], heads, kv_heads, args["head_dim"], args["vocab_size"],
         0 if moe else args["hidden_dim"], args.get("num_experts", 0), args.get("top_k", 0),
-        args.get("moe_inter_dim", 0) if moe else 0, args.get("enable_weight_tying", False))
+        args.get("moe_inter_dim", 0) if moe else 0, args.get("enable_weight_tying", False),
+        args.get("qk_norm", False))
 
 
 def model_architecture(model: ModelSpec) -> TorchtitanArchitecture:
@@ -538,15 +546,16 @@ def model_architecture(model: ModelSpec) -> TorchtitanArchitecture:
         model.hidden_size, model.num_layers, model.num_heads, model.kv_heads, model.head_size,
         model.vocab_size, model.ffn_hidden_size if model.num_moe_layers < model.num_layers else 0,
         model.num_experts if moe else 0, model.moe_top_k if moe else 0,
-        model.expert_ffn_size if moe else 0, model.tied_embeddings)
+        model.expert_ffn_size if moe else 0, model.tied_embeddings, model.qk_norm)
 
 
 def torchtitan_flavour(model: ModelSpec) -> tuple[str, str]:
     """The torchtitan (model name, flavour) that builds ``model``; ValueError when none does.
 
     torchtitan's llama3 and qwen3 are SwiGLU, RMSNorm, RoPE decoders without biases; a flavour
-    matches when every ``TorchtitanArchitecture`` number is equal. RoPE and norm settings are
-    the flavour's (no effect on the plan's costs); qwen3's q/k norms are not in a ModelSpec.
+    matches when every ``TorchtitanArchitecture`` number is equal, qwen3's query and key norms
+    (``ModelSpec.qk_norm``) among them. RoPE and norm settings are the flavour's (no effect on
+    the plan's costs).
     """
     unlike = [what for what, differs in (
         (f"{model.activation} MLP", model.activation != "swiglu"),

@@ -73,6 +73,8 @@ def check_mappable(spec: ModelSpec, *, what: str) -> str:
         problems.append("not a SwiGLU / RMSNorm / RoPE decoder")
     if spec.linear_bias or spec.embedding_norm or spec.is_moe or spec.is_traced:
         problems.append("biases on every linear, an embedding norm, experts or a traced module")
+    if spec.qk_norm:
+        problems.append("query and key norms (qk_norm)")
     if spec.sliding_window is not None and model_type != "mistral":
         problems.append(f"a sliding window of {spec.sliding_window} tokens (only Mistral has one)")
     if problems:

@@ -67,6 +67,10 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
     if config.ep > 1 or model.is_moe:
         raise UnsupportedPlan(f"MoE models and expert parallelism are not implemented by the "
                               f"runtime yet (model {model.name}, ep {config.ep})")
+    if model.qk_norm:
+        raise UnsupportedPlan(f"query and key norms (qk_norm, as in Qwen3: model {model.name}) "
+                              f"are not implemented by the runtime yet; export the plan to "
+                              f"torchtitan or megatron (meshplan export)")
     if model.rope_scaling not in ("", "linear", "llama3"):
         raise UnsupportedPlan(f"RoPE scaling {model.rope_scaling!r} (the config's rope_scaling)"
                               " is not implemented by the runtime (linear and llama3 are)")

@@ -68,7 +68,7 @@ MODEL_CASES = {
                     "unknown ModelSpec key(s) ['wings']; accepted keys: name, num_layers, "
                     "hidden_size, num_heads, ffn_hidden_size, vocab_size, seq_len, num_kv_heads, "
                     "head_dim, padded_vocab_size, activation, norm, position_embedding, "
-                    "linear_bias, qkv_bias, tied_embeddings, embedding_norm, dropout, "
+                    "linear_bias, qkv_bias, qk_norm, tied_embeddings, embedding_norm, dropout, "
                     "num_experts, moe_top_k, moe_ffn_hidden_size, moe_layer_freq, "
                     "rope_theta, norm_eps, rope_scaling, rope_factor, rope_low_freq_factor, "
                     "rope_high_freq_factor, rope_original_max_len, sliding_window, hf_model_type, "
@@ -171,8 +171,8 @@ HF_CASES = {
                f"integer up to 4096 (MAX_LAYERS)"),
     "model-type-not-a-string": (edited(LLAMA_HF, model_type=["llama"]),
                                 "HF model_type ['llama'] is not supported; supported: llama, "
-                                "mistral, mixtral, qwen2, gpt2, gpt_neox, bloom, opt (or write "
-                                "a ModelSpec JSON)"),
+                                "mistral, mixtral, qwen2, qwen3, qwen3_moe, gpt2, gpt_neox, "
+                                "bloom, opt (or write a ModelSpec JSON)"),
 }
 
 

@@ -63,13 +63,14 @@ QWEN3_30B_A3B = ModelSpec(
     name="qwen3-30b-a3b", num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
     head_dim=128, ffn_hidden_size=6144, vocab_size=151936, seq_len=4096, activation="swiglu",
     norm="rmsnorm", position_embedding="rope", linear_bias=False, tied_embeddings=False,
-    num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768)
+    num_experts=128, moe_top_k=8, moe_ffn_hidden_size=768, qk_norm=True)
 """torchtitan 0.2.2's qwen3 flavour ``30B-A3B`` (torchtitan/models/qwen3/__init__.py): an MoE
 block in every layer, no shared experts (its ffn 6144 is the flavour's unused dense width)."""
 QWEN3_0_6B = ModelSpec(
     name="qwen3-0.6b", num_layers=28, hidden_size=1024, num_heads=16, num_kv_heads=8,
     head_dim=128, ffn_hidden_size=3072, vocab_size=151936, seq_len=4096, activation="swiglu",
-    norm="rmsnorm", position_embedding="rope", linear_bias=False, tied_embeddings=True)
+    norm="rmsnorm", position_embedding="rope", linear_bias=False, tied_embeddings=True,
+    qk_norm=True)
 """torchtitan 0.2.2's qwen3 ``0.6B``: head dim 128, not 1024 / 16, and tied embeddings."""
 
 
@@ -498,6 +499,11 @@ def test_torchtitan_flavour_of_qwen3_shapes():
     # untied, 0.6B's numbers are no flavour (qwen3's 0.6B ties them; llama3 never does)
     with pytest.raises(ValueError, match="no flavour with qwen3-0.6b's"):
         export.torchtitan_flavour(dataclasses.replace(QWEN3_0_6B, tied_embeddings=False))
+    # qwen3 builds its query and key norms; llama3 has none
+    with pytest.raises(ValueError, match=r"nearest: qwen3 0.6B \(query/key norms\)"):
+        export.torchtitan_flavour(dataclasses.replace(QWEN3_0_6B, qk_norm=False))
+    with pytest.raises(ValueError, match=r"nearest: llama3 8B \(no query/key norms\)"):
+        export.torchtitan_flavour(dataclasses.replace(load_model("llama3-8b"), qk_norm=True))
 
 
 @pytest.mark.parametrize("model, parts", [
@@ -731,7 +737,9 @@ MEGATRON_SWITCHES = (
     "use-distributed-optimizer", "use-megatron-fsdp", "optimizer-cpu-offload",
     "use-precision-aware-optimizer", "bf16", "fp16", "use-flash-attn", "overlap-grad-reduce",
     "overlap-param-gather", "tp-comm-overlap", "cross-entropy-loss-fusion",
-    "no-gradient-accumulation-fusion")
+    "no-gradient-accumulation-fusion",
+    # core_r0.16: arguments.py builds TransformerConfig's fields as flags (ArgumentGroupFactory)
+    "qk-layernorm")
 MEGATRON_CHOICES = {
     "normalization": ("LayerNorm", "RMSNorm"),
     "position-embedding-type": ("learned_absolute", "rope", "mrope", "relative", "none"),
@@ -796,7 +804,7 @@ def build_megatron_configs(args: list[str], *, world_size: int) -> dict[str, obj
         pipeline_model_parallel_layout=a.pipeline_model_parallel_layout,
         gated_linear_unit=a.swiglu, activation_func=F.silu if a.swiglu else F.gelu,
         normalization=a.normalization, add_bias_linear=not a.disable_bias_linear,
-        add_qkv_bias=a.add_qkv_bias,
+        add_qkv_bias=a.add_qkv_bias, qk_layernorm=a.qk_layernorm,
         attention_dropout=0.1 if a.attention_dropout is None else a.attention_dropout,
         hidden_dropout=0.1 if a.hidden_dropout is None else a.hidden_dropout,
         num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk or 2,
@@ -877,6 +885,18 @@ def test_megatron_core_accepts_moe_and_gpt3(megatron):
                                recompute="full", global_batch_size=64, seq_len=2048), "megatron")
     transformer = megatron(export.to_megatron(gpt), world_size=8)["transformer"]
     assert transformer.add_bias_linear and transformer.normalization == "LayerNorm"
+    assert not transformer.qk_layernorm
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_megatron_core_builds_qwen3_query_and_key_norms(megatron):
+    plan = for_target(make_plan(model=QWEN3_0_6B, tp=2, dp=4, sp=True, global_batch_size=64,
+                                seq_len=4096), "megatron")
+    args = export.to_megatron(plan)
+    assert "--qk-layernorm" in args and "--add-qkv-bias" not in args
+    transformer = megatron(args, world_size=8)["transformer"]
+    assert transformer.qk_layernorm and transformer.normalization == "RMSNorm"
+    assert transformer.kv_channels == 128
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -998,6 +1018,7 @@ def built_architecture(tt, name: str, flavour: str) -> dict[str, object]:
             "head_dim": attention.head_dim, "vocab": module.tok_embeddings.num_embeddings,
             "ffn": ffn, "experts": experts, "top_k": top_k, "expert_ffn": expert_ffn,
             "tied": module.output.weight is module.tok_embeddings.weight,
+            "qk_norm": getattr(attention, "q_norm", None) is not None,
             "shared_experts": shared}
 
 
@@ -1009,7 +1030,7 @@ def spec_architecture(model: ModelSpec) -> dict[str, object]:
             "ffn": 0 if model.is_moe else model.ffn_hidden_size,
             "experts": model.num_experts, "top_k": model.moe_top_k,
             "expert_ffn": model.expert_ffn_size if model.is_moe else 0,
-            "tied": model.tied_embeddings, "shared_experts": False}
+            "tied": model.tied_embeddings, "qk_norm": model.qk_norm, "shared_experts": False}
 
 
 def check_torchtitan_job(tt, job, plan: Plan) -> None:
