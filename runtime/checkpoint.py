@@ -155,6 +155,17 @@ def architecture(model: ModelSpec) -> dict[str, Any]:
                                   if k not in _MODEL_FIELDS_IGNORED}))
 
 
+def _model_defaults() -> dict[str, Any]:
+    """``architecture``'s keys that have a default, at it, as JSON: a checkpoint saved before
+    a field existed holds a model with that field at its default (``qk_norm``, say)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)
+                if f.default is not dataclasses.MISSING and f.name not in _MODEL_FIELDS_IGNORED}
+    defaults.update({f.name: f.default_factory() for f in dataclasses.fields(ModelSpec)
+                     if f.default_factory is not dataclasses.MISSING
+                     and f.name not in _MODEL_FIELDS_IGNORED})
+    return json.loads(json.dumps(defaults))
+
+
 def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step}")
 
@@ -190,9 +201,11 @@ def check_compatible(state: TrainState, *, data: dict[str, Any], model: dict[str
                      recipe: dict[str, Any], steps: int, where: str) -> None:
     """Raise ValueError unless a run of ``steps`` steps on ``data`` and ``model`` under
     ``recipe`` can continue from ``state`` (saved at ``where``): same data stream, same
-    architecture, same recipe (so the learning-rate schedule continues exactly; a checkpoint
-    without one is taken as saved under this one), K <= steps."""
-    checks = [("data stream", state.data, data), ("model", state.model, model)]
+    architecture (model fields the checkpoint predates taken at their defaults), same recipe
+    (so the learning-rate schedule continues exactly; a checkpoint without one is taken as
+    saved under this one), K <= steps."""
+    checks = [("data stream", state.data, data),
+              ("model", {**_model_defaults(), **state.model}, model)]
     if state.recipe is not None:
         checks.append(("training recipe", state.recipe, recipe))
     for what, saved, now in checks:

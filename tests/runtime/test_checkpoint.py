@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import subprocess
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -279,6 +280,24 @@ def test_resume_with_another_seed_is_refused(capsys, tmp_path, tp2_dp2_plan):
     assert cli.main(["run", str(tp2_dp2_plan), "--checkpoint-dir", str(tmp_path / "ckpt"),
                      "--resume", "--seed", "1"]) == 2
     assert "another data stream (seed 0 -> 1)" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_before_a_model_field_still_resumes():
+    """A checkpoint saved before ModelSpec had ``qk_norm`` holds a model without the key: that
+    is the field's default, the same weights; a field that differs is still refused."""
+    spec = DataSpec(global_batch_size=8, seq_len=64, vocab_size=TINY.vocab_size, seed=0)
+    older = {k: v for k, v in checkpoint.architecture(TINY).items() if k != "qk_norm"}
+    state = checkpoint.TrainState(step=1, losses=(1.0,), step_s=(0.1,), grad_norms=(1.0,),
+                                  lrs=(1e-3,), data=checkpoint.data_stream(spec), model=older,
+                                  plan={})
+    recipe = dataclasses.asdict(Recipe())
+    checkpoint.check_compatible(state, data=checkpoint.data_stream(spec),
+                                model=checkpoint.architecture(TINY), recipe=recipe, steps=2,
+                                where="step-1")
+    with pytest.raises(ValueError, match="another model \\(qk_norm False -> True\\)"):
+        checkpoint.check_compatible(
+            state, data=checkpoint.data_stream(spec), recipe=recipe, steps=2, where="step-1",
+            model=checkpoint.architecture(dataclasses.replace(TINY, qk_norm=True)))
 
 
 def test_resume_past_the_steps_is_refused(capsys, tmp_path, tp2_dp2_plan):
