@@ -1,10 +1,13 @@
 """Plan quality: the planner's best plan against each published configuration.
 
 For every published run in ``costmodel/data/reference_runs.json`` (model, GPU count, global
-batch, sequence length, framework), plan with the default search space and compare the best
-plan's predicted throughput with the published configuration's, both under the same cost model
-and calibration. Also reports the published configuration's rank among the planner's ranked
-candidates (``>K`` when more than K plans beat it). Writes
+batch, sequence length, framework), plan with the default search space under the run's own
+settings (``planner.space.SETTING_FIELDS``: torch.compile, float8, the attention kernel, the
+gradient reduce dtype, TP overlap, ...: what the trainer ran, not layout choices the planner
+searches) and compare the best plan's predicted throughput with the published
+configuration's, both under the same cost model and calibration. Also reports the published
+configuration's rank among the planner's ranked candidates (``>K`` when more than K plans beat
+it). Writes
 ``plan-quality-a100-h100-<date>.{md,json,png}`` under ``benchmarks/results/``.
 
     python benchmarks/plan_quality.py [--time-limit S] [--top K]
@@ -26,7 +29,7 @@ import pandas as pd  # noqa: E402
 from meshplan.costmodel import default_calibration  # noqa: E402
 from meshplan.costmodel.reference import predict, reference_runs  # noqa: E402
 from meshplan.planner.search import search  # noqa: E402
-from meshplan.planner.space import SearchSpace  # noqa: E402
+from meshplan.planner.space import SETTING_FIELDS, SearchSpace  # noqa: E402
 from common import print_table, save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -39,7 +42,8 @@ def quality_rows(time_limit_s: float, top_k: int) -> list[dict]:
         published = predict(run, calibration)
         space = SearchSpace(global_batch_size=run.config.global_batch_size,
                             seq_len=run.config.seq_len, dtype=run.config.dtype,
-                            flash_attention=run.config.flash_attention)
+                            flash_attention=run.config.flash_attention,
+                            **{name: getattr(run.config, name) for name in SETTING_FIELDS})
         result = search(run.model, run.cluster, space, framework=run.framework,
                         calibration=calibration, top_k=top_k, time_limit_s=time_limit_s)
         best = result.ranked[0].estimate
