@@ -269,6 +269,69 @@ def pipeline_send_in_flight_bytes(framework: str, *, boundary_bytes: float, stag
                                       vpp=vpp)
 
 
+def torch_interleaved_order(pp: int, vpp: int, micro_batches: int,
+                            rank: int) -> tuple[tuple[bool, int], ...]:
+    """The computations pipeline rank ``rank`` runs in one step of torch.distributed.pipelining's
+    ``ScheduleInterleaved1F1B`` (torchtitan's and meshplan's interleaved schedule), in order:
+    (backward?, local chunk). As torch's ``_calculate_single_rank_operations`` with
+    ``_get_1f1b_rank_ops`` (torch distributed/pipelining/schedules.py) orders them: micro-batches
+    go round in rounds of ``micro_batches / max(1, micro_batches // pp)``; the warmup runs
+    ``min((vpp - 1) x round + 2 (pp - 1 - rank), vpp x micro_batches)`` forwards, chunk
+    ``(step // round) % vpp``; then a forward and a backward per step, the backward's chunk
+    counting down from the last (``vpp - 1 - ((step - warmup) // round) % vpp``); then the
+    remaining backwards."""
+    rounds = max(1, micro_batches // pp)
+    per_round = micro_batches // rounds
+    total = vpp * micro_batches
+    warmup = min((vpp - 1) * per_round + 2 * (pp - 1 - rank), total)
+    steady = total - warmup
+    order: list[tuple[bool, int]] = []
+    for step in range(warmup + steady + warmup):
+        forward = (False, (step // per_round) % vpp)
+        backward = (True, vpp - 1 - ((step - warmup) // per_round) % vpp)
+        if step < warmup:
+            order.append(forward)
+        elif step < warmup + steady:
+            order += [forward, backward]
+        else:
+            order.append(backward)
+    return tuple(order)
+
+
+def interleaved_accumulator_peak(pp: int, vpp: int, micro_batches: int, rank: int, *,
+                                 chunk_microbatch_bytes: float,
+                                 chunk_accumulator_bytes: float) -> tuple[float, float]:
+    """(micro-batches of the whole stage whose activations are live, fraction of the stage's
+    gradient accumulators allocated) where an interleaved pipelined FSDP stage peaks.
+
+    Under ``torch.distributed.pipelining`` FSDP2 accumulates each chunk's unsharded gradients
+    in fp32 from that chunk's first backward to the end of the step
+    (``torchtitan_fsdp_buffer_bytes``, pipelined), while each chunk-micro-batch's activations
+    live from its forward to its backward. Walking ``torch_interleaved_order``, the peak is the
+    backward at which activations (``chunk_microbatch_bytes`` each) and accumulators
+    (``chunk_accumulator_bytes`` per chunk, counted from its first backward on) are largest
+    together. When every forward of the step comes before the first backward (micro-batches =
+    pp, the usual torchtitan set-up), the later chunks' accumulators arrive after the first
+    chunk's backwards have freed part of the activations: for 405B on pp 8 x vpp 2 with 8
+    micro-batches, 8 of the 16 chunk-micro-batches live beside both chunks' accumulators,
+    against all 16 beside them that the warmup count (``activations.in_flight_microbatches``)
+    and the whole stage's accumulators would add. With a steady phase the peak stays at the
+    warmup count plus one, now with every chunk's accumulators."""
+    live, accumulating = [0] * vpp, [False] * vpp
+    best, at = -1.0, (0.0, 0.0)
+    for backward, chunk in torch_interleaved_order(pp, vpp, micro_batches, rank):
+        if not backward:
+            live[chunk] += 1
+            continue
+        accumulating[chunk] = True
+        held = (sum(live) * chunk_microbatch_bytes
+                + sum(accumulating) * chunk_accumulator_bytes)
+        if held > best:
+            best, at = held, (sum(live) / vpp, sum(accumulating) / vpp)
+        live[chunk] -= 1
+    return at
+
+
 def pipelined_fsdp_reduce_scatter_bytes(*, largest_group_params: float, shard: int) -> float:
     """The reduce-scatter that ends a pipelined FSDP stage's backward (bytes on one rank).
 

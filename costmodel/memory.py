@@ -19,8 +19,8 @@ from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, DTENSOR_TP_FRAMEWORKS,
                                   StateBytes, deepspeed_host_bytes_per_node,
                                   deepspeed_zero3_extra_buffer_bytes, eager_autograd,
-                                  framework_buffer_bytes, kept_stage_output_copies, logit_copies,
-                                  model_state_bytes,
+                                  framework_buffer_bytes, interleaved_accumulator_peak,
+                                  kept_stage_output_copies, logit_copies, model_state_bytes,
                                   optimizer_workspace_bytes, pipeline_recv_buffer_bytes,
                                   pipeline_send_in_flight_bytes,
                                   pipelined_fsdp_reduce_scatter_bytes, torchtitan_cached_bytes,
@@ -656,6 +656,11 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     gradients); counting only the end-of-block buffers there under-predicted by 6-9 % once
     the activations outweigh the parameters (4 ranks, 8 x 64 tokens).
 
+    Under an interleaved pipeline each chunk's fp32 gradient accumulators exist from its first
+    backward on, and the peak is the backward where they and the live activations are largest
+    together (``frameworks.interleaved_accumulator_peak``, walking torch's order of the rank's
+    forwards and backwards), not the warmup count beside the whole stage's accumulators.
+
     The optimizer step (fused AdamW, in place) holds parameters, gradients and Adam states.
     Reserved adds blocks the CUDA caching allocator keeps but cannot reuse at that peak
     (``torchtitan_cached_bytes``), then the allocator's fragmentation and the communicator.
@@ -692,6 +697,21 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     # are in the buffers: torchtitan_fsdp_buffer_bytes, pipelined), as benchmarks/
     # torchtitan_cpu_pp_memory.py measured on torchtitan's own code path
     pipelined_fsdp = config.pp > 1 and config.zero_stage >= 2
+    if pipelined_fsdp and config.vpp > 1:
+        # interleaved: each chunk's fp32 accumulators start at its first backward, by when the
+        # earlier backwards may have freed activations; the peak backward's live activations
+        # and accumulators (frameworks.interleaved_accumulator_peak) replace the warmup count's
+        # and the whole stage's
+        head = last_stage_head_bytes(model, config, "torchtitan") if last else 0.0
+        per_microbatch = (activations - head) / act.in_flight_microbatches(config, stage)
+        accumulators = config.grad_reduce_bytes * (params.dense + params.expert)
+        units, held = interleaved_accumulator_peak(
+            config.pp, config.vpp, config.grad_accum_steps, stage,
+            chunk_microbatch_bytes=per_microbatch / config.vpp,
+            chunk_accumulator_bytes=accumulators / config.vpp)
+        activations = units * per_microbatch + head
+        unheld = (1 - held) * accumulators
+        buffers, in_block, at_loss = buffers - unheld, in_block - unheld, at_loss - unheld
     live_grads = states.grads if config.grad_accum_steps > 1 and not pipelined_fsdp else 0.0
     swiglu_grads = act.backward_workspace_bytes(model, config, weight_grad_bytes=compute_bytes,
                                                 accumulating=False)

@@ -16,8 +16,10 @@ from meshplan.costmodel import activations as act
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.estimate import estimate
 from meshplan.costmodel.hardware import load_cluster
-from meshplan.costmodel.frameworks import (pipeline_recv_buffer_bytes,
-                                           pipeline_send_in_flight_bytes)
+from meshplan.costmodel.frameworks import (interleaved_accumulator_peak,
+                                           pipeline_recv_buffer_bytes,
+                                           pipeline_send_in_flight_bytes,
+                                           torch_interleaved_order)
 from meshplan.costmodel.memory import last_stage_head_bytes, stage_activation_bytes
 from meshplan.costmodel.memory_runs import compare, memory_runs
 from meshplan.costmodel.models import load_model
@@ -43,7 +45,8 @@ KNOWN_UNDER = {"torchtitan-llama3.1-70b-fsdp32-tp8-h100": 0.09,
 8192 tokens per rank) measures 71.9 GiB reserved against 65.9 predicted (-8.3 %; its peak is
 the loss's, where the async-TP row's 67.6 GiB is within 2.5 %); its 405B tables (FSDP 8 x
 TP 8 x PP 8, AsyncTP, which is not modelled) measure 82.5 GiB under 1F1B (-8.4 %; the
-interleaved schedule's 72.7 GiB is over-predicted by 9.7 %) and 84.9 GiB with CP 8 at
+interleaved schedule's 72.7 GiB is predicted at +1.6 %, +9.7 % before each chunk's gradient
+accumulators were counted from its first backward on) and 84.9 GiB with CP 8 at
 262,144 tokens (-11.0 %). Trainy's H200 rows (June 2025: torch 2.8, per-op SAC, blocks and
 loss compiled, 2 x 8K tokens) measure 47.96 and 46.97 GiB against 45.4 and 43.4 (-5.4 %,
 -7.6 %) since a compiled block no longer counts the down projection's output (torchtitan
@@ -258,6 +261,48 @@ def test_pipeline_sends_held_until_waited_on_gloo(stage, stages, vpp, held):
     assert pipeline_send_in_flight_bytes("megatron", boundary_bytes=1000.0, stages=stages,
                                          micro_batches=8, stage=stage, vpp=vpp,
                                          gloo=True) == 0.0
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("vpp", [2, 3, 4])
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_interleaved_order_is_torchs(pp, vpp, rounds):
+    """Every rank's forwards and backwards, chunk by chunk, as the installed torch orders them
+    (``ScheduleInterleaved1F1B._calculate_single_rank_operations``, which reads only these
+    four attributes)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    micro_batches = rounds * pp
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages = pp, vpp
+    schedule._n_microbatches, schedule.microbatches_per_round = micro_batches, pp
+    for rank in range(pp):
+        actions = [a for a in schedule._calculate_single_rank_operations(rank) if a is not None]
+        theirs = tuple((a.computation_type != _ComputationType.FORWARD, a.stage_index // pp)
+                       for a in actions)
+        assert torch_interleaved_order(pp, vpp, micro_batches, rank) == theirs
+
+
+def test_interleaved_peak_weighs_activations_against_accumulators():
+    """pp 8 x vpp 2, 8 micro-batches. By hand, with 1 unit per chunk-micro-batch: a rank's
+    warmup is 8 + 2 (7 - rank) forwards (capped at 16), chunk 0's 8 micro-batches first; its
+    first backward (chunk 1's) comes with the warmup's forwards and one more live, w + 1 =
+    min(16, 9 + 2 (7 - rank)), beside chunk 1's accumulators; chunk 1's backwards all come
+    before chunk 0's, whose first finds chunk 0's 8 micro-batches live beside both."""
+    for rank in range(8):
+        first = min(16, 9 + 2 * (7 - rank))
+        # accumulators of 11.8 per chunk (405B's fp32 ones against 1 GiB chunk-micro-batches):
+        # 8 + 2 x 11.8 = 31.6 beats at most 16 + 11.8 = 27.8
+        assert interleaved_accumulator_peak(8, 2, 8, rank, chunk_microbatch_bytes=1.0,
+                                            chunk_accumulator_bytes=11.8) == (4.0, 1.0)
+        # small ones: at least 9 + 1 beats 8 + 2
+        assert interleaved_accumulator_peak(8, 2, 8, rank, chunk_microbatch_bytes=1.0,
+                                            chunk_accumulator_bytes=1.0) == (first / 2, 0.5)
+    # a steady phase (16 micro-batches): the warmup count plus one, with every accumulator
+    for rank in range(8):
+        chunks = min(2 * (8 - rank - 1) + 8 + 1, 32)
+        assert interleaved_accumulator_peak(8, 2, 16, rank, chunk_microbatch_bytes=1.0,
+                                            chunk_accumulator_bytes=11.8) == (chunks / 2, 1.0)
 
 
 def test_backward_workspace_of_the_tiny_layer():
