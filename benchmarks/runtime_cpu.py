@@ -11,6 +11,7 @@ predicted step. Writes ``runtime-cpu-tiny-<date>.{md,json,png}`` under ``benchma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import subprocess
@@ -47,12 +48,23 @@ PLANS = {  # name: (ranks, ParallelConfig fields beyond the common ones)
     "pp2 dp2 tp2 zero3": (8, dict(pp=2, dp=2, tp=2, zero_stage=3)),
     "pp2 dp2 zero3 interleaved": (4, dict(pp=2, dp=2, zero_stage=3, vpp=2,
                                           global_batch_size=16)),
+    # 16 blocks (``LAYERS``): every rank's forwards before its first backward, then a steady
+    # phase
+    "pp4 zero3 16l": (4, dict(pp=4, zero_stage=3, layers=16)),
+    "pp4 zero3 interleaved 16l": (4, dict(pp=4, zero_stage=3, vpp=2, layers=16)),
+    "pp4 zero3 interleaved m8 16l": (4, dict(pp=4, zero_stage=3, vpp=2, layers=16,
+                                             global_batch_size=16)),
 }
+"""Plans by name; ``layers`` (not a ParallelConfig field) gives the tiny model more blocks."""
 COMMON = dict(global_batch_size=8, micro_batch_size=2, seq_len=64, dtype="fp32")
 
 
 def make_plan(ranks: int, fields: dict, calibration_path: str | None) -> Plan:
+    fields = dict(fields)
     model = load_model("tiny")
+    if "layers" in fields:
+        layers = fields.pop("layers")
+        model = dataclasses.replace(model, num_layers=layers, name=f"tiny-{layers}l")
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=ranks)
     config = ParallelConfig(**{**COMMON, **fields})
     est = estimate(model, cluster, config, framework="meshplan",

@@ -302,7 +302,8 @@ def interleaved_accumulator_peak(pp: int, vpp: int, micro_batches: int, rank: in
                                  chunk_microbatch_bytes: float,
                                  chunk_accumulator_bytes: float) -> tuple[float, float]:
     """(micro-batches of the whole stage whose activations are live, fraction of the stage's
-    gradient accumulators allocated) where an interleaved pipelined FSDP stage peaks.
+    gradient accumulators allocated) where an interleaved pipelined FSDP stage peaks
+    (torchtitan's and meshplan's runtime's: both run torch's schedule over FSDP2).
 
     Under ``torch.distributed.pipelining`` FSDP2 accumulates each chunk's unsharded gradients
     in fp32 from that chunk's first backward to the end of the step

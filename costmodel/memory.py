@@ -516,16 +516,24 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
         + params.expert / (max(1, config.dp * config.cp // config.ep)
                            if config.zero_stage >= 1 else 1))
     step_workspace = optimizer_workspace_bytes(framework, optimizer_params=optimizer_params)
-    in_block = activations + buffers - persistent  # a block's backward: the loss is freed
+    # interleaved pipelined FSDP: the peak backward's activations and accumulators
+    pipelined_fsdp = framework == "meshplan" and config.pp > 1 and config.zero_stage >= 2
+    unheld = 0.0
+    if pipelined_fsdp and config.vpp > 1 and not model.is_traced:
+        activations, unheld = _interleaved_peak(
+            model, config, stage, framework, activations=activations,
+            accumulators=act.FP32_BYTES * (params.dense + params.expert))
+    # a block's backward: the loss is freed
+    in_block = activations + buffers - persistent - unheld
     # meshplan's runtime holds the loss only on the last stage, before any block there
     # recomputes: its loss and head phases leave the recomputation workspace out
     loss_stage = framework == "meshplan" and not model.is_traced and stage == config.pp - 1
-    before_blocks = activations + buffers - persistent - (workspace if loss_stage else 0.0)
+    before_blocks = (activations + buffers - persistent - unheld
+                     - (workspace if loss_stage else 0.0))
     phases = [before_blocks]
     # under a pipeline FSDP creates the sharded gradients only in the reduce-scatter after the
     # last micro-batch's backward, and the step sets them to None, so they are not allocated
     # through forward and backward (measured: ``pipelined_fsdp_reduce_scatter_bytes``)
-    pipelined_fsdp = framework == "meshplan" and config.pp > 1 and config.zero_stage >= 2
     if framework == "meshplan" and not model.is_traced:
         in_block += _block_backward_bytes(model, config, stage)
         phases.append(before_blocks + _head_backward_bytes(model, config, stage, params))
@@ -627,6 +635,22 @@ def _weight_grad_bytes(config: ParallelConfig) -> int:
     return 4 if config.dtype == "fp32" or config.zero_stage <= 1 else 2
 
 
+def _interleaved_peak(model: ModelSpec, config: ParallelConfig, stage: int, framework: str, *,
+                      activations: float, accumulators: float) -> tuple[float, float]:
+    """(activations, accumulator bytes not yet allocated) at the peak backward of an
+    interleaved pipelined FSDP stage (``frameworks.interleaved_accumulator_peak``): each
+    chunk's ``accumulators / vpp`` fp32 gradient accumulators start at its first backward, by
+    when the earlier backwards may have freed activations. ``activations``: the stage's at the
+    warmup count (``stage_activation_bytes``), whose in-flight part is rescaled."""
+    head = last_stage_head_bytes(model, config, framework) if stage == config.pp - 1 else 0.0
+    per_microbatch = (activations - head) / act.in_flight_microbatches(config, stage)
+    units, held = interleaved_accumulator_peak(
+        config.pp, config.vpp, config.grad_accum_steps, stage,
+        chunk_microbatch_bytes=per_microbatch / config.vpp,
+        chunk_accumulator_bytes=accumulators / config.vpp)
+    return units * per_microbatch + head, (1 - held) * accumulators
+
+
 def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: int, *,
                              calibration: Calibration, states: StateBytes, params: StageParams,
                              activations: float, device_key: str) -> StageMemory:
@@ -698,19 +722,9 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     # torchtitan_cpu_pp_memory.py measured on torchtitan's own code path
     pipelined_fsdp = config.pp > 1 and config.zero_stage >= 2
     if pipelined_fsdp and config.vpp > 1:
-        # interleaved: each chunk's fp32 accumulators start at its first backward, by when the
-        # earlier backwards may have freed activations; the peak backward's live activations
-        # and accumulators (frameworks.interleaved_accumulator_peak) replace the warmup count's
-        # and the whole stage's
-        head = last_stage_head_bytes(model, config, "torchtitan") if last else 0.0
-        per_microbatch = (activations - head) / act.in_flight_microbatches(config, stage)
-        accumulators = config.grad_reduce_bytes * (params.dense + params.expert)
-        units, held = interleaved_accumulator_peak(
-            config.pp, config.vpp, config.grad_accum_steps, stage,
-            chunk_microbatch_bytes=per_microbatch / config.vpp,
-            chunk_accumulator_bytes=accumulators / config.vpp)
-        activations = units * per_microbatch + head
-        unheld = (1 - held) * accumulators
+        activations, unheld = _interleaved_peak(
+            model, config, stage, "torchtitan", activations=activations,
+            accumulators=config.grad_reduce_bytes * (params.dense + params.expert))
         buffers, in_block, at_loss = buffers - unheld, in_block - unheld, at_loss - unheld
     live_grads = states.grads if config.grad_accum_steps > 1 and not pipelined_fsdp else 0.0
     swiglu_grads = act.backward_workspace_bytes(model, config, weight_grad_bytes=compute_bytes,
