@@ -5,7 +5,9 @@ sequence length, under one of the four frameworks) this script
 
 1. enumerates every global configuration of the scenario's space with ``space.candidates``
    (degrees, sp, ZeRO, offload, micro-batch, vpp, rank layout; the whole space, not the core
-   one) and calls ``costmodel.estimate`` on each under every uniform recompute mode of
+   one), as ``search`` limits it for the scenario's framework (``framework_space`` and the
+   layout rule, ``layout.framework_layout_error``, which also drops splits and per-stage
+   mixes the framework does not run), and calls ``costmodel.estimate`` on each under every uniform recompute mode of
    ``space.recompute_modes`` with the cost model's default layer split;
 2. for pipelined candidates (pp > 1) where the scenario's budget of estimate calls allows, also
    tries a few other splits (one layer moved from the first and/or last stage to the middle
@@ -69,7 +71,9 @@ import pandas as pd
 
 from meshplan.costmodel import (ClusterSpec, ModelSpec, ParallelConfig, default_calibration,
                                 estimate, load_cluster, load_model)
-from meshplan.planner.search import NoPlanFits, SearchTimeout, search
+from meshplan.costmodel.frameworks import per_stage_recompute
+from meshplan.costmodel.layout import framework_layout_error
+from meshplan.planner.search import NoPlanFits, SearchTimeout, framework_space, search
 from meshplan.planner.space import SearchSpace, candidates, pins_of
 from common import print_table
 
@@ -214,9 +218,12 @@ def mode_mixes(p: int, modes: tuple[str, ...]) -> list[tuple[str, ...]]:
             for i, heavy in enumerate(ordered) for light in ordered[i + 1:] for k in ks]
 
 
-def alternatives(model: ModelSpec, config: ParallelConfig,
-                 modes: tuple[str, ...]) -> list[ParallelConfig]:
-    mixes = mode_mixes(config.pp, modes)
+def alternatives(model: ModelSpec, config: ParallelConfig, modes: tuple[str, ...],
+                 framework: str) -> list[ParallelConfig]:
+    """Other splits and per-stage mixes of ``config``: mixes only where the framework takes a
+    mode per stage (``frameworks.per_stage_recompute``); splits the framework does not build
+    are left to ``brute_force``'s layout check."""
+    mixes = mode_mixes(config.pp, modes) if per_stage_recompute(framework) else []
     out = [config.replace(recompute=mix) for mix in mixes]
     for split in alternative_splits(model, config):
         for recompute in (*modes, *mixes):
@@ -248,6 +255,9 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, f
     phase = {"alt": False}
 
     def evaluate(config: ParallelConfig) -> tuple[float, float] | None:
+        if framework_layout_error(framework, config, model) is not None:
+            out.rejected += 1  # a layout (or split) the framework does not run
+            return None
         try:
             est = estimate(model, cluster, config, framework=framework,
                            calibration=calibration)
@@ -262,7 +272,8 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, f
             out.best_in_alternatives = phase["alt"]
         return step, peak
 
-    configs = candidates(model, cluster, space)
+    space = framework_space(space, framework)  # what search itself searches
+    configs = candidates(model, cluster, space, framework=framework)
     out.candidates = len(configs)
     out.configs = set(configs)
     rows = []
@@ -279,7 +290,7 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, f
     phase["alt"] = True
     spent = 0
     for _, _, config in eligible:
-        variants = alternatives(model, config, space.recompute_modes)
+        variants = alternatives(model, config, space.recompute_modes, framework)
         if spent + len(variants) > alt_budget:
             break
         for variant in variants:
@@ -433,7 +444,8 @@ def main() -> int:
     if args.list:
         for i, sc in chosen:
             model, cluster, space = sc.build()
-            configs = candidates(model, cluster, space)
+            space = framework_space(space, sc.framework)
+            configs = candidates(model, cluster, space, framework=sc.framework)
             uniform = len(configs) * len(space.recompute_modes)
             print(f"{i:2d} {sc.model:13s} {cluster.num_gpus:4d} GPUs {sc.framework:10s} "
                   f"B{sc.batch} s{sc.seq}  candidates {len(configs):7d}  uniform estimates "
