@@ -204,7 +204,10 @@ def framework_layout_error(framework: str, config: ParallelConfig,
       memory; its context parallelism needs a sequence of whole 2 x cp chunks
       (``validate_args``, core_v0.16.1).
     * torchtitan: needs seq_len a multiple of 2 x tp x cp (``ParallelDims.seq_len_divisor``,
-      asserted by every model's ``parallelize``, 0.2.2); shards data parallelism with FSDP2 (ZeRO-3, or ZeRO-2 without resharding
+      asserted by every model's ``parallelize``, 0.2.2); trains in 16 bits only through FSDP2
+      (dp x cp > 1) or, on one device or under DDP, AMP: with tp or pp and dp x cp = 1
+      ``maybe_enable_amp`` turns mixed precision off (so a 16-bit plan there is refused);
+      shards data parallelism with FSDP2 (ZeRO-3, or ZeRO-2 without resharding
       after forward) and runs DDP (ZeRO-0) only as its one parallelism; no ZeRO-1. Offloads
       only through FSDP2's CPU offload (dp x cp > 1), which moves the parameters and
       gradients with the optimizer states, to host memory.
@@ -267,6 +270,12 @@ def framework_layout_error(framework: str, config: ParallelConfig,
             return (f"torchtitan needs seq_len to be a multiple of 2 x tp x cp = {divisor} "
                     f"(its models' parallelize asserts it: sequence-parallel shards and "
                     f"load-balanced causal chunks); seq_len {config.seq_len}")
+        if config.dtype != "fp32" and config.dp * config.cp == 1 and \
+                (config.tp > 1 or config.pp > 1):
+            return (f"torchtitan trains in {config.dtype} only through FSDP (dp x cp > 1) or, "
+                    f"without tp and pp, AMP; with tp {config.tp}, pp {config.pp} and dp x cp "
+                    f"= 1 it turns mixed precision off and trains in fp32 (maybe_enable_amp); "
+                    f"use dp or cp > 1, or dtype fp32")
         ddp = zero == 0 and config.tp == config.pp == config.cp == 1
         if config.dp * config.cp > 1 and zero < 2 and not ddp:
             return (f"torchtitan shards data parallelism with FSDP2 (ZeRO-2 or 3) and "

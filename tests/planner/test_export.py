@@ -477,8 +477,8 @@ def test_torchtitan_flavour_of_catalog_llama3(model):
     assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.kv_heads, spec.head_size,
             spec.vocab_size, spec.ffn_hidden_size, spec.tied_embeddings) == \
         (dim, layers, heads, 8, dim // heads, 128256, ffn, False)  # the numbers do match
-    plan = for_target(make_plan(model=model, nodes=4, tp=8, pp=4, global_batch_size=64),
-                      "torchtitan")
+    plan = for_target(make_plan(model=model, nodes=8, tp=8, pp=4, dp=2, zero_stage=3,
+                                global_batch_size=64), "torchtitan")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExportWarning)
         data = tomllib.loads(export.to_torchtitan(plan))
@@ -1095,8 +1095,8 @@ def test_torchtitan_config_manager_rejects_unknown_keys(torchtitan, tmp_path):
 
 @pytest.mark.parametrize("model", LLAMA3_FLAVOURS)
 def test_torchtitan_builds_the_catalog_llama3_it_is_given(torchtitan, tmp_path, model):
-    plan = for_target(make_plan(model=model, nodes=4, tp=8, pp=4, global_batch_size=64),
-                      "torchtitan")
+    plan = for_target(make_plan(model=model, nodes=8, tp=8, pp=4, dp=2, zero_stage=3,
+                                global_batch_size=64), "torchtitan")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ExportWarning)
         job = load_torchtitan(torchtitan, plan, tmp_path)

@@ -45,6 +45,7 @@ def _plan(model, cluster, config, framework) -> Plan:
     (dict(cp=2, dp=2, zero_stage=1), "meshplan", "is not in meshplan's runtime"),
     (dict(cp=2, dp=2, zero_stage=3, seq_len=4100), "torchtitan",
      "multiple of 2 x tp x cp = 8"),
+    (dict(pp=2, zero_stage=3), "torchtitan", "turns mixed precision off and trains in fp32"),
 ])
 def test_the_exports_and_the_runtime_refuse_with_the_rule(config, framework, words):
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-a100-80gb", nodes=1)

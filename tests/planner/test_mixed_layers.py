@@ -115,15 +115,17 @@ def brute_force(model, c, space, framework) -> float | None:
 
 @pytest.mark.parametrize("framework,gpus,hbm_gib", [
     ("megatron", 4, None), ("megatron", 4, 0.8), ("meshplan", 4, 0.9),
-    ("torchtitan", 2, 0.95), ("deepspeed", 4, 1.78)])
+    ("torchtitan", 2, 1.2), ("deepspeed", 4, 1.78)])
 def test_plan_is_the_brute_force_optimum(framework, gpus, hbm_gib):
     """Pipelines of 2 and 3 stages (a split to choose), with GPU memory between what the least
     memory plan and the fastest plan need (so memory binds, and modes and splits trade time
-    for memory), or the catalog's."""
+    for memory), or the catalog's. torchtitan's pp 2 on 2 GPUs is a single replica, which it
+    trains in fp32 (the layout rule refuses 16 bits there)."""
     c = cluster(gpus, None if hbm_gib is None else hbm_gib * 2**30)
     space = SearchSpace(global_batch_size=8, seq_len=1024, pp=(2, 3) if gpus > 2 else (2,),
                         cp=(1,), micro_batch_size=(1,), zero_stage=(1,), offload=("none",),
-                        vpp=(1, 2), recompute_modes=("none", "full"))
+                        vpp=(1, 2), recompute_modes=("none", "full"),
+                        dtype="fp32" if framework == "torchtitan" else "bf16")
     want = brute_force(MODEL, c, space, framework)
     if hbm_gib is not None:  # memory binds: the fastest plan ignoring it does not fit
         assert want > brute_force(MODEL, cluster(gpus), space, framework)

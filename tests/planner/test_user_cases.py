@@ -232,9 +232,11 @@ def test_pipelines_get_at_least_pp_micro_batches_where_the_schedules_need_them(f
     """torch.distributed.pipelining's 1F1B schedules (meshplan's runtime, torchtitan) refuse
     fewer than pp micro-batches per step; Megatron-LM's run any count. Global batch 4 on
     8 GPUs with pp 4 pinned: dp 1 and micro-batch 1 give 4 micro-batches (allowed everywhere),
-    micro-batch 2 gives 2 (only Megatron)."""
+    micro-batch 2 gives 2 (only Megatron). A single replica with tp and pp is one torchtitan
+    trains in fp32 (the layout rule refuses 16 bits there), so its plans are fp32."""
     model, cluster = load_model("llama3-8b"), load_cluster("dgx-h100", nodes=1)
-    space = SearchSpace(global_batch_size=4, seq_len=2048, pp=(4,), tp=(2,))
+    dtype = "fp32" if framework == "torchtitan" else "bf16"
+    space = SearchSpace(global_batch_size=4, seq_len=2048, pp=(4,), tp=(2,), dtype=dtype)
     result = search(model, cluster, space, framework=framework, calibration=CAL, top_k=10,
                     deterministic=True)
     counts = {s.estimate.config.grad_accum_steps for s in result.explored}
@@ -250,7 +252,7 @@ def test_pipelines_get_at_least_pp_micro_batches_where_the_schedules_need_them(f
             search(model, cluster, fewer, framework=framework, calibration=CAL,
                    deterministic=True)
     pinned = ParallelConfig(tp=2, pp=4, dp=1, micro_batch_size=2, global_batch_size=4,
-                            seq_len=2048)
+                            seq_len=2048, dtype=dtype)
     est = estimate(model, cluster, pinned, framework=framework, calibration=CAL)
     assert est.fits == (framework == "megatron")
     if framework != "megatron":
