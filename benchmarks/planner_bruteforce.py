@@ -7,8 +7,9 @@ sequence length, under one of the four frameworks) this script
    (degrees, sp, ZeRO, offload, micro-batch, vpp, rank layout; the whole space, not the core
    one), as ``search`` limits it for the scenario's framework (``framework_space`` and the
    layout rule, ``layout.framework_layout_error``, which also drops splits and per-stage
-   mixes the framework does not run), and calls ``costmodel.estimate`` on each under every uniform recompute mode of
-   ``space.recompute_modes`` with the cost model's default layer split;
+   mixes the framework does not run), and calls ``costmodel.estimate`` on each under every
+   uniform recompute mode of ``space.recompute_modes`` with the cost model's default layer
+   split;
 2. for pipelined candidates (pp > 1) where the scenario's budget of estimate calls allows, also
    tries a few other splits (one layer moved from the first and/or last stage to the middle
    stages or the other way, two layers off the last stage; +-1 and +-2 layers between the two

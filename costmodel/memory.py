@@ -170,8 +170,7 @@ def persistent_layer_params(model: ModelSpec) -> int:
     the projections' biases (QKV, attention output, MLP)."""
     h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
     norm_tensors = [h] * (4 if model.norm == "layernorm" else 2)
-    if model.qk_norm:
-        norm_tensors += [model.head_size] * (4 if model.norm == "layernorm" else 2)
+    norm_tensors += [model.head_size] * (model.qk_norm_params // model.head_size)
     biases = []
     if model.linear_bias:
         up = 2 if model.activation == "swiglu" else 1

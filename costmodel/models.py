@@ -471,10 +471,10 @@ def from_hf_config(config: Mapping[str, Any], *, name: str,
     """Translate a HuggingFace ``config.json`` (as a dict) into a ``ModelSpec`` called ``name``.
 
     Styles: Llama/Mistral/Mixtral/Qwen2/Qwen3/Qwen3-MoE, GPT-2, GPT-NeoX, BLOOM, OPT (see
-    each ``_from_*`` for what it maps and what it leaves out). Unknown keys are normal in an HF config and
-    ignored; the keys read are checked (``_HF_RULES``: sizes are integers within ModelSpec's
-    bounds, flags booleans, dropouts probabilities), and invalid sizes surface as ModelSpec's
-    ValueError. ``origin`` (default ``HF config of 'name'``) starts every message.
+    each ``_from_*`` for what it maps and what it leaves out). Unknown keys are normal in an HF
+    config and ignored; the keys read are checked (``_HF_RULES``: sizes are integers within
+    ModelSpec's bounds, flags booleans, dropouts probabilities), and invalid sizes surface as
+    ModelSpec's ValueError. ``origin`` (default ``HF config of 'name'``) starts every message.
     """
     origin = origin or f"HF config of {name!r}"
     if not isinstance(config, Mapping):

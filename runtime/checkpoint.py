@@ -158,11 +158,14 @@ def architecture(model: ModelSpec) -> dict[str, Any]:
 def _model_defaults() -> dict[str, Any]:
     """``architecture``'s keys that have a default, at it, as JSON: a checkpoint saved before
     a field existed holds a model with that field at its default (``qk_norm``, say)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)
-                if f.default is not dataclasses.MISSING and f.name not in _MODEL_FIELDS_IGNORED}
-    defaults.update({f.name: f.default_factory() for f in dataclasses.fields(ModelSpec)
-                     if f.default_factory is not dataclasses.MISSING
-                     and f.name not in _MODEL_FIELDS_IGNORED})
+    defaults = {}
+    for f in dataclasses.fields(ModelSpec):
+        if f.name in _MODEL_FIELDS_IGNORED:
+            continue
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
     return json.loads(json.dumps(defaults))
 
 
