@@ -298,38 +298,78 @@ def torch_interleaved_order(pp: int, vpp: int, micro_batches: int,
     return tuple(order)
 
 
+@dataclass(frozen=True)
+class InterleavedPeak:
+    """What an interleaved pipelined FSDP stage holds at its peak backward
+    (``interleaved_accumulator_peak``), each as a fraction of the whole stage's bytes of its
+    kind, apart from ``sends``.
+
+    ``live``: micro-batches of the whole stage whose activations are live (chunk-micro-batches
+    / vpp); ``accumulating``: chunks whose fp32 gradient accumulators are allocated (from their
+    first backward to their last); ``finished``: chunks past their last backward, resharded
+    (their gathered parameters freed) with their gradients reduce-scattered into sharded
+    gradients; ``sends``: boundary tensors of sends held (gloo)."""
+    live: float
+    accumulating: float
+    finished: float
+    sends: int
+
+
 def interleaved_accumulator_peak(pp: int, vpp: int, micro_batches: int, rank: int, *,
-                                 chunk_microbatch_bytes: float,
-                                 chunk_accumulator_bytes: float) -> tuple[float, float]:
-    """(micro-batches of the whole stage whose activations are live, fraction of the stage's
-    gradient accumulators allocated) where an interleaved pipelined FSDP stage peaks
-    (torchtitan's and meshplan's runtime's: both run torch's schedule over FSDP2).
+                                 chunk_microbatch_bytes: float, chunk_accumulator_bytes: float,
+                                 chunk_gathered_bytes: float = 0.0,
+                                 chunk_sharded_grad_bytes: float = 0.0,
+                                 send_bytes: float = 0.0) -> InterleavedPeak:
+    """Where an interleaved pipelined FSDP stage peaks (torchtitan's and meshplan's runtime's:
+    both run torch's schedule over FSDP2), walking ``torch_interleaved_order``: the backward
+    at which what the rank holds is largest.
 
     Under ``torch.distributed.pipelining`` FSDP2 accumulates each chunk's unsharded gradients
-    in fp32 from that chunk's first backward to the end of the step
-    (``torchtitan_fsdp_buffer_bytes``, pipelined), while each chunk-micro-batch's activations
-    live from its forward to its backward. Walking ``torch_interleaved_order``, the peak is the
-    backward at which activations (``chunk_microbatch_bytes`` each) and accumulators
-    (``chunk_accumulator_bytes`` per chunk, counted from its first backward on) are largest
-    together. When every forward of the step comes before the first backward (micro-batches =
-    pp, the usual torchtitan set-up), the later chunks' accumulators arrive after the first
-    chunk's backwards have freed part of the activations: for 405B on pp 8 x vpp 2 with 8
-    micro-batches, 8 of the 16 chunk-micro-batches live beside both chunks' accumulators,
-    against all 16 beside them that the warmup count (``activations.in_flight_microbatches``)
-    and the whole stage's accumulators would add. With a steady phase the peak stays at the
-    warmup count plus one, now with every chunk's accumulators."""
-    live, accumulating = [0] * vpp, [False] * vpp
-    best, at = -1.0, (0.0, 0.0)
+    in fp32 from that chunk's first backward (``chunk_accumulator_bytes``;
+    ``torchtitan_fsdp_buffer_bytes``, pipelined), while each chunk-micro-batch's activations
+    (``chunk_microbatch_bytes``) live from its forward to its backward. Right after a chunk's
+    last backward torch's schedule reduces its gradients and reshards it (the ``REDUCE_GRAD``
+    action ``_add_reduce_grad`` places there, and the ``RESHARD`` of ``_add_unshard_reshard``,
+    torch distributed/pipelining/schedules.py): its gathered parameters
+    (``chunk_gathered_bytes``) and accumulators are freed, its sharded gradients
+    (``chunk_sharded_grad_bytes``) stay to the step's end. When every forward of the step
+    comes before the first backward (micro-batches = pp, the usual torchtitan set-up), the
+    later chunks' accumulators arrive after the first chunk's backwards have freed part of
+    the activations; with a steady phase the peak stays at the warmup count plus one, with
+    every chunk's accumulators.
+
+    ``send_bytes`` (one boundary tensor; non-zero on gloo, whose send works keep their tensors
+    until the step ends, ``pipeline_send_in_flight_bytes``) counts the sends issued before
+    each backward: each forward of a chunk but the pipeline's last virtual stage sends its
+    output, each backward of a chunk but the first its input gradient. Late in the step,
+    where most sends are held, few activations are left. Measured on torchtitan's code path
+    on this CPU (pp 4 x vpp 2, 4 micro-batches, full AC, ``benchmarks/
+    torchtitan_cpu_pp_memory.py`` with the live tensors listed at the peak): rank 1 peaks in
+    its last backward, with all 8 forward sends and 7 gradient sends held, one micro-batch's
+    activations, chunk 1 gathered with its accumulators and chunk 5 reduced to its
+    gradients."""
+    last = pp * vpp - 1
+    live, started, done = [0] * vpp, [False] * vpp, [0] * vpp
+    sends = 0
+    best, at = -1.0, InterleavedPeak(0.0, 0.0, 0.0, 0)
     for backward, chunk in torch_interleaved_order(pp, vpp, micro_batches, rank):
+        virtual = rank + chunk * pp
         if not backward:
             live[chunk] += 1
+            sends += virtual < last
             continue
-        accumulating[chunk] = True
-        held = (sum(live) * chunk_microbatch_bytes
-                + sum(accumulating) * chunk_accumulator_bytes)
+        started[chunk] = True
+        finished = sum(d == micro_batches for d in done)
+        accumulating = sum(started) - finished
+        held = (sum(live) * chunk_microbatch_bytes + accumulating * chunk_accumulator_bytes
+                + (vpp - finished) * chunk_gathered_bytes
+                + finished * chunk_sharded_grad_bytes + sends * send_bytes)
         if held > best:
-            best, at = held, (sum(live) / vpp, sum(accumulating) / vpp)
+            best, at = held, InterleavedPeak(sum(live) / vpp, accumulating / vpp,
+                                             finished / vpp, sends)
         live[chunk] -= 1
+        done[chunk] += 1
+        sends += virtual > 0
     return at
 
 

@@ -180,17 +180,23 @@ def persistent_layer_params(model: ModelSpec) -> int:
     return sum(n for n in norm_tensors + biases if n < DS_PERSISTENCE_THRESHOLD)
 
 
+def stage_boundary_bytes(model: ModelSpec, config: ParallelConfig, framework: str) -> float:
+    """One micro-batch's hidden states at a pipeline stage boundary on one rank,
+    sequence-split under SP (fp32 under the runtime's autocast, whose residual stream is
+    fp32: ``runtime_autocast``)."""
+    element = act.FP32_BYTES if runtime_autocast(framework, config) else \
+        config.bytes_per_activation
+    return (element * act.tokens_per_microbatch(config)
+            * model.hidden_size / (config.tp if config.sp else 1))
+
+
 def stage_recv_buffer_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
                             framework: str, *, device_key: str = "") -> float:
     """Pipeline communication buffers of ``stage``: the receive buffers
     (``frameworks.pipeline_recv_buffer_bytes``) and the send in flight
-    (``frameworks.pipeline_send_in_flight_bytes``); the boundary tensor is one micro-batch's
-    hidden states, sequence-split under SP (fp32 under the runtime's autocast, whose residual
-    stream is fp32: ``runtime_autocast``)."""
-    element = act.FP32_BYTES if runtime_autocast(framework, config) else \
-        config.bytes_per_activation
-    boundary = (element * act.tokens_per_microbatch(config)
-                * model.hidden_size / (config.tp if config.sp else 1))
+    (``frameworks.pipeline_send_in_flight_bytes``) of boundary tensors
+    (``stage_boundary_bytes``)."""
+    boundary = stage_boundary_bytes(model, config, framework)
     return (pipeline_recv_buffer_bytes(framework, boundary_bytes=boundary,
                                        micro_batches=config.grad_accum_steps, stage=stage,
                                        stages=config.pp, vpp=config.vpp)
@@ -242,12 +248,31 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
         per_mb = sum(layer(layer_mode, model.is_moe_layer(i))
                      for i, layer_mode in zip(layer_range, modes))
     in_flight = act.in_flight_microbatches(config, stage)
-    total = in_flight * per_mb
+    total = in_flight * (per_mb - received_input_bytes(model, config, stage, framework))
     if stage == 0:
         total += in_flight * act.embedding_activation_bytes(model, config)
     if stage == config.pp - 1:
         total += last_stage_head_bytes(model, config, framework)
     return total
+
+
+def received_input_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
+                         framework: str) -> float:
+    """Bytes of one whole-stage micro-batch's activations that are the pipeline's receive
+    buffers (``frameworks.pipeline_recv_buffer_bytes``, counted there for the whole step).
+
+    ``torch.distributed.pipelining`` hands a chunk's receive buffer itself to its first block
+    as the input (``PipelineStage._retrieve_recv_activations``), so what that block saves of
+    its input (a recomputed block's checkpointed input, or its first norm's input) is the
+    buffer's storage: one boundary tensor (``stage_boundary_bytes``) per chunk of the stage
+    that receives, i.e. every chunk but the pipeline's first. Seen in the live tensors at the
+    peaks of torchtitan's code path on this CPU (pp 4, 16 blocks, full AC,
+    ``benchmarks/torchtitan_cpu_pp_memory.py``): rank 1 under 1F1B holds three micro-batches'
+    saved inputs of its blocks 2-4 and no copy of block 1's beside the receive buffers."""
+    if framework not in ("meshplan", "torchtitan") or config.pp == 1:
+        return 0.0
+    receiving = config.vpp - (1 if stage == 0 else 0)
+    return receiving * stage_boundary_bytes(model, config, framework)
 
 
 def loss_logit_copies(framework: str, config: ParallelConfig) -> float:
@@ -519,9 +544,13 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     pipelined_fsdp = framework == "meshplan" and config.pp > 1 and config.zero_stage >= 2
     unheld = 0.0
     if pipelined_fsdp and config.vpp > 1 and not model.is_traced:
-        activations, unheld = _interleaved_peak(
+        stage_total = params.dense + params.expert
+        activations, unheld, unsent = _interleaved_peak(
             model, config, stage, framework, activations=activations,
-            accumulators=act.FP32_BYTES * (params.dense + params.expert))
+            accumulators=act.FP32_BYTES * stage_total,
+            gathered=(4 if config.dtype == "fp32" else 2) * stage_total,
+            sharded_grads=states.grads, device_key=cluster.gpu.key)
+        unheld += unsent
     # a block's backward: the loss is freed
     in_block = activations + buffers - persistent - unheld
     # meshplan's runtime holds the loss only on the last stage, before any block there
@@ -635,19 +664,35 @@ def _weight_grad_bytes(config: ParallelConfig) -> int:
 
 
 def _interleaved_peak(model: ModelSpec, config: ParallelConfig, stage: int, framework: str, *,
-                      activations: float, accumulators: float) -> tuple[float, float]:
-    """(activations, accumulator bytes not yet allocated) at the peak backward of an
-    interleaved pipelined FSDP stage (``frameworks.interleaved_accumulator_peak``): each
-    chunk's ``accumulators / vpp`` fp32 gradient accumulators start at its first backward, by
-    when the earlier backwards may have freed activations. ``activations``: the stage's at the
-    warmup count (``stage_activation_bytes``), whose in-flight part is rescaled."""
+                      activations: float, accumulators: float, gathered: float,
+                      sharded_grads: float, device_key: str) -> tuple[float, float, float]:
+    """(activations, buffer bytes not held, send bytes not yet issued) at the peak backward of
+    an interleaved pipelined FSDP stage (``frameworks.interleaved_accumulator_peak``).
+
+    The buffers count the whole stage's fp32 gradient ``accumulators`` and its ``gathered``
+    parameters through backward; at the peak, chunks whose first backward has not come have
+    no accumulators yet, and chunks past their last backward are resharded and reduced, their
+    part of both freed and their part of the ``sharded_grads`` allocated. On gloo (the CPU)
+    the sends the step holds to its end (``stage_recv_buffer_bytes`` counts all of them)
+    pile up as it goes. ``activations``: the stage's at the warmup count
+    (``stage_activation_bytes``), whose in-flight part is rescaled."""
     head = last_stage_head_bytes(model, config, framework) if stage == config.pp - 1 else 0.0
     per_microbatch = (activations - head) / act.in_flight_microbatches(config, stage)
-    units, held = interleaved_accumulator_peak(
-        config.pp, config.vpp, config.grad_accum_steps, stage,
-        chunk_microbatch_bytes=per_microbatch / config.vpp,
-        chunk_accumulator_bytes=accumulators / config.vpp)
-    return units * per_microbatch + head, (1 - held) * accumulators
+    gloo = device_key == CPU_DEVICE_KEY
+    boundary = stage_boundary_bytes(model, config, framework)
+    vpp = config.vpp
+    peak = interleaved_accumulator_peak(
+        config.pp, vpp, config.grad_accum_steps, stage,
+        chunk_microbatch_bytes=per_microbatch / vpp, chunk_accumulator_bytes=accumulators / vpp,
+        chunk_gathered_bytes=gathered / vpp, chunk_sharded_grad_bytes=sharded_grads / vpp,
+        send_bytes=boundary if gloo else 0.0)
+    unheld = ((1 - peak.accumulating) * accumulators + peak.finished * gathered
+              - peak.finished * sharded_grads)
+    all_sends = pipeline_send_in_flight_bytes(
+        framework, boundary_bytes=boundary, stages=config.pp,
+        micro_batches=config.grad_accum_steps, stage=stage, vpp=vpp, gloo=gloo)
+    unsent = all_sends - peak.sends * boundary if gloo else 0.0
+    return peak.live * per_microbatch + head, unheld, unsent
 
 
 def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: int, *,
@@ -720,10 +765,14 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     # are in the buffers: torchtitan_fsdp_buffer_bytes, pipelined), as benchmarks/
     # torchtitan_cpu_pp_memory.py measured on torchtitan's own code path
     pipelined_fsdp = config.pp > 1 and config.zero_stage >= 2
+    unsent = 0.0  # gloo's sends not yet issued at the peak
     if pipelined_fsdp and config.vpp > 1:
-        activations, unheld = _interleaved_peak(
+        stage_total = params.dense + params.expert
+        activations, unheld, unsent = _interleaved_peak(
             model, config, stage, "torchtitan", activations=activations,
-            accumulators=config.grad_reduce_bytes * (params.dense + params.expert))
+            accumulators=config.grad_reduce_bytes * stage_total,
+            gathered=compute_bytes * stage_total, sharded_grads=states.grads,
+            device_key=device_key)
         buffers, in_block, at_loss = buffers - unheld, in_block - unheld, at_loss - unheld
     live_grads = states.grads if config.grad_accum_steps > 1 and not pipelined_fsdp else 0.0
     swiglu_grads = act.backward_workspace_bytes(model, config, weight_grad_bytes=compute_bytes,
@@ -734,7 +783,7 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
                      + config.grad_reduce_bytes * params.largest_block)
     else:  # the buffers stay whole through the block (DDP buckets, a gathered stage)
         mid_block = in_block
-    forward_backward = states.params + states.optimizer + live_grads + recv + max(
+    forward_backward = states.params + states.optimizer + live_grads + recv - unsent + max(
         activations + at_loss if last else 0.0,
         activations - loss + mid_block + workspace
         + max(swiglu_grads, act.sp_input_grad_scatter_bytes(model, config)),

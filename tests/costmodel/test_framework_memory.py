@@ -16,11 +16,12 @@ from meshplan.costmodel import activations as act
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.estimate import estimate
 from meshplan.costmodel.hardware import load_cluster
-from meshplan.costmodel.frameworks import (interleaved_accumulator_peak,
+from meshplan.costmodel.frameworks import (InterleavedPeak, interleaved_accumulator_peak,
                                            pipeline_recv_buffer_bytes,
                                            pipeline_send_in_flight_bytes,
                                            torch_interleaved_order)
-from meshplan.costmodel.memory import last_stage_head_bytes, stage_activation_bytes
+from meshplan.costmodel.memory import (last_stage_head_bytes, received_input_bytes,
+                                      stage_activation_bytes)
 from meshplan.costmodel.memory_runs import compare, memory_runs
 from meshplan.costmodel.models import load_model
 from meshplan.testing import usage_error
@@ -36,40 +37,40 @@ def _byte_runs():
 
 
 KNOWN_UNDER = {"torchtitan-llama3.1-70b-fsdp32-tp8-h100": 0.09,
-               "torchtitan-llama3.1-405b-fsdp8-tp8-pp8-1f1b-h100": 0.09,
-               "torchtitan-llama3.1-405b-fsdp1-cp8-tp8-pp8-s262144-h100": 0.115,
+               "torchtitan-llama3.1-405b-fsdp8-tp8-pp8-1f1b-h100": 0.10,
+               "torchtitan-llama3.1-405b-fsdp8-tp8-pp8-interleaved-h100": 0.11,
+               "torchtitan-llama3.1-405b-fsdp1-cp8-tp8-pp8-s262144-h100": 0.125,
                "torchtitan-llama3.1-8b-fsdp32-h200-compile-float8": 0.06,
                "torchtitan-llama3.1-8b-fsdp64-h200-compile-float8": 0.08}
 """Runs still under-predicted beyond ``UNDER_LIMIT``, with how far they may go: torchtitan's
 2D table (70B, FSDP 32 x TP 8 with SP and loss parallelism, compiled, float8, full AC, 16 x
 8192 tokens per rank) measures 71.9 GiB reserved against 65.9 predicted (-8.3 %; its peak is
 the loss's, where the async-TP row's 67.6 GiB is within 2.5 %); its 405B tables (FSDP 8 x
-TP 8 x PP 8, AsyncTP, which is not modelled) measure 82.5 GiB under 1F1B (-8.4 %; the
-interleaved schedule's 72.7 GiB is predicted at +1.6 %, +9.7 % before each chunk's gradient
-accumulators were counted from its first backward on) and 84.9 GiB with CP 8 at
-262,144 tokens (-11.0 %). Trainy's H200 rows (June 2025: torch 2.8, per-op SAC, blocks and
-loss compiled, 2 x 8K tokens) measure 47.96 and 46.97 GiB against 45.4 and 43.4 (-5.4 %,
--7.6 %) since a compiled block no longer counts the down projection's output (torchtitan
-0.2.2 under the pinned torch does not keep it, measured on its CPU step; the Grand Teton
-compiled rows of December 2024 are 5.0-5.4 GiB below their eager twins, as that predicts):
-those runs held about 4 GiB more at the loss than the pinned stack would."""
+TP 8 x PP 8, AsyncTP, which is not modelled) measure 82.5 GiB under 1F1B (-9.5 %) and 72.7
+GiB interleaved (-10.3 %: each chunk is resharded and reduced after its last backward, and
+a chunk's first block input is its receive buffer, as torch's schedules and stages do and
+torchtitan's CPU path measures; the two schedules now miss by the same few GiB, where they
+had differed by 10 points) and 84.9 GiB with CP 8 at 262,144 tokens (-12.1 %). Trainy's H200
+rows (June 2025: torch 2.8, per-op SAC, blocks and loss compiled, 2 x 8K tokens) measure
+47.96 and 46.97 GiB against 45.4 and 43.4 (-5.4 %, -7.6 %) since a compiled block no longer
+counts the down projection's output (torchtitan 0.2.2 under the pinned torch does not keep
+it, measured on its CPU step; the Grand Teton compiled rows of December 2024 are 5.0-5.4 GiB
+below their eager twins, as that predicts): those runs held about 4 GiB more at the loss than
+the pinned stack would."""
 
 
-KNOWN_OVER = {**{f"torchtitan-cpu-tiny-16l-pp4-dp1-interleaved-m4-full-stage{rank}": 0.16
-                 for rank in range(4)},
-              "torchtitan-cpu-tiny-16l-pp4-dp1-interleaved-m8-full-stage1": 0.12}
-"""Runs still over-predicted beyond ``OVER_LIMIT``, with how far they may go: torchtitan's
-interleaved schedule at pp 4 on the CPU (2026-12-07; +11.2..+15.5 % with 4 micro-batches,
-+11.5 % on one rank with 8). The model counts every receive buffer beside the saved block
-inputs they are, and every gloo-retained send at the activation peak, where only the forward
-outputs (held by the stage anyway) are there yet (benchmarks/README.md, "Interleaved pipelines
-at pp 4")."""
+def test_known_misses_are_still_misses():
+    """Each allowance is for a run the model still misses beyond the acceptance: one it
+    predicts within bounds again loses its allowance."""
+    for run in _byte_runs():
+        if run.id in KNOWN_UNDER:
+            assert compare(run).error < -UNDER_LIMIT, run.id
 
 
 @pytest.mark.parametrize("run", _byte_runs(), ids=lambda r: r.id)
 def test_peak_within_acceptance_of_measurement(run):
     error = compare(run).error
-    assert -KNOWN_UNDER.get(run.id, UNDER_LIMIT) <= error <= KNOWN_OVER.get(run.id, OVER_LIMIT), \
+    assert -KNOWN_UNDER.get(run.id, UNDER_LIMIT) <= error <= OVER_LIMIT, \
         f"{run.id}: {error:+.3f}"
 
 
@@ -299,22 +300,69 @@ def test_interleaved_peak_weighs_activations_against_accumulators():
     """pp 8 x vpp 2, 8 micro-batches. By hand, with 1 unit per chunk-micro-batch: a rank's
     warmup is 8 + 2 (7 - rank) forwards (capped at 16), chunk 0's 8 micro-batches first; its
     first backward (chunk 1's) comes with the warmup's forwards and one more live, w + 1 =
-    min(16, 9 + 2 (7 - rank)), beside chunk 1's accumulators; chunk 1's backwards all come
-    before chunk 0's, whose first finds chunk 0's 8 micro-batches live beside both."""
+    min(16, 9 + 2 (7 - rank)), beside chunk 1's accumulators and both chunks gathered; chunk
+    1's backwards all come before chunk 0's, so chunk 0's first finds chunk 0's 8
+    micro-batches live beside its own accumulators and gathered parameters, chunk 1 resharded
+    and reduced to its sharded gradients."""
     for rank in range(8):
         first = min(16, 9 + 2 * (7 - rank))
-        # accumulators of 11.8 per chunk (405B's fp32 ones against 1 GiB chunk-micro-batches):
-        # 8 + 2 x 11.8 = 31.6 beats at most 16 + 11.8 = 27.8
-        assert interleaved_accumulator_peak(8, 2, 8, rank, chunk_microbatch_bytes=1.0,
-                                            chunk_accumulator_bytes=11.8) == (4.0, 1.0)
-        # small ones: at least 9 + 1 beats 8 + 2
-        assert interleaved_accumulator_peak(8, 2, 8, rank, chunk_microbatch_bytes=1.0,
-                                            chunk_accumulator_bytes=1.0) == (first / 2, 0.5)
+        # sends issued by then (held on gloo): every forward's but those of virtual stage 15
+        # (rank 7's chunk 1); by chunk 0's first backward also chunk 1's 8 backwards'
+        sends = first - (rank == 7)
+        all_sends = 16 - 8 * (rank == 7) + 8
+        # 405B-like chunks (per 1 GiB chunk-micro-batch: 11.8 of fp32 accumulators, 5.9
+        # gathered, 1.5 sharded): at least 9 + 11.8 + 11.8 against 8 + 11.8 + 5.9 + 1.5
+        assert interleaved_accumulator_peak(
+            8, 2, 8, rank, chunk_microbatch_bytes=1.0, chunk_accumulator_bytes=11.8,
+            chunk_gathered_bytes=5.9, chunk_sharded_grad_bytes=1.5) == \
+            InterleavedPeak(live=first / 2, accumulating=0.5, finished=0.0, sends=sends)
+        # sharded gradients outweighing all else: chunk 0's first backward
+        assert interleaved_accumulator_peak(
+            8, 2, 8, rank, chunk_microbatch_bytes=1.0, chunk_accumulator_bytes=1.0,
+            chunk_sharded_grad_bytes=20.0) == \
+            InterleavedPeak(live=4.0, accumulating=0.5, finished=0.5, sends=all_sends)
     # a steady phase (16 micro-batches): the warmup count plus one, with every accumulator
     for rank in range(8):
         chunks = min(2 * (8 - rank - 1) + 8 + 1, 32)
-        assert interleaved_accumulator_peak(8, 2, 16, rank, chunk_microbatch_bytes=1.0,
-                                            chunk_accumulator_bytes=11.8) == (chunks / 2, 1.0)
+        peak = interleaved_accumulator_peak(
+            8, 2, 16, rank, chunk_microbatch_bytes=1.0, chunk_accumulator_bytes=11.8,
+            chunk_gathered_bytes=5.9, chunk_sharded_grad_bytes=1.5)
+        assert (peak.live, peak.accumulating, peak.finished) == (chunks / 2, 1.0, 0.0)
+
+
+def test_interleaved_peak_counts_the_sends_gloo_holds():
+    """pp 4 x vpp 2, 4 micro-batches, rank 1 (virtual stages 1 and 5 of 0-7): its warmup is
+    all 8 forwards, each sending its output; then chunk 1's 4 backwards and chunk 0's, each
+    sending its input gradient. Before backward k (0-7): 8 - k chunk-micro-batches live, 8 + k
+    sends held. Sends weighing more than activations put the peak at the last backward (as
+    torchtitan's CPU path measured), less at the first."""
+    heavy = interleaved_accumulator_peak(4, 2, 4, 1, chunk_microbatch_bytes=1.0,
+                                         chunk_accumulator_bytes=0.0, send_bytes=2.0)
+    assert heavy == InterleavedPeak(live=0.5, accumulating=0.5, finished=0.5, sends=15)
+    light = interleaved_accumulator_peak(4, 2, 4, 1, chunk_microbatch_bytes=1.0,
+                                         chunk_accumulator_bytes=0.0, send_bytes=0.5)
+    assert light == InterleavedPeak(live=4.0, accumulating=0.5, finished=0.0, sends=8)
+    # rank 0 holds virtual stage 0, which sends no gradient, and rank 3 the last, which sends
+    # no output: 12 sends in the step instead of 16. Before its last backward rank 0 holds all
+    # 12 (that backward, chunk 0's, sends nothing), rank 3 11 (its last is a sending one)
+    assert interleaved_accumulator_peak(4, 2, 4, 0, chunk_microbatch_bytes=0.0,
+                                        chunk_accumulator_bytes=0.0, send_bytes=1.0).sends == 12
+    assert interleaved_accumulator_peak(4, 2, 4, 3, chunk_microbatch_bytes=0.0,
+                                        chunk_accumulator_bytes=0.0, send_bytes=1.0).sends == 11
+
+
+def test_first_block_input_is_the_receive_buffer():
+    """Under torch's pipelining a receiving chunk's first block saves the receive buffer
+    itself: one boundary tensor (2 x 64 tokens x 64 fp32 = 32 KiB on tiny) less per chunk
+    that receives, for the two frameworks that run torch's stages."""
+    model = load_model("tiny")
+    boundary = 2 * 64 * 64 * 4
+    for pp, vpp, stage, receiving in ((2, 1, 0, 0), (2, 1, 1, 1), (4, 2, 0, 1), (4, 2, 3, 2)):
+        config = ParallelConfig(pp=pp, vpp=vpp, micro_batch_size=2, seq_len=64, dtype="fp32",
+                                global_batch_size=16)
+        for framework in ("torchtitan", "meshplan"):
+            assert received_input_bytes(model, config, stage, framework) == receiving * boundary
+        assert received_input_bytes(model, config, stage, "megatron") == 0.0
 
 
 def test_backward_workspace_of_the_tiny_layer():
