@@ -54,8 +54,14 @@ PLANS = {  # name: (ranks, ParallelConfig fields beyond the common ones)
     "pp4 zero3 interleaved 16l": (4, dict(pp=4, zero_stage=3, vpp=2, layers=16)),
     "pp4 zero3 interleaved m8 16l": (4, dict(pp=4, zero_stage=3, vpp=2, layers=16,
                                              global_batch_size=16)),
+    # Qwen3's query and key norms: kept tensors (none), rebuilt (selective, their weights on
+    # each rank's heads under TP), under FSDP2 in a pipeline
+    "qk-norm single": (1, dict(qk_norm=True)),
+    "qk-norm tp2 sp selective": (2, dict(qk_norm=True, tp=2, sp=True, recompute="selective")),
+    "qk-norm pp2 dp2 zero3": (4, dict(qk_norm=True, pp=2, dp=2, zero_stage=3)),
 }
-"""Plans by name; ``layers`` (not a ParallelConfig field) gives the tiny model more blocks."""
+"""Plans by name; ``layers`` (not a ParallelConfig field) gives the tiny model more blocks,
+``qk_norm`` (not one either) Qwen3's query and key norms."""
 COMMON = dict(global_batch_size=8, micro_batch_size=2, seq_len=64, dtype="fp32")
 
 
@@ -65,6 +71,8 @@ def make_plan(ranks: int, fields: dict, calibration_path: str | None) -> Plan:
     if "layers" in fields:
         layers = fields.pop("layers")
         model = dataclasses.replace(model, num_layers=layers, name=f"tiny-{layers}l")
+    if fields.pop("qk_norm", False):
+        model = dataclasses.replace(model, qk_norm=True, name=f"{model.name}-qk-norm")
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=ranks)
     config = ParallelConfig(**{**COMMON, **fields})
     est = estimate(model, cluster, config, framework="meshplan",

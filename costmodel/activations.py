@@ -137,7 +137,8 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
                 seq_split += 2 * FP32_BYTES * tokens * h
         elif model.norm == "rmsnorm":
             seq_split += 2 * act * tokens * h
-    total = seq_split / seq_div + (attention + mlp) / t + casts + qk_norm_bytes(model, config)
+    total = (seq_split / seq_div + (attention + mlp) / t + casts + qk_norm_bytes(
+        model, config, normalised_copy=eager and not autocast and model.norm == "rmsnorm"))
     if float8_inputs and not eager and not moe:
         ffn = model.ffn_hidden_size
         total -= (act - 1) * tokens * (2 * h / seq_div + (model.q_size + ffn) / t)
@@ -150,20 +151,29 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     return total
 
 
-def qk_norm_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+def qk_norm_bytes(model: ModelSpec, config: ParallelConfig, *,
+                  normalised_copy: bool = False) -> float:
     """What a layer's query and key norms (``ModelSpec.qk_norm``) keep for backward on one
     rank for one micro-batch, where the layer keeps its tensors (no full recomputation): each
     norm's input, the projection's output before the norm (q and kv wide, divided by tp, in the
     activation dtype), and its fp32 statistics, one per head and token (two for LayerNorm),
     as a fused norm kernel keeps them. RoPE and attention then keep the normalised q and k,
     which ``layer_activation_bytes`` counts as Q and K. Per-op policies, which keep matmul
-    outputs and rebuild the norms from them, add nothing (``op_policy_layer_bytes``)."""
+    outputs and rebuild the norms from them, add nothing (``op_policy_layer_bytes``).
+
+    ``normalised_copy``: an eager RMSNorm outside autocast also keeps its normalised input
+    (``x * rstd``, for the weight's gradient), as the layer's own norms do
+    (``layer_activation_bytes``). Measured with meshplan's runtime on this CPU (tiny with
+    query and key norms, fp32, 2 x 64 tokens, no recomputation): 389 KiB above the same plan
+    without them over 4 layers, 97 KiB a layer, what both copies and the statistics make
+    (2 x 48 + 3 KiB); without the copy the model had 51."""
     if not model.qk_norm:
         return 0.0
     tokens = tokens_per_microbatch(config)
     stats = 1 if model.norm == "rmsnorm" else 2
     heads = model.num_heads + model.kv_heads
-    return tokens * (config.bytes_per_activation * (model.q_size + model.kv_size)
+    copies = 2 if normalised_copy else 1
+    return tokens * (copies * config.bytes_per_activation * (model.q_size + model.kv_size)
                      + stats * FP32_BYTES * heads) / config.tp
 
 

@@ -1,14 +1,16 @@
-"""HuggingFace checkpoints in and out of the runtime's decoder (Llama, Mistral, Qwen2).
+"""HuggingFace checkpoints in and out of the runtime's decoder (Llama, Mistral, Qwen2, Qwen3).
 
 The decoder of ``model.py`` computes what ``transformers``' ``LlamaForCausalLM`` (and
-``MistralForCausalLM``, ``Qwen2ForCausalLM``) compute: pre-norm RMSNorm blocks, rotate-half RoPE
-with the config's ``rope_theta``, grouped-query attention, a SwiGLU MLP, Q/K/V biases for Qwen2,
-Mistral's sliding window, the config's norm epsilon. So an HF checkpoint maps onto it name by
-name (``hf_name``):
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``) compute: pre-norm RMSNorm
+blocks, rotate-half RoPE with the config's ``rope_theta``, grouped-query attention, a SwiGLU
+MLP, Q/K/V biases for Qwen2, per-head query and key RMSNorms for Qwen3, Mistral's sliding
+window, the config's norm epsilon. So an HF checkpoint maps onto it name by name
+(``hf_name``):
 
     model.embed_tokens                       tok_embeddings
     model.layers.<i>.input_layernorm          layers.<i>.attention_norm
     model.layers.<i>.self_attn.{q,k,v,o}_proj layers.<i>.attention.{wq,wk,wv,wo}
+    model.layers.<i>.self_attn.{q,k}_norm     layers.<i>.attention.{q,k}_norm  (Qwen3)
     model.layers.<i>.post_attention_layernorm layers.<i>.ffn_norm
     model.layers.<i>.mlp.{gate,up,down}_proj  layers.<i>.feed_forward.{w1,w3,w2}
     model.norm                                norm
@@ -52,20 +54,24 @@ SINGLE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """HF architectures whose weights map onto the runtime's decoder."""
 _BLOCK = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
           "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
           "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-          "feed_forward.w2": "mlp.down_proj"}
+          "feed_forward.w2": "mlp.down_proj",
+          "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
+_QK_NORMS = ("attention.q_norm", "attention.k_norm")
+"""``_BLOCK`` entries only a model with ``qk_norm`` (Qwen3) has."""
 _TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
 def check_mappable(spec: ModelSpec, *, what: str) -> str:
     """The HF ``model_type`` ``spec`` maps to; ValueError (one line) when it maps to none."""
-    model_type = spec.hf_model_type or ("qwen2" if spec.qkv_bias else "llama")
+    model_type = spec.hf_model_type or ("qwen3" if spec.qk_norm else
+                                        "qwen2" if spec.qkv_bias else "llama")
     problems = []
     if model_type not in HF_MODEL_TYPES:
         problems.append(f"HF model_type {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
@@ -73,12 +79,15 @@ def check_mappable(spec: ModelSpec, *, what: str) -> str:
         problems.append("not a SwiGLU / RMSNorm / RoPE decoder")
     if spec.linear_bias or spec.embedding_norm or spec.is_moe or spec.is_traced:
         problems.append("biases on every linear, an embedding norm, experts or a traced module")
-    if spec.qk_norm:
-        problems.append("query and key norms (qk_norm)")
+    if spec.qk_norm != (model_type == "qwen3"):
+        problems.append("query and key norms (qk_norm) outside Qwen3" if spec.qk_norm
+                        else "Qwen3 without its query and key norms (qk_norm)")
+    if spec.qk_norm and spec.qkv_bias:
+        problems.append("query and key norms with Q/K/V biases (Qwen3 has no biases)")
     if spec.sliding_window is not None and model_type != "mistral":
         problems.append(f"a sliding window of {spec.sliding_window} tokens (only Mistral has one)")
     if problems:
-        raise ValueError(f"{what}: {spec.name} has no HuggingFace Llama/Mistral/Qwen2 "
+        raise ValueError(f"{what}: {spec.name} has no HuggingFace Llama/Mistral/Qwen2/Qwen3 "
                          f"equivalent: {'; '.join(problems)}")
     return model_type
 
@@ -136,8 +145,9 @@ def check_directory(directory: str, spec: ModelSpec) -> None:
     names = _files(directory)
     wanted = ["model.embed_tokens.weight", "model.norm.weight"] + (
         [] if spec.tied_embeddings else ["lm_head.weight"])
+    parts = [hf for ours, hf in _BLOCK.items() if spec.qk_norm or ours not in _QK_NORMS]
     wanted += [f"model.layers.{i}.{part}.weight" for i in range(spec.num_layers)
-               for part in _BLOCK.values()]
+               for part in parts]
     missing = [name for name in wanted if name not in names]
     if missing:
         raise ValueError(f"--init-from {directory}: {len(missing)} tensors are missing, e.g. "
@@ -228,7 +238,8 @@ def _present(directory: str, names: Iterable[str]) -> list[str]:
 
 
 def hf_config_of(spec: ModelSpec) -> dict[str, Any]:
-    """An HF ``config.json`` for ``spec`` (Llama, or Qwen2 with Q/K/V biases)."""
+    """An HF ``config.json`` for ``spec`` (Llama, Qwen2 with Q/K/V biases, Qwen3 with query
+    and key norms)."""
     model_type = check_mappable(spec, what="--save-hf")
     return {"architectures": [HF_MODEL_TYPES[model_type]], "model_type": model_type,
             "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,

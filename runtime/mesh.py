@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshplan.costmodel import layout
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.model import ModelSpec
+from meshplan.runtime.support import model_refusal
 from meshplan.runtime import strict
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -64,18 +65,12 @@ def check_supported(config: ParallelConfig, model: ModelSpec) -> None:
                               f"micro-batches per step, the plan has {config.grad_accum_steps}"
                               " (global batch / (dp x micro-batch)); pin a smaller "
                               "--micro-batch")
-    if config.ep > 1 or model.is_moe:
-        raise UnsupportedPlan(f"MoE models and expert parallelism are not implemented by the "
-                              f"runtime yet (model {model.name}, ep {config.ep})")
-    if model.qk_norm:
-        raise UnsupportedPlan(f"query and key norms (qk_norm, as in Qwen3: model {model.name}) "
-                              f"are not implemented by the runtime yet; export the plan to "
-                              f"torchtitan or megatron (meshplan export)")
-    if model.rope_scaling not in ("", "linear", "llama3"):
-        raise UnsupportedPlan(f"RoPE scaling {model.rope_scaling!r} (the config's rope_scaling)"
-                              " is not implemented by the runtime (linear and llama3 are)")
-    if model.position_embedding == "alibi":
-        raise UnsupportedPlan("ALiBi positions are not implemented; use rope or learned")
+    refusal = model_refusal(model)
+    if refusal is not None:
+        raise UnsupportedPlan(refusal)
+    if config.ep > 1:
+        raise UnsupportedPlan(f"expert parallelism (ep {config.ep}) is not implemented by the "
+                              f"runtime yet")
     if config.seq_len > model.seq_len and model.position_embedding == "learned":
         raise UnsupportedPlan(f"seq_len {config.seq_len} exceeds the learned position table "
                               f"({model.seq_len})")

@@ -12,8 +12,10 @@ addresses modules by the same names)::
       output          nn.Linear(h, vocab_rows)                 last stage (weight tied if asked)
 
     Block: x + attention(attention_norm(x)), then h + feed_forward(ffn_norm(h))
-    Attention: wq, wk, wv (GQA: kv_heads), RoPE, F.scaled_dot_product_attention(is_causal,
-               or a banded mask under a sliding window), wo
+    Attention: wq, wk, wv (GQA: kv_heads), q_norm and k_norm (``qk_norm``: an RMSNorm over
+               each head's query and key, Qwen3), RoPE,
+               F.scaled_dot_product_attention(is_causal, or a banded mask under a sliding
+               window), wo
     FeedForward: gelu  w2(gelu(w1 x));  swiglu  w2(silu(w1 x) * w3 x)
 
 ``layers`` keeps *global* layer indices as keys, so a pipeline stage holding layers 3..5 has
@@ -46,9 +48,6 @@ def _norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
         return nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
     return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
-
-
-RUNTIME_ROPE_SCALINGS = ("", "linear", "llama3")
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, *, device: torch.device, dtype: torch.dtype,
@@ -124,14 +123,22 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden_size, spec.kv_size, bias=qkv_bias)
         self.wv = nn.Linear(spec.hidden_size, spec.kv_size, bias=qkv_bias)
         self.wo = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.linear_bias)
+        # Qwen3's per-head query and key norms (transformers' Qwen3Attention: RMSNorm over
+        # head_dim of the projections split into heads, before RoPE)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
         self.window = spec.sliding_window
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[b, s, heads x d]`` -> ``[b, s, heads, d]``."""
         batch, seq, width = x.shape
-        return x.view(batch, seq, width // self.head_dim, self.head_dim).transpose(1, 2)
+        return x.view(batch, seq, width // self.head_dim, self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.use_rope:
             cos, sin = rope_cos_sin(q.shape[2], self.head_dim, device=q.device, dtype=q.dtype,
                                     theta=self.rope_theta, spec=self.spec)

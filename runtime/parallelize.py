@@ -85,8 +85,13 @@ def _edge_plan(model: Decoder, *, sp: bool) -> dict:
     return plan
 
 
-def _block_plan(*, sp: bool, swiglu: bool) -> dict:
-    """TP styles inside one block (names relative to the block)."""
+def _block_plan(*, sp: bool, swiglu: bool, qk_norm: bool = False) -> dict:
+    """TP styles inside one block (names relative to the block).
+
+    The query and key norms (``qk_norm``) run on each rank's own heads, ``[b, s, heads, d]``
+    sharded on dim 2: ``SequenceParallel(sequence_dim=2)`` replicates their weights as
+    DTensors and takes the local projections as that shard, so the weight gradients, partial
+    per rank, are summed over the TP group (as torchtitan 0.2.2 shards Qwen3's)."""
     out = Shard(1) if sp else Replicate()
     plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=out),
@@ -94,6 +99,9 @@ def _block_plan(*, sp: bool, swiglu: bool) -> dict:
             "feed_forward.w2": RowwiseParallel(output_layouts=out)}
     if swiglu:
         plan["feed_forward.w3"] = ColwiseParallel()
+    if qk_norm:
+        heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan.update({"attention.q_norm": heads, "attention.k_norm": heads})
     if sp:
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         plan.update({"attention_norm": SequenceParallel(), "attention": gather,
@@ -108,7 +116,8 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: DeviceMesh, *, sp: bool) -> N
     parallelize_module(model, tp_mesh, _edge_plan(model, sp=sp))
     for block in model.layers.values():
         parallelize_module(block, tp_mesh,
-                           _block_plan(sp=sp, swiglu=block.feed_forward.swiglu))
+                           _block_plan(sp=sp, swiglu=block.feed_forward.swiglu,
+                                       qk_norm=block.attention.q_norm is not None))
     if tied:  # both are Shard(0) over the vocabulary; re-share the one DTensor parameter
         model.output.weight = model.tok_embeddings.weight
 

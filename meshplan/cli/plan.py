@@ -154,6 +154,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NO_PLAN
     except SearchTimeout as err:
         raise ValueError(str(err)) from None
+    if args.framework == "meshplan":
+        from meshplan.runtime.support import model_refusal
+
+        refusal = model_refusal(model)
+        if refusal is not None:  # planned all the same: its memory layout is meshplan's
+            print(f"{PROG}: warning: meshplan run will refuse this plan: {refusal}",
+                  file=sys.stderr)
     if args.elastic:
         from meshplan.planner.replan import with_table
 

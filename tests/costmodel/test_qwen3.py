@@ -119,12 +119,23 @@ def test_estimate_of_a_qwen3_config_folder(tmp_path):
     assert 36 * qk_norm_bytes(model, config) < gained < 36 * qk_norm_bytes(model, config) + 1e6
 
 
-def test_runtime_refuses_query_and_key_norms():
+def test_runtime_runs_qwen3_and_refuses_query_and_key_norms_elsewhere():
+    """The runtime's decoder has Qwen3's norms (tests/runtime/test_hf.py checks it against
+    transformers); a model with them is Qwen3 on the HF side, and Qwen3 without them, or
+    with Q/K/V biases, or LayerNorm ones, has no HF equivalent."""
     from meshplan.runtime.hf import check_mappable
     from meshplan.runtime.mesh import UnsupportedPlan, check_supported
 
     spec = from_hf_config(QWEN3_8B_HF, name="qwen3-8b")
-    with pytest.raises(UnsupportedPlan, match="query and key norms"):
-        check_supported(ParallelConfig(global_batch_size=1, seq_len=128), spec)
-    with pytest.raises(ValueError, match="query and key norms"):
-        check_mappable(dataclasses.replace(spec, hf_model_type=""), what="--init-from")
+    check_supported(ParallelConfig(global_batch_size=1, seq_len=128), spec)
+    assert check_mappable(spec, what="--init-from") == "qwen3"
+    assert check_mappable(dataclasses.replace(spec, hf_model_type=""), what="x") == "qwen3"
+    with pytest.raises(ValueError, match="query and key norms \\(qk_norm\\) outside Qwen3"):
+        check_mappable(dataclasses.replace(spec, hf_model_type="llama"), what="--init-from")
+    with pytest.raises(ValueError, match="Qwen3 without its query and key norms"):
+        check_mappable(dataclasses.replace(spec, qk_norm=False), what="--save-hf")
+    with pytest.raises(ValueError, match="with Q/K/V biases"):
+        check_mappable(dataclasses.replace(spec, qkv_bias=True), what="--save-hf")
+    with pytest.raises(UnsupportedPlan, match="RMSNorms in the runtime"):
+        check_supported(ParallelConfig(global_batch_size=1, seq_len=128),
+                        dataclasses.replace(spec, norm="layernorm"))

@@ -594,3 +594,17 @@ def test_explain_prices_async_tp_for_a_compiled_tp_plan(tmp_path):
     assert run_cli("plan", *argv, "--async-tp", "-o", fused).code == 0
     assert read_plan(fused).config.async_tp
     assert "--async-tp" not in _what_ifs(fused)
+
+
+def test_planning_a_model_the_runtime_cannot_train_warns_for_its_framework_only():
+    """An MoE model planned for meshplan's runtime (the default framework) is planned, with a
+    one-line warning that ``meshplan run`` will refuse it (``runtime/support.py``); for a
+    framework the plan is exported to, nothing is said."""
+    argv = ("--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "2",
+            "--global-batch", "64", "--seq-len", "4096", "--time-limit", "20")
+    ours = meshplan("plan", *argv, "--json")
+    assert ours.code == 0 and json.loads(ours.out)["plans"]
+    warnings = [line for line in ours.err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "meshplan run will refuse this plan: MoE" in warnings[0]
+    theirs = meshplan("plan", *argv, "--framework", "torchtitan", "--json")
+    assert theirs.json()["plans"]  # nothing on stderr

@@ -1,7 +1,9 @@
-"""HuggingFace Llama and Qwen2 checkpoints in and out of the runtime, checked against
+"""HuggingFace Llama, Qwen2 and Qwen3 checkpoints in and out of the runtime, checked against
 ``transformers`` itself.
 
-Small random models (6 layers, GQA, ~0.3 M parameters) are built with ``transformers`` and
+Small random models (6 layers, GQA, ~0.3 M parameters; Qwen3's with heads of 32, so its
+query width, 128, is not the hidden size, and with its query and key norms' weights drawn
+away from 1) are built with ``transformers`` and
 saved with ``save_pretrained`` (safetensors) into temporary folders; nothing is fetched. Each
 layout's first-step loss must equal ``transformers``' loss on the same batch (fp32, 1e-5); three
 steps must equal a single-process run (losses and gradient norms, 1e-4: the third step is the
@@ -41,19 +43,30 @@ LAYOUTS_2 = {"tp2": dict(tp=2), "pp2_uneven": dict(pp=2, layers_per_stage=(2, 4)
              "pp2_interleaved_uneven": dict(pp=2, vpp=2, layers_per_stage=(2, 4)),
              "dp2_zero3": dict(dp=2, zero_stage=3)}
 LAYOUTS_3D = {"llama": {"pp2_dp2_tp2_zero1": dict(pp=2, dp=2, tp=2, zero_stage=1)},
-              "qwen2": {"pp2_dp2_tp2_zero3": dict(pp=2, dp=2, tp=2, zero_stage=3)}}
-"""One 8-process 3D layout per architecture; Qwen2's under ZeRO-3, whose FSDP shards of
-tensor-parallel shards each rank reads from the checkpoint by region (materialize.py)."""
-ARCHITECTURES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+              "qwen2": {"pp2_dp2_tp2_zero3": dict(pp=2, dp=2, tp=2, zero_stage=3)},
+              "qwen3": {"pp2_dp2_tp2_sp_zero3": dict(pp=2, dp=2, tp=2, sp=True,
+                                                     zero_stage=3)}}
+"""One 8-process 3D layout per architecture; Qwen2's and Qwen3's under ZeRO-3, whose FSDP
+shards of tensor-parallel shards each rank reads from the checkpoint by region
+(materialize.py); Qwen3's with sequence parallelism, its query and key norms on each rank's
+heads beside norms on sequence shards."""
+ARCHITECTURES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
 def _hf_model(kind: str, folder: Path) -> Path:
+    extra = dict(head_dim=32) if kind == "qwen3" else {}
     config = getattr(transformers, ARCHITECTURES[kind])(
         hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, rope_theta=50000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False)
+        rms_norm_eps=1e-6, tie_word_embeddings=False, **extra)
     torch.manual_seed(1)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    if kind == "qwen3":  # norms at 1 would hide a missing or misplaced query / key norm
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.normal_(1.0, 0.2)
+    model.save_pretrained(folder)
     return folder
 
 
