@@ -193,10 +193,28 @@ def framework_buffer_bytes(framework: str, *, zero_stage: int, stage_params: flo
         # (benchmarks/large_cpu_rss.py, dp8 ZeRO-3, a 0.32 B Llama shape on 8 CPU processes):
         # live-tensor peak 1572 MiB against 1355 MiB when the embedding was counted as the
         # largest gathered block instead.
-        return (compute_bytes * (kept_gathered_params + early_root_grad_params)
-                + (2 * compute_bytes + FP32_BYTES) * largest_block_params)
+        return (compute_bytes * (kept_gathered_params + early_root_grad_params
+                                 + largest_block_params)
+                + meshplan_zero3_block_backward_bytes(
+                    compute_bytes=compute_bytes, largest_block_params=largest_block_params))
     # ZeRO-3: current + prefetched block in compute dtype, one block of unsharded fp32 grads
     return (2 * compute_bytes + FP32_BYTES) * largest_layer_params
+
+
+def meshplan_zero3_block_backward_bytes(*, compute_bytes: int,
+                                        largest_block_params: float) -> float:
+    """The part of meshplan's ZeRO-3 buffers (``framework_buffer_bytes``) that exists only once
+    a block's backward runs: the next block prefetched (compute dtype) beside the one being
+    differentiated, and the block's unsharded fp32 gradients. Before, at the loss and the LM
+    head's backward, the root group is gathered, the head's fresh gradients exist and one
+    block is gathered: FSDP2's pre-backward hook of the root prefetches the last block
+    (``_backward_prefetch``), every other block was resharded after its forward. Measured with
+    the runtime's live-tensor tracker on this CPU (the storages at the peak listed by the op
+    that made them): tiny, dp 2 ZeRO-3, fp32, no block's gathered parameters at the loss and
+    the peak in the last block's backward, 7 % below a prediction that put all of these
+    beside the loss's logits; tp 2 x dp 2 ZeRO-3, the loss's peak with one block's all-gather
+    buffer in flight in some runs."""
+    return (compute_bytes + FP32_BYTES) * largest_block_params
 
 
 def deepspeed_zero3_extra_buffer_bytes(*, largest_layer_params: float,
@@ -269,6 +287,22 @@ def pipeline_send_in_flight_bytes(framework: str, *, boundary_bytes: float, stag
                                       vpp=vpp)
 
 
+def torch_1f1b_order(pp: int, micro_batches: int,
+                     rank: int) -> tuple[tuple[bool, int], ...]:
+    """The computations pipeline rank ``rank`` runs in one step of torch.distributed.pipelining's
+    ``Schedule1F1B`` (torchtitan's and meshplan's single-chunk schedule), in order, as
+    ``torch_interleaved_order`` writes them (chunk 0): ``Schedule1F1B._step_microbatches`` runs
+    ``min(micro_batches, pp - rank)`` forwards, then a backward and a forward while forwards
+    remain, then the remaining backwards."""
+    warmup = min(micro_batches, pp - rank)
+    order: list[tuple[bool, int]] = [(False, 0)] * warmup
+    for done in range(micro_batches):
+        order.append((True, 0))
+        if warmup + done < micro_batches:
+            order.append((False, 0))
+    return tuple(order)
+
+
 def torch_interleaved_order(pp: int, vpp: int, micro_batches: int,
                             rank: int) -> tuple[tuple[bool, int], ...]:
     """The computations pipeline rank ``rank`` runs in one step of torch.distributed.pipelining's
@@ -319,10 +353,11 @@ def interleaved_accumulator_peak(pp: int, vpp: int, micro_batches: int, rank: in
                                  chunk_microbatch_bytes: float, chunk_accumulator_bytes: float,
                                  chunk_gathered_bytes: float = 0.0,
                                  chunk_sharded_grad_bytes: float = 0.0,
+                                 block_accumulator_bytes: float | None = None,
                                  send_bytes: float = 0.0) -> InterleavedPeak:
-    """Where an interleaved pipelined FSDP stage peaks (torchtitan's and meshplan's runtime's:
-    both run torch's schedule over FSDP2), walking ``torch_interleaved_order``: the backward
-    at which what the rank holds is largest.
+    """Where a pipelined FSDP stage peaks (torchtitan's and meshplan's runtime's: both run
+    torch's schedules over FSDP2), walking ``torch_interleaved_order`` (``torch_1f1b_order``
+    for ``vpp`` 1): the backward at which what the rank holds is largest.
 
     Under ``torch.distributed.pipelining`` FSDP2 accumulates each chunk's unsharded gradients
     in fp32 from that chunk's first backward (``chunk_accumulator_bytes``;
@@ -347,26 +382,47 @@ def interleaved_accumulator_peak(pp: int, vpp: int, micro_batches: int, rank: in
     torchtitan_cpu_pp_memory.py`` with the live tensors listed at the peak): rank 1 peaks in
     its last backward, with all 8 forward sends and 7 gradient sends held, one micro-batch's
     activations, chunk 1 gathered with its accumulators and chunk 5 reduced to its
-    gradients."""
+    gradients.
+
+    ``block_accumulator_bytes`` (None: as ``chunk_accumulator_bytes``): FSDP2 creates a block's
+    fp32 accumulator in that block's post-backward hook (``to_accumulated_grad_if_needed``), so
+    a chunk's first backward starts with all its activations live and the accumulators of the
+    one block it differentiates first, and ends with that micro-batch's activations freed and
+    the whole chunk's accumulators allocated; both ends are candidates. Measured with
+    meshplan's runtime on this CPU (tiny, pp 2 x dp 2 ZeRO-3, no recomputation, the storages
+    at the peak listed by the op that made them): stage 0 peaks at the start of its first
+    backward, both micro-batches' activations live beside one weight gradient."""
     last = pp * vpp - 1
+    block = chunk_accumulator_bytes if block_accumulator_bytes is None \
+        else min(block_accumulator_bytes, chunk_accumulator_bytes)
+    block_share = block / chunk_accumulator_bytes if chunk_accumulator_bytes else 1.0
     live, started, done = [0] * vpp, [False] * vpp, [0] * vpp
     sends = 0
     best, at = -1.0, InterleavedPeak(0.0, 0.0, 0.0, 0)
-    for backward, chunk in torch_interleaved_order(pp, vpp, micro_batches, rank):
+    order = (torch_1f1b_order(pp, micro_batches, rank) if vpp == 1
+             else torch_interleaved_order(pp, vpp, micro_batches, rank))
+    for backward, chunk in order:
         virtual = rank + chunk * pp
         if not backward:
             live[chunk] += 1
             sends += virtual < last
             continue
-        started[chunk] = True
         finished = sum(d == micro_batches for d in done)
-        accumulating = sum(started) - finished
-        held = (sum(live) * chunk_microbatch_bytes + accumulating * chunk_accumulator_bytes
-                + (vpp - finished) * chunk_gathered_bytes
-                + finished * chunk_sharded_grad_bytes + sends * send_bytes)
-        if held > best:
-            best, at = held, InterleavedPeak(sum(live) / vpp, accumulating / vpp,
-                                             finished / vpp, sends)
+        fixed = ((vpp - finished) * chunk_gathered_bytes + finished * chunk_sharded_grad_bytes
+                 + sends * send_bytes)
+        others = sum(started) - finished - started[chunk]
+        # (live chunk-micro-batches, chunks' worth of accumulators): this backward's start,
+        # and, for a chunk's first, its end (this micro-batch's activations freed)
+        moments = [(sum(live), others + (1.0 if started[chunk] else block_share))]
+        if not started[chunk]:
+            moments.append((sum(live) - 1, others + 1.0))
+        for units, accumulating in moments:
+            held = (units * chunk_microbatch_bytes + accumulating * chunk_accumulator_bytes
+                    + fixed)
+            if held > best:
+                best, at = held, InterleavedPeak(units / vpp, accumulating / vpp,
+                                                 finished / vpp, sends)
+        started[chunk] = True
         live[chunk] -= 1
         done[chunk] += 1
         sends += virtual > 0

@@ -20,6 +20,7 @@ from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, DTENSOR_TP_
                                   StateBytes, deepspeed_host_bytes_per_node,
                                   deepspeed_zero3_extra_buffer_bytes, eager_autograd,
                                   framework_buffer_bytes, interleaved_accumulator_peak,
+                                  meshplan_zero3_block_backward_bytes,
                                   kept_stage_output_copies, logit_copies, model_state_bytes,
                                   optimizer_workspace_bytes, pipeline_recv_buffer_bytes,
                                   pipeline_send_in_flight_bytes,
@@ -543,11 +544,12 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     # interleaved pipelined FSDP: the peak backward's activations and accumulators
     pipelined_fsdp = framework == "meshplan" and config.pp > 1 and config.zero_stage >= 2
     unheld = 0.0
-    if pipelined_fsdp and config.vpp > 1 and not model.is_traced:
+    if pipelined_fsdp and not model.is_traced:
         stage_total = params.dense + params.expert
         activations, unheld, unsent = _interleaved_peak(
             model, config, stage, framework, activations=activations,
             accumulators=act.FP32_BYTES * stage_total,
+            block_accumulators=act.FP32_BYTES * params.largest_block,
             gathered=(4 if config.dtype == "fp32" else 2) * stage_total,
             sharded_grads=states.grads, device_key=cluster.gpu.key)
         unheld += unsent
@@ -558,6 +560,11 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     loss_stage = framework == "meshplan" and not model.is_traced and stage == config.pp - 1
     before_blocks = (activations + buffers - persistent - unheld
                      - (workspace if loss_stage else 0.0))
+    if loss_stage and config.zero_stage == 3 and config.pp == 1:
+        # the second gathered block and a block's gradients come with the blocks' backward
+        before_blocks -= meshplan_zero3_block_backward_bytes(
+            compute_bytes=4 if config.dtype == "fp32" else 2,
+            largest_block_params=params.largest_block)
     phases = [before_blocks]
     # under a pipeline FSDP creates the sharded gradients only in the reduce-scatter after the
     # last micro-batch's backward, and the step sets them to None, so they are not allocated
@@ -664,28 +671,30 @@ def _weight_grad_bytes(config: ParallelConfig) -> int:
 
 
 def _interleaved_peak(model: ModelSpec, config: ParallelConfig, stage: int, framework: str, *,
-                      activations: float, accumulators: float, gathered: float,
-                      sharded_grads: float, device_key: str) -> tuple[float, float, float]:
+                      activations: float, accumulators: float, block_accumulators: float,
+                      gathered: float, sharded_grads: float,
+                      device_key: str) -> tuple[float, float, float]:
     """(activations, buffer bytes not held, send bytes not yet issued) at the peak backward of
-    an interleaved pipelined FSDP stage (``frameworks.interleaved_accumulator_peak``).
+    a pipelined FSDP stage (``frameworks.interleaved_accumulator_peak``; 1F1B or interleaved).
 
     The buffers count the whole stage's fp32 gradient ``accumulators`` and its ``gathered``
     parameters through backward; at the peak, chunks whose first backward has not come have
-    no accumulators yet, and chunks past their last backward are resharded and reduced, their
-    part of both freed and their part of the ``sharded_grads`` allocated. On gloo (the CPU)
-    the sends the step holds to its end (``stage_recv_buffer_bytes`` counts all of them)
-    pile up as it goes. ``activations``: the stage's at the warmup count
+    no accumulators yet (a chunk's first backward starts with one block's,
+    ``block_accumulators``), and chunks past their last backward are resharded and reduced,
+    their part of both freed and their part of the ``sharded_grads`` allocated. On gloo (the
+    CPU) the sends the interleaved schedule holds to its end (``stage_recv_buffer_bytes``
+    counts all of them) pile up as it goes. ``activations``: the stage's at the warmup count
     (``stage_activation_bytes``), whose in-flight part is rescaled."""
     head = last_stage_head_bytes(model, config, framework) if stage == config.pp - 1 else 0.0
     per_microbatch = (activations - head) / act.in_flight_microbatches(config, stage)
-    gloo = device_key == CPU_DEVICE_KEY
-    boundary = stage_boundary_bytes(model, config, framework)
     vpp = config.vpp
+    gloo = device_key == CPU_DEVICE_KEY and vpp > 1  # 1F1B waits on each send before the next
+    boundary = stage_boundary_bytes(model, config, framework)
     peak = interleaved_accumulator_peak(
         config.pp, vpp, config.grad_accum_steps, stage,
         chunk_microbatch_bytes=per_microbatch / vpp, chunk_accumulator_bytes=accumulators / vpp,
         chunk_gathered_bytes=gathered / vpp, chunk_sharded_grad_bytes=sharded_grads / vpp,
-        send_bytes=boundary if gloo else 0.0)
+        block_accumulator_bytes=block_accumulators, send_bytes=boundary if gloo else 0.0)
     unheld = ((1 - peak.accumulating) * accumulators + peak.finished * gathered
               - peak.finished * sharded_grads)
     all_sends = pipeline_send_in_flight_bytes(
@@ -766,11 +775,12 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     # torchtitan_cpu_pp_memory.py measured on torchtitan's own code path
     pipelined_fsdp = config.pp > 1 and config.zero_stage >= 2
     unsent = 0.0  # gloo's sends not yet issued at the peak
-    if pipelined_fsdp and config.vpp > 1:
+    if pipelined_fsdp:
         stage_total = params.dense + params.expert
         activations, unheld, unsent = _interleaved_peak(
             model, config, stage, "torchtitan", activations=activations,
             accumulators=config.grad_reduce_bytes * stage_total,
+            block_accumulators=config.grad_reduce_bytes * params.largest_block,
             gathered=compute_bytes * stage_total, sharded_grads=states.grads,
             device_key=device_key)
         buffers, in_block, at_loss = buffers - unheld, in_block - unheld, at_loss - unheld

@@ -17,6 +17,7 @@ from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.estimate import estimate
 from meshplan.costmodel.hardware import load_cluster
 from meshplan.costmodel.frameworks import (InterleavedPeak, interleaved_accumulator_peak,
+                                           torch_1f1b_order,
                                            pipeline_recv_buffer_bytes,
                                            pipeline_send_in_flight_bytes,
                                            torch_interleaved_order)
@@ -38,7 +39,7 @@ def _byte_runs():
 
 KNOWN_UNDER = {"torchtitan-llama3.1-70b-fsdp32-tp8-h100": 0.09,
                "torchtitan-llama3.1-405b-fsdp8-tp8-pp8-1f1b-h100": 0.10,
-               "torchtitan-llama3.1-405b-fsdp8-tp8-pp8-interleaved-h100": 0.11,
+               "torchtitan-llama3.1-405b-fsdp8-tp8-pp8-interleaved-h100": 0.12,
                "torchtitan-llama3.1-405b-fsdp1-cp8-tp8-pp8-s262144-h100": 0.125,
                "torchtitan-llama3.1-8b-fsdp32-h200-compile-float8": 0.06,
                "torchtitan-llama3.1-8b-fsdp64-h200-compile-float8": 0.08}
@@ -47,10 +48,11 @@ KNOWN_UNDER = {"torchtitan-llama3.1-70b-fsdp32-tp8-h100": 0.09,
 8192 tokens per rank) measures 71.9 GiB reserved against 65.9 predicted (-8.3 %; its peak is
 the loss's, where the async-TP row's 67.6 GiB is within 2.5 %); its 405B tables (FSDP 8 x
 TP 8 x PP 8, AsyncTP, which is not modelled) measure 82.5 GiB under 1F1B (-9.5 %) and 72.7
-GiB interleaved (-10.3 %: each chunk is resharded and reduced after its last backward, and
-a chunk's first block input is its receive buffer, as torch's schedules and stages do and
-torchtitan's CPU path measures; the two schedules now miss by the same few GiB, where they
-had differed by 10 points) and 84.9 GiB with CP 8 at 262,144 tokens (-12.1 %). Trainy's H200
+GiB interleaved (-11.6 %: each chunk is resharded and reduced after its last backward, its
+accumulators grow block by block through its first backward, and a chunk's first block
+input is its receive buffer, as torch's schedules and stages do and torchtitan's CPU path
+measures; the two schedules now miss by about the same 8 GiB, where they had differed by 10
+points) and 84.9 GiB with CP 8 at 262,144 tokens (-12.1 %). Trainy's H200
 rows (June 2025: torch 2.8, per-op SAC, blocks and loss compiled, 2 x 8K tokens) measure
 47.96 and 46.97 GiB against 45.4 and 43.4 (-5.4 %, -7.6 %) since a compiled block no longer
 counts the down projection's output (torchtitan 0.2.2 under the pinned torch does not keep
@@ -330,6 +332,49 @@ def test_interleaved_peak_weighs_activations_against_accumulators():
         assert (peak.live, peak.accumulating, peak.finished) == (chunks / 2, 1.0, 0.0)
 
 
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("micro_batches_over_pp", [1, 2, 3])
+def test_1f1b_order_holds_torchs_warmup(pp, micro_batches_over_pp):
+    """``Schedule1F1B._step_microbatches`` (torch 2.13): rank r runs min(m, pp - r) forwards,
+    then alternates a backward and a forward, then the backwards left; the most micro-batches
+    it holds at once is Narayanan et al.'s min(pp - r, m) (``in_flight_microbatches``)."""
+    m = micro_batches_over_pp * pp
+    for rank in range(pp):
+        order = torch_1f1b_order(pp, m, rank)
+        warmup = min(m, pp - rank)
+        assert order[:warmup] == ((False, 0),) * warmup
+        assert sum(not b for b, _ in order) == sum(b for b, _ in order) == m
+        steady = order[warmup:warmup + 2 * (m - warmup)]
+        assert steady == ((True, 0), (False, 0)) * (m - warmup)
+        live, most = 0, 0
+        for backward, _ in order:
+            live += -1 if backward else 1
+            most = max(most, live)
+        assert most == act.in_flight_microbatches(
+            ParallelConfig(pp=pp, micro_batch_size=1, global_batch_size=m), rank)
+
+
+def test_a_chunks_first_backward_starts_with_one_blocks_accumulators():
+    """1F1B, pp 2, 2 micro-batches, rank 0: forwards of both, then two backwards. By hand,
+    with activations of 10 per micro-batch, accumulators of 4 per chunk of which 1 per block:
+    the first backward starts with 20 + 1 and ends with 10 + 4; the second holds 10 + 4. With
+    accumulators of 40 (1 per block is then 10): 20 + 10 against 10 + 40, the end wins. Both
+    forwards have sent their outputs by then (counted, weighed only on gloo)."""
+    assert interleaved_accumulator_peak(
+        2, 1, 2, 0, chunk_microbatch_bytes=10.0, chunk_accumulator_bytes=4.0,
+        block_accumulator_bytes=1.0) == InterleavedPeak(live=2.0, accumulating=0.25,
+                                                        finished=0.0, sends=2)
+    assert interleaved_accumulator_peak(
+        2, 1, 2, 0, chunk_microbatch_bytes=10.0, chunk_accumulator_bytes=40.0,
+        block_accumulator_bytes=10.0) == InterleavedPeak(live=1.0, accumulating=1.0,
+                                                         finished=0.0, sends=2)
+    # without a block size the chunk's accumulators arrive whole at its first backward
+    assert interleaved_accumulator_peak(
+        2, 1, 2, 0, chunk_microbatch_bytes=10.0,
+        chunk_accumulator_bytes=4.0) == InterleavedPeak(live=2.0, accumulating=1.0,
+                                                        finished=0.0, sends=2)
+
+
 def test_interleaved_peak_counts_the_sends_gloo_holds():
     """pp 4 x vpp 2, 4 micro-batches, rank 1 (virtual stages 1 and 5 of 0-7): its warmup is
     all 8 forwards, each sending its output; then chunk 1's 4 backwards and chunk 0's, each
@@ -509,3 +554,43 @@ def test_meshplan_optimizer_offload_host_bytes_are_master_landing_and_moments(ze
     est = estimate(model, cluster, config, framework="meshplan")
     stepped = model.num_params / shard
     assert est.memory.cpu_bytes_per_node == pytest.approx(16 * stepped * 8, rel=1e-9)
+
+
+def test_meshplan_zero3_buffers_split_at_the_blocks_backward():
+    """meshplan's ZeRO-3 buffers (runtime/parallelize.py: every block an FSDP2 group, the root
+    group never resharded after forward), by hand: the root gathered, the LM head's unsharded
+    gradients (compute dtype), two blocks gathered and one block's fp32 gradients. Of these
+    only the second gathered block and the fp32 gradients wait for a block's backward; at the
+    loss and the head's backward the root's pre-backward hook has prefetched one block."""
+    from meshplan.costmodel.frameworks import (framework_buffer_bytes,
+                                               meshplan_zero3_block_backward_bytes)
+
+    root, head_grads, block = 3_000.0, 1_000.0, 10_000.0
+    for fp32, c in ((False, 2), (True, 4)):
+        whole = framework_buffer_bytes("meshplan", zero_stage=3, stage_params=50_000.0,
+                                       largest_layer_params=block, largest_block_params=block,
+                                       kept_gathered_params=root, fp32=fp32,
+                                       early_root_grad_params=head_grads)
+        assert whole == c * root + c * head_grads + 2 * c * block + 4 * block
+        later = meshplan_zero3_block_backward_bytes(compute_bytes=c, largest_block_params=block)
+        assert whole - later == c * (root + head_grads + block)
+
+
+def test_meshplan_zero3_loss_phase_leaves_the_block_backward_buffers_out():
+    """A loss-bound ZeRO-3 plan (tiny's layers, a 32,768-row vocabulary, dp 2): its peak is the
+    loss's, which holds one gathered block, not two, and no block gradients
+    (``meshplan_zero3_block_backward_bytes`` left out)."""
+    model = dataclasses.replace(load_model("tiny"), vocab_size=32_768)
+    cluster = load_cluster("cpu", nodes=1, gpus_per_node=2)
+    config = ParallelConfig(dp=2, zero_stage=3, micro_batch_size=2, global_batch_size=4,
+                            seq_len=64, dtype="fp32")
+    stage = estimate(model, cluster, config, framework="meshplan").memory.per_stage[0]
+    block = 46_208  # tiny's block: 4 x 64 x 64 + 2 x 64 x 32 + 3 x 64 x 176 + 2 x 64
+    assert stage.buffers_bytes - (4 * block + 4 * block) > 0
+    logits = 2 * 64 * 32_768 * 4
+    # the peak holds at least the logits (the loss's) beside one gathered block; were the
+    # second block and a block's gradients there too it would exceed this bound
+    other = stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes
+    assert stage.peak_bytes - other >= logits
+    assert stage.peak_bytes - other <= stage.activations_bytes + stage.buffers_bytes \
+        - (4 + 4) * block
