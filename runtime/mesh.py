@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshplan.costmodel import layout
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.model import ModelSpec
-from meshplan.runtime.support import model_refusal
 from meshplan.runtime import strict
+from meshplan.runtime.support import model_refusal
 
 DEFAULT_TIMEOUT_S = 60.0
 """Process-group timeout once training runs (after the first step): a rank waiting this long on

@@ -273,14 +273,24 @@ def test_init_from_refuses_another_model_in_one_line(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_the_built_in_decoder_saves_a_checkpoint_transformers_loads(tmp_path):
-    """``--save-hf`` for a catalog model: ``config.json`` made from its spec (Llama), the
-    logits of ``transformers`` equal the decoder's."""
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+def test_the_built_in_decoder_saves_a_checkpoint_transformers_loads(tmp_path, qk_norm):
+    """``--save-hf`` for a catalog model: ``config.json`` made from its spec (Llama; Qwen3 for
+    the same model with query and key norms and heads of 32, their weights drawn away from
+    1), the logits of ``transformers`` equal the decoder's."""
+    import dataclasses
+
     import torch.distributed as dist
     from meshplan.runtime.model import build_decoder
 
     spec = load_model("tiny")
+    if qk_norm:
+        spec = dataclasses.replace(spec, name="tiny-qk-norm", qk_norm=True, head_dim=32)
     module = build_decoder(spec, seed=3)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(2))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
@@ -289,7 +299,8 @@ def test_the_built_in_decoder_saves_a_checkpoint_transformers_loads(tmp_path):
     finally:
         dist.destroy_process_group()
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == "llama" and config["num_key_value_heads"] == spec.kv_heads
+    assert config["model_type"] == ("qwen3" if qk_norm else "llama")
+    assert config["num_key_value_heads"] == spec.kv_heads
     tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
                                                               dtype=torch.float32)
