@@ -138,7 +138,8 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
         elif model.norm == "rmsnorm":
             seq_split += 2 * act * tokens * h
     total = (seq_split / seq_div + (attention + mlp) / t + casts + qk_norm_bytes(
-        model, config, normalised_copy=eager and not autocast and model.norm == "rmsnorm"))
+        model, config, normalised_copy=eager and model.norm == "rmsnorm",
+        autocast=eager and autocast))
     if float8_inputs and not eager and not moe:
         ffn = model.ffn_hidden_size
         total -= (act - 1) * tokens * (2 * h / seq_div + (model.q_size + ffn) / t)
@@ -152,7 +153,7 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
 
 
 def qk_norm_bytes(model: ModelSpec, config: ParallelConfig, *,
-                  normalised_copy: bool = False) -> float:
+                  normalised_copy: bool = False, autocast: bool = False) -> float:
     """What a layer's query and key norms (``ModelSpec.qk_norm``) keep for backward on one
     rank for one micro-batch, where the layer keeps its tensors (no full recomputation): each
     norm's input, the projection's output before the norm (q and kv wide, divided by tp, in the
@@ -166,14 +167,23 @@ def qk_norm_bytes(model: ModelSpec, config: ParallelConfig, *,
     (``layer_activation_bytes``). Measured with meshplan's runtime on this CPU (tiny with
     query and key norms, fp32, 2 x 64 tokens, no recomputation): 389 KiB above the same plan
     without them over 4 layers, 97 KiB a layer, what both copies and the statistics make
-    (2 x 48 + 3 KiB); without the copy the model had 51."""
+    (2 x 48 + 3 KiB); without the copy the model had 51.
+
+    ``autocast`` (meshplan's runtime on a 16-bit plan without FSDP2): the norms get the
+    projections' 16-bit outputs with their fp32 weights, and ``torch.rms_norm`` with mixed
+    dtypes cannot take the fused kernel on any device ("Cannot dispatch to fused
+    implementation", aten layer_norm.cpp); its composite computes in fp32 and keeps the fp32
+    input and the fp32 normalised input. Measured the same way in bf16
+    (``MESHPLAN_CPU_PLAN_DTYPE=1``): 398 KiB above the plan without the norms, 99.5 KiB a
+    layer, 2 x 48 + 3 (the model had 27.6 before)."""
     if not model.qk_norm:
         return 0.0
     tokens = tokens_per_microbatch(config)
     stats = 1 if model.norm == "rmsnorm" else 2
     heads = model.num_heads + model.kv_heads
-    copies = 2 if normalised_copy else 1
-    return tokens * (copies * config.bytes_per_activation * (model.q_size + model.kv_size)
+    element = FP32_BYTES if autocast else config.bytes_per_activation
+    copies = 2 if normalised_copy or autocast else 1
+    return tokens * (copies * element * (model.q_size + model.kv_size)
                      + stats * FP32_BYTES * heads) / config.tp
 
 

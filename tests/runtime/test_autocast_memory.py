@@ -43,9 +43,18 @@ def test_h200_peaks_of_llama_1b_are_predicted_within_half_a_percent(fields):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_cpu_bf16_autocast_peaks_are_predicted(tmp_path, plan_file, torchrun, monkeypatch):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk-norm"])
+def test_cpu_bf16_autocast_peaks_are_predicted(tmp_path, plan_file, torchrun, monkeypatch,
+                                               qk_norm):
+    """With Qwen3's query and key norms too: under autocast their fp32 weights meet 16-bit
+    inputs, so ``torch.rms_norm`` runs its composite, keeping the fp32 input and normalised
+    input (``activations.qk_norm_bytes``: 1.057 with the bf16 input counted once)."""
+    import dataclasses
+
     monkeypatch.setenv(CPU_PLAN_DTYPE_ENV, "1")
     model = load_model("tiny")
+    if qk_norm:
+        model = dataclasses.replace(model, name="tiny-qk-norm", qk_norm=True)
     modes = ("none", "selective", "full")
     plans = [plan_file(model, ParallelConfig(global_batch_size=8, micro_batch_size=2,
                                              seq_len=64, dtype="bf16", recompute=mode),
