@@ -23,6 +23,7 @@ fp32, where there are no low-precision copies.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 ADAM_STATE_BYTES = 8
@@ -234,6 +235,11 @@ def deepspeed_zero3_extra_buffer_bytes(*, largest_layer_params: float,
     return compute_bytes * (DS_BUCKET_ELEMENTS + prefetch + persistent_params)
 
 
+PIPELINING_FRAMEWORKS = ("meshplan", "torchtitan")
+"""Frameworks whose pipelines are torch.distributed.pipelining's stages and schedules
+(receive buffers kept for the step, the stage input handed to the first block, FSDP2 inside)."""
+
+
 def pipeline_recv_buffer_bytes(framework: str, *, boundary_bytes: float, micro_batches: int,
                                stage: int, stages: int, vpp: int = 1) -> float:
     """Receive buffers torch.distributed.pipelining keeps for the whole run (bytes per rank).
@@ -246,7 +252,7 @@ def pipeline_recv_buffer_bytes(framework: str, *, boundary_bytes: float, micro_b
     states at a stage boundary. meshplan's runtime and torchtitan use these schedules;
     Megatron-LM and DeepSpeed allocate receive tensors per transfer.
     """
-    if framework not in ("meshplan", "torchtitan") or stages == 1:
+    if framework not in PIPELINING_FRAMEWORKS or stages == 1:
         return 0.0
     last = stages * vpp - 1
     chunks = [stage + k * stages for k in range(vpp)]
@@ -278,7 +284,7 @@ def pipeline_send_in_flight_bytes(framework: str, *, boundary_bytes: float, stag
     per micro-batch); NCCL's watchdog hands a completed work's stashed tensors back to be
     freed without a ``wait()`` (ProcessGroupNCCL.hpp, ``shelvesToUnstash_``), so on GPUs a
     send lives about as long as under 1F1B."""
-    if framework not in ("meshplan", "torchtitan") or stages == 1:
+    if framework not in PIPELINING_FRAMEWORKS or stages == 1:
         return 0.0
     if vpp == 1 or not gloo:
         return boundary_bytes
@@ -333,10 +339,9 @@ def torch_interleaved_order(pp: int, vpp: int, micro_batches: int,
 
 
 @dataclass(frozen=True)
-class InterleavedPeak:
-    """What an interleaved pipelined FSDP stage holds at its peak backward
-    (``interleaved_accumulator_peak``), each as a fraction of the whole stage's bytes of its
-    kind, apart from ``sends``.
+class PipelinePeak:
+    """What a pipelined FSDP stage holds at its peak backward (``pipelined_fsdp_peak``), each
+    as a fraction of the whole stage's bytes of its kind, apart from ``sends``.
 
     ``live``: micro-batches of the whole stage whose activations are live (chunk-micro-batches
     / vpp); ``accumulating``: chunks whose fp32 gradient accumulators are allocated (from their
@@ -349,12 +354,56 @@ class InterleavedPeak:
     sends: int
 
 
-def interleaved_accumulator_peak(pp: int, vpp: int, micro_batches: int, rank: int, *,
-                                 chunk_microbatch_bytes: float, chunk_accumulator_bytes: float,
-                                 chunk_gathered_bytes: float = 0.0,
-                                 chunk_sharded_grad_bytes: float = 0.0,
-                                 block_accumulator_bytes: float | None = None,
-                                 send_bytes: float = 0.0) -> InterleavedPeak:
+@functools.lru_cache(maxsize=4096)
+def _peak_moments(pp: int, vpp: int, micro_batches: int, rank: int,
+                  sends_weigh: bool) -> tuple[tuple[int, int, bool, int, int], ...]:
+    """The moments of one rank's step at which a pipelined FSDP stage can peak, in step
+    order: (live chunk-micro-batches, chunks with all their accumulators, whether one more
+    chunk holds only its first block's, finished chunks, sends issued), at each backward's
+    start and, for a chunk's first backward, its end (that micro-batch's activations freed,
+    the chunk's accumulators whole). What ``pipelined_fsdp_peak`` weighs is linear in these
+    with non-negative weights, so a moment no larger in any of them than an earlier one with
+    the same finished count and first-block flag can never be the first maximum, and is
+    dropped (the steady phase and cooldown mostly repeat or shrink the warmup's); the sends
+    count only where they weigh (``sends_weigh``: gloo)."""
+    last = pp * vpp - 1
+    live, started, done = [0] * vpp, [False] * vpp, [0] * vpp
+    sends = 0
+    moments: list[tuple[int, int, bool, int, int]] = []
+    order = (torch_1f1b_order(pp, micro_batches, rank) if vpp == 1
+             else torch_interleaved_order(pp, vpp, micro_batches, rank))
+    for backward, chunk in order:
+        virtual = rank + chunk * pp
+        if not backward:
+            live[chunk] += 1
+            sends += virtual < last
+            continue
+        finished = sum(d == micro_batches for d in done)
+        others = sum(started) - finished - started[chunk]
+        if started[chunk]:
+            moments.append((sum(live), others + 1, False, finished, sends))
+        else:
+            moments.append((sum(live), others, True, finished, sends))
+            moments.append((sum(live) - 1, others + 1, False, finished, sends))
+        started[chunk] = True
+        live[chunk] -= 1
+        done[chunk] += 1
+        sends += virtual > 0
+    kept: list[tuple[int, int, bool, int, int]] = []
+    for moment in moments:
+        units, full, first, finished, count = moment
+        if not any(k[2] == first and k[3] == finished and k[0] >= units and k[1] >= full
+                   and (k[4] >= count or not sends_weigh) for k in kept):
+            kept.append(moment)
+    return tuple(kept)
+
+
+def pipelined_fsdp_peak(pp: int, vpp: int, micro_batches: int, rank: int, *,
+                        chunk_microbatch_bytes: float, chunk_accumulator_bytes: float,
+                        chunk_gathered_bytes: float = 0.0,
+                        chunk_sharded_grad_bytes: float = 0.0,
+                        block_accumulator_bytes: float | None = None,
+                        send_bytes: float = 0.0) -> PipelinePeak:
     """Where a pipelined FSDP stage peaks (torchtitan's and meshplan's runtime's: both run
     torch's schedules over FSDP2), walking ``torch_interleaved_order`` (``torch_1f1b_order``
     for ``vpp`` 1): the backward at which what the rank holds is largest.
@@ -392,40 +441,19 @@ def interleaved_accumulator_peak(pp: int, vpp: int, micro_batches: int, rank: in
     meshplan's runtime on this CPU (tiny, pp 2 x dp 2 ZeRO-3, no recomputation, the storages
     at the peak listed by the op that made them): stage 0 peaks at the start of its first
     backward, both micro-batches' activations live beside one weight gradient."""
-    last = pp * vpp - 1
     block = chunk_accumulator_bytes if block_accumulator_bytes is None \
         else min(block_accumulator_bytes, chunk_accumulator_bytes)
     block_share = block / chunk_accumulator_bytes if chunk_accumulator_bytes else 1.0
-    live, started, done = [0] * vpp, [False] * vpp, [0] * vpp
-    sends = 0
-    best, at = -1.0, InterleavedPeak(0.0, 0.0, 0.0, 0)
-    order = (torch_1f1b_order(pp, micro_batches, rank) if vpp == 1
-             else torch_interleaved_order(pp, vpp, micro_batches, rank))
-    for backward, chunk in order:
-        virtual = rank + chunk * pp
-        if not backward:
-            live[chunk] += 1
-            sends += virtual < last
-            continue
-        finished = sum(d == micro_batches for d in done)
-        fixed = ((vpp - finished) * chunk_gathered_bytes + finished * chunk_sharded_grad_bytes
-                 + sends * send_bytes)
-        others = sum(started) - finished - started[chunk]
-        # (live chunk-micro-batches, chunks' worth of accumulators): this backward's start,
-        # and, for a chunk's first, its end (this micro-batch's activations freed)
-        moments = [(sum(live), others + (1.0 if started[chunk] else block_share))]
-        if not started[chunk]:
-            moments.append((sum(live) - 1, others + 1.0))
-        for units, accumulating in moments:
-            held = (units * chunk_microbatch_bytes + accumulating * chunk_accumulator_bytes
-                    + fixed)
-            if held > best:
-                best, at = held, InterleavedPeak(units / vpp, accumulating / vpp,
-                                                 finished / vpp, sends)
-        started[chunk] = True
-        live[chunk] -= 1
-        done[chunk] += 1
-        sends += virtual > 0
+    best, at = -1.0, PipelinePeak(0.0, 0.0, 0.0, 0)
+    for units, full, first, finished, sends in _peak_moments(pp, vpp, micro_batches, rank,
+                                                            send_bytes > 0):
+        accumulating = full + (block_share if first else 0.0)
+        held = (units * chunk_microbatch_bytes + accumulating * chunk_accumulator_bytes
+                + (vpp - finished) * chunk_gathered_bytes
+                + finished * chunk_sharded_grad_bytes + sends * send_bytes)
+        if held > best:
+            best, at = held, PipelinePeak(units / vpp, accumulating / vpp, finished / vpp,
+                                          sends)
     return at
 
 
@@ -552,7 +580,7 @@ def min_micro_batches(framework: str, pp: int) -> int:
     (meshplan's runtime and torchtitan) raise ValueError below ``pp`` micro-batches
     (schedules.py, torch 2.13); Megatron-LM's and DeepSpeed's 1F1B shorten the warm-up
     instead (any count)."""
-    return pp if pp > 1 and framework in ("meshplan", "torchtitan") else 1
+    return pp if pp > 1 and framework in PIPELINING_FRAMEWORKS else 1
 
 
 def per_stage_recompute(framework: str) -> bool:
@@ -582,7 +610,7 @@ def kept_stage_output_copies(framework: str, pp: int) -> float:
     (``benchmarks/runtime_cpu.py``): the last stages of pp2, pp2 x dp2 ZeRO-3 and pp2 x dp2 x
     tp2 ZeRO-3 held 4.8-10.6% more than predicted without it (1.4-2.1 logit tensors of
     2 x 64 x 256 fp32 each); with it pp2's last stage is at 1.012."""
-    return 1.0 if pp > 1 and framework in ("meshplan", "torchtitan") else 0.0
+    return 1.0 if pp > 1 and framework in PIPELINING_FRAMEWORKS else 0.0
 
 
 def optimizer_workspace_bytes(framework: str, *, optimizer_params: float) -> float:

@@ -17,13 +17,13 @@ from meshplan.costmodel.eager import float8_weight_elements
 from meshplan.costmodel.calibration import Calibration
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
 from meshplan.costmodel.frameworks import (DS_PERSISTENCE_THRESHOLD, DTENSOR_TP_FRAMEWORKS,
-                                  StateBytes, deepspeed_host_bytes_per_node,
+                                  PIPELINING_FRAMEWORKS, StateBytes,
+                                  deepspeed_host_bytes_per_node,
                                   deepspeed_zero3_extra_buffer_bytes, eager_autograd,
-                                  framework_buffer_bytes, interleaved_accumulator_peak,
-                                  meshplan_zero3_block_backward_bytes,
-                                  kept_stage_output_copies, logit_copies, model_state_bytes,
+                                  framework_buffer_bytes, kept_stage_output_copies, logit_copies,
+                                  meshplan_zero3_block_backward_bytes, model_state_bytes,
                                   optimizer_workspace_bytes, pipeline_recv_buffer_bytes,
-                                  pipeline_send_in_flight_bytes,
+                                  pipeline_send_in_flight_bytes, pipelined_fsdp_peak,
                                   pipelined_fsdp_reduce_scatter_bytes, torchtitan_cached_bytes,
                                   vocab_parallel_loss)
 from meshplan.costmodel.hardware import ClusterSpec
@@ -270,7 +270,7 @@ def received_input_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     peaks of torchtitan's code path on this CPU (pp 4, 16 blocks, full AC,
     ``benchmarks/torchtitan_cpu_pp_memory.py``): rank 1 under 1F1B holds three micro-batches'
     saved inputs of its blocks 2-4 and no copy of block 1's beside the receive buffers."""
-    if framework not in ("meshplan", "torchtitan") or config.pp == 1:
+    if framework not in PIPELINING_FRAMEWORKS or config.pp == 1:
         return 0.0
     receiving = config.vpp - (1 if stage == 0 else 0)
     return receiving * stage_boundary_bytes(model, config, framework)
@@ -500,6 +500,7 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
 def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
                   *, framework: str, calibration: Calibration) -> StageMemory:
     """``stage_memory`` on a GPU (device memory apart from what is offloaded)."""
+    compute_bytes = 4 if config.dtype == "fp32" else 2
     states, params = stage_states(model, config, stage, framework)
     activations = stage_activation_bytes(model, config, stage, framework,
                                          device_key=cluster.gpu.key)
@@ -517,7 +518,7 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
         buffers += deepspeed_zero3_extra_buffer_bytes(
             largest_layer_params=params.largest_layer,
             persistent_params=persistent_layer_params(model) * params.layers,
-            compute_bytes=4 if config.dtype == "fp32" else 2)
+            compute_bytes=compute_bytes)
     persistent = buffers if framework in ("meshplan", "torchtitan") and \
         config.zero_stage <= 1 else 0.0
     if framework == "megatron" and config.float8:
@@ -541,16 +542,16 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
         + params.expert / (max(1, config.dp * config.cp // config.ep)
                            if config.zero_stage >= 1 else 1))
     step_workspace = optimizer_workspace_bytes(framework, optimizer_params=optimizer_params)
-    # interleaved pipelined FSDP: the peak backward's activations and accumulators
+    # pipelined FSDP: the peak backward's activations, accumulators and gathered chunks
     pipelined_fsdp = framework == "meshplan" and config.pp > 1 and config.zero_stage >= 2
     unheld = 0.0
     if pipelined_fsdp and not model.is_traced:
         stage_total = params.dense + params.expert
-        activations, unheld, unsent = _interleaved_peak(
+        activations, unheld, unsent = _pipelined_fsdp_peak(
             model, config, stage, framework, activations=activations,
             accumulators=act.FP32_BYTES * stage_total,
             block_accumulators=act.FP32_BYTES * params.largest_block,
-            gathered=(4 if config.dtype == "fp32" else 2) * stage_total,
+            gathered=compute_bytes * stage_total,
             sharded_grads=states.grads, device_key=cluster.gpu.key)
         unheld += unsent
     # a block's backward: the loss is freed
@@ -563,8 +564,7 @@ def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     if loss_stage and config.zero_stage == 3 and config.pp == 1:
         # the second gathered block and a block's gradients come with the blocks' backward
         before_blocks -= meshplan_zero3_block_backward_bytes(
-            compute_bytes=4 if config.dtype == "fp32" else 2,
-            largest_block_params=params.largest_block)
+            compute_bytes=compute_bytes, largest_block_params=params.largest_block)
     phases = [before_blocks]
     # under a pipeline FSDP creates the sharded gradients only in the reduce-scatter after the
     # last micro-batch's backward, and the step sets them to None, so they are not allocated
@@ -670,12 +670,12 @@ def _weight_grad_bytes(config: ParallelConfig) -> int:
     return 4 if config.dtype == "fp32" or config.zero_stage <= 1 else 2
 
 
-def _interleaved_peak(model: ModelSpec, config: ParallelConfig, stage: int, framework: str, *,
+def _pipelined_fsdp_peak(model: ModelSpec, config: ParallelConfig, stage: int, framework: str, *,
                       activations: float, accumulators: float, block_accumulators: float,
                       gathered: float, sharded_grads: float,
                       device_key: str) -> tuple[float, float, float]:
     """(activations, buffer bytes not held, send bytes not yet issued) at the peak backward of
-    a pipelined FSDP stage (``frameworks.interleaved_accumulator_peak``; 1F1B or interleaved).
+    a pipelined FSDP stage (``frameworks.pipelined_fsdp_peak``; 1F1B or interleaved).
 
     The buffers count the whole stage's fp32 gradient ``accumulators`` and its ``gathered``
     parameters through backward; at the peak, chunks whose first backward has not come have
@@ -690,7 +690,7 @@ def _interleaved_peak(model: ModelSpec, config: ParallelConfig, stage: int, fram
     vpp = config.vpp
     gloo = device_key == CPU_DEVICE_KEY and vpp > 1  # 1F1B waits on each send before the next
     boundary = stage_boundary_bytes(model, config, framework)
-    peak = interleaved_accumulator_peak(
+    peak = pipelined_fsdp_peak(
         config.pp, vpp, config.grad_accum_steps, stage,
         chunk_microbatch_bytes=per_microbatch / vpp, chunk_accumulator_bytes=accumulators / vpp,
         chunk_gathered_bytes=gathered / vpp, chunk_sharded_grad_bytes=sharded_grads / vpp,
@@ -733,9 +733,9 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     gradients); counting only the end-of-block buffers there under-predicted by 6-9 % once
     the activations outweigh the parameters (4 ranks, 8 x 64 tokens).
 
-    Under an interleaved pipeline each chunk's fp32 gradient accumulators exist from its first
-    backward on, and the peak is the backward where they and the live activations are largest
-    together (``frameworks.interleaved_accumulator_peak``, walking torch's order of the rank's
+    Under a pipeline each chunk's fp32 gradient accumulators exist from its first backward
+    on, and the peak is the backward where they and the live activations are largest
+    together (``frameworks.pipelined_fsdp_peak``, walking torch's order of the rank's
     forwards and backwards), not the warmup count beside the whole stage's accumulators.
 
     The optimizer step (fused AdamW, in place) holds parameters, gradients and Adam states.
@@ -777,7 +777,7 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     unsent = 0.0  # gloo's sends not yet issued at the peak
     if pipelined_fsdp:
         stage_total = params.dense + params.expert
-        activations, unheld, unsent = _interleaved_peak(
+        activations, unheld, unsent = _pipelined_fsdp_peak(
             model, config, stage, "torchtitan", activations=activations,
             accumulators=config.grad_reduce_bytes * stage_total,
             block_accumulators=config.grad_reduce_bytes * params.largest_block,

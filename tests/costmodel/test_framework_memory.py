@@ -16,11 +16,9 @@ from meshplan.costmodel import activations as act
 from meshplan.costmodel.config import ParallelConfig
 from meshplan.costmodel.estimate import estimate
 from meshplan.costmodel.hardware import load_cluster
-from meshplan.costmodel.frameworks import (InterleavedPeak, interleaved_accumulator_peak,
-                                           torch_1f1b_order,
-                                           pipeline_recv_buffer_bytes,
-                                           pipeline_send_in_flight_bytes,
-                                           torch_interleaved_order)
+from meshplan.costmodel.frameworks import (PipelinePeak, pipeline_recv_buffer_bytes,
+                                           pipeline_send_in_flight_bytes, pipelined_fsdp_peak,
+                                           torch_1f1b_order, torch_interleaved_order)
 from meshplan.costmodel.memory import (last_stage_head_bytes, received_input_bytes,
                                       stage_activation_bytes)
 from meshplan.costmodel.memory_runs import compare, memory_runs
@@ -298,7 +296,7 @@ def test_interleaved_order_is_torchs(pp, vpp, rounds):
         assert torch_interleaved_order(pp, vpp, micro_batches, rank) == theirs
 
 
-def test_interleaved_peak_weighs_activations_against_accumulators():
+def test_pipelined_peak_weighs_activations_against_accumulators():
     """pp 8 x vpp 2, 8 micro-batches. By hand, with 1 unit per chunk-micro-batch: a rank's
     warmup is 8 + 2 (7 - rank) forwards (capped at 16), chunk 0's 8 micro-batches first; its
     first backward (chunk 1's) comes with the warmup's forwards and one more live, w + 1 =
@@ -314,19 +312,19 @@ def test_interleaved_peak_weighs_activations_against_accumulators():
         all_sends = 16 - 8 * (rank == 7) + 8
         # 405B-like chunks (per 1 GiB chunk-micro-batch: 11.8 of fp32 accumulators, 5.9
         # gathered, 1.5 sharded): at least 9 + 11.8 + 11.8 against 8 + 11.8 + 5.9 + 1.5
-        assert interleaved_accumulator_peak(
+        assert pipelined_fsdp_peak(
             8, 2, 8, rank, chunk_microbatch_bytes=1.0, chunk_accumulator_bytes=11.8,
             chunk_gathered_bytes=5.9, chunk_sharded_grad_bytes=1.5) == \
-            InterleavedPeak(live=first / 2, accumulating=0.5, finished=0.0, sends=sends)
+            PipelinePeak(live=first / 2, accumulating=0.5, finished=0.0, sends=sends)
         # sharded gradients outweighing all else: chunk 0's first backward
-        assert interleaved_accumulator_peak(
+        assert pipelined_fsdp_peak(
             8, 2, 8, rank, chunk_microbatch_bytes=1.0, chunk_accumulator_bytes=1.0,
             chunk_sharded_grad_bytes=20.0) == \
-            InterleavedPeak(live=4.0, accumulating=0.5, finished=0.5, sends=all_sends)
+            PipelinePeak(live=4.0, accumulating=0.5, finished=0.5, sends=all_sends)
     # a steady phase (16 micro-batches): the warmup count plus one, with every accumulator
     for rank in range(8):
         chunks = min(2 * (8 - rank - 1) + 8 + 1, 32)
-        peak = interleaved_accumulator_peak(
+        peak = pipelined_fsdp_peak(
             8, 2, 16, rank, chunk_microbatch_bytes=1.0, chunk_accumulator_bytes=11.8,
             chunk_gathered_bytes=5.9, chunk_sharded_grad_bytes=1.5)
         assert (peak.live, peak.accumulating, peak.finished) == (chunks / 2, 1.0, 0.0)
@@ -360,39 +358,39 @@ def test_a_chunks_first_backward_starts_with_one_blocks_accumulators():
     the first backward starts with 20 + 1 and ends with 10 + 4; the second holds 10 + 4. With
     accumulators of 40 (1 per block is then 10): 20 + 10 against 10 + 40, the end wins. Both
     forwards have sent their outputs by then (counted, weighed only on gloo)."""
-    assert interleaved_accumulator_peak(
+    assert pipelined_fsdp_peak(
         2, 1, 2, 0, chunk_microbatch_bytes=10.0, chunk_accumulator_bytes=4.0,
-        block_accumulator_bytes=1.0) == InterleavedPeak(live=2.0, accumulating=0.25,
+        block_accumulator_bytes=1.0) == PipelinePeak(live=2.0, accumulating=0.25,
                                                         finished=0.0, sends=2)
-    assert interleaved_accumulator_peak(
+    assert pipelined_fsdp_peak(
         2, 1, 2, 0, chunk_microbatch_bytes=10.0, chunk_accumulator_bytes=40.0,
-        block_accumulator_bytes=10.0) == InterleavedPeak(live=1.0, accumulating=1.0,
+        block_accumulator_bytes=10.0) == PipelinePeak(live=1.0, accumulating=1.0,
                                                          finished=0.0, sends=2)
     # without a block size the chunk's accumulators arrive whole at its first backward
-    assert interleaved_accumulator_peak(
+    assert pipelined_fsdp_peak(
         2, 1, 2, 0, chunk_microbatch_bytes=10.0,
-        chunk_accumulator_bytes=4.0) == InterleavedPeak(live=2.0, accumulating=1.0,
+        chunk_accumulator_bytes=4.0) == PipelinePeak(live=2.0, accumulating=1.0,
                                                         finished=0.0, sends=2)
 
 
-def test_interleaved_peak_counts_the_sends_gloo_holds():
+def test_pipelined_peak_counts_the_sends_gloo_holds():
     """pp 4 x vpp 2, 4 micro-batches, rank 1 (virtual stages 1 and 5 of 0-7): its warmup is
     all 8 forwards, each sending its output; then chunk 1's 4 backwards and chunk 0's, each
     sending its input gradient. Before backward k (0-7): 8 - k chunk-micro-batches live, 8 + k
     sends held. Sends weighing more than activations put the peak at the last backward (as
     torchtitan's CPU path measured), less at the first."""
-    heavy = interleaved_accumulator_peak(4, 2, 4, 1, chunk_microbatch_bytes=1.0,
+    heavy = pipelined_fsdp_peak(4, 2, 4, 1, chunk_microbatch_bytes=1.0,
                                          chunk_accumulator_bytes=0.0, send_bytes=2.0)
-    assert heavy == InterleavedPeak(live=0.5, accumulating=0.5, finished=0.5, sends=15)
-    light = interleaved_accumulator_peak(4, 2, 4, 1, chunk_microbatch_bytes=1.0,
+    assert heavy == PipelinePeak(live=0.5, accumulating=0.5, finished=0.5, sends=15)
+    light = pipelined_fsdp_peak(4, 2, 4, 1, chunk_microbatch_bytes=1.0,
                                          chunk_accumulator_bytes=0.0, send_bytes=0.5)
-    assert light == InterleavedPeak(live=4.0, accumulating=0.5, finished=0.0, sends=8)
+    assert light == PipelinePeak(live=4.0, accumulating=0.5, finished=0.0, sends=8)
     # rank 0 holds virtual stage 0, which sends no gradient, and rank 3 the last, which sends
     # no output: 12 sends in the step instead of 16. Before its last backward rank 0 holds all
     # 12 (that backward, chunk 0's, sends nothing), rank 3 11 (its last is a sending one)
-    assert interleaved_accumulator_peak(4, 2, 4, 0, chunk_microbatch_bytes=0.0,
+    assert pipelined_fsdp_peak(4, 2, 4, 0, chunk_microbatch_bytes=0.0,
                                         chunk_accumulator_bytes=0.0, send_bytes=1.0).sends == 12
-    assert interleaved_accumulator_peak(4, 2, 4, 3, chunk_microbatch_bytes=0.0,
+    assert pipelined_fsdp_peak(4, 2, 4, 3, chunk_microbatch_bytes=0.0,
                                         chunk_accumulator_bytes=0.0, send_bytes=1.0).sends == 11
 
 
