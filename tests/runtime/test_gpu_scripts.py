@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["gpu_profile_validate.py", "gpu_runtime.py", "gpu_kernels.py",
-                                  "gpu_memory_breakdown.py"])
+                                  "gpu_memory_breakdown.py", "gpu_torchtitan_memory.py"])
 def test_without_cuda_it_stops_with_one_line(tmp_path, name):
     done = run_benchmark(name, "--out", str(tmp_path), timeout_s=50)
     assert done.returncode == 2
