@@ -138,9 +138,13 @@ def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, s
 
     from meshplan.runtime.memory import PeakMemory
 
-    if device.type == "cpu":  # torchtitan builds its meshes on its module's device type
+    if device.type == "cpu":
+        # torchtitan builds its meshes on its module's device type, and its float8 converter
+        # asks for a CUDA capability; torch's CPU build runs float8 GEMMs (torch._scaled_mm)
+        import torchtitan.components.quantization.float8 as float8_module
         import torchtitan.distributed.parallel_dims as parallel_dims_module
         parallel_dims_module.device_type = "cpu"
+        float8_module.has_cuda_capability = lambda major, minor: True
     dist.init_process_group("fake", rank=rank, world_size=world)
     try:
         par, training = job.parallelism, job.training
@@ -272,7 +276,8 @@ def gpu_rows(ids: list[str], *, warmup: int, steps: int) -> list[dict]:
     return rows
 
 
-def dry_plan(dp: int, tp: int, micro_batch: int, policy: str, vocab: int):
+def dry_plan(dp: int, tp: int, micro_batch: int, policy: str, vocab: int, *,
+             dtype: str = "fp32", float8: bool = False, compile_mode: str = "none"):
     """The dry run's plan for torchtitan's exporter (llama3 8B, the flavour the export names)
     and its estimate for meshplan's ``tiny`` model, whose shapes replace the flavour's
     arguments (``tiny_overrides``)."""
@@ -282,7 +287,8 @@ def dry_plan(dp: int, tp: int, micro_batch: int, policy: str, vocab: int):
                             recompute=policy if policy in ("full", "none") else "selective",
                             selective_ac="op" if policy in ("full", "none") else policy,
                             micro_batch_size=micro_batch, global_batch_size=dp * micro_batch,
-                            seq_len=SEQ_LEN, dtype="fp32")
+                            seq_len=SEQ_LEN, dtype=dtype, float8=float8,
+                            compile=compile_mode)
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=dp * tp)
     plan, _ = plan_of(load_model("llama3-8b"), cluster, config)
     return plan, estimate(tiny, cluster, config, framework="torchtitan"), tiny
@@ -296,12 +302,19 @@ def tiny_overrides(tiny) -> dict:
             "ffn_dim_multiplier": None}
 
 
-def dry_measure(dp: int, tp: int, micro_batch: int, policy: str, vocab: int) -> tuple[int, float]:
-    """(fake rank 0's peak live bytes, the model's peak) for a tiny plan on the CPU."""
+def dry_measure(dp: int, tp: int, micro_batch: int, policy: str, vocab: int, *,
+                dtype: str = "fp32", float8: bool = False,
+                compile_mode: str = "none") -> tuple[int, float]:
+    """(fake rank 0's peak bytes, the model's peak) for a tiny plan on the CPU: live tensor
+    bytes, or under ``compile_mode`` the CPU allocator's (``run_rank``'s meters), over two
+    steps after one (two compiling) that are not measured."""
     _import_torchtitan()
-    plan, est, tiny = dry_plan(dp, tp, micro_batch, policy, vocab)
+    plan, est, tiny = dry_plan(dp, tp, micro_batch, policy, vocab, dtype=dtype, float8=float8,
+                               compile_mode=compile_mode)
+    compiled = compile_mode != "none"
     result = run_rank(job_config(plan), world=dp * tp, rank=0, device=torch.device("cpu"),
-                      warmup=1, steps=2, args_override=tiny_overrides(tiny), meter="tracker")
+                      warmup=2 if compiled else 1, steps=2, args_override=tiny_overrides(tiny),
+                      meter="allocator" if compiled else "tracker")
     return result.allocated, est.memory.per_stage[0].peak_bytes
 
 

@@ -86,7 +86,13 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     intermediates. Measured on torchtitan 0.2.2's block under torch 2.13 on this CPU
     (``benchmarks/torchtitan_saved_tensors.py --policy none --compile``, the tensors the
     compiled graph saves: h 256, ffn 704, 4 x 256 tokens, fp32): 14,966,784 bytes beyond the
-    block input, what this counts.
+    block input, what this counts. With float8 linears (torchtao's, as torchtitan converts
+    them) the partition keeps neither norm output nor one of the three ffn-wide tensors: it
+    rebuilds them, and their float8 casts, in backward from what it keeps. Measured the same
+    way on the tiny block in bf16 (8 x 64 tokens, no TP): 946,176 bytes kept without float8,
+    634,922 with, 2 h-wide and 1 ffn-wide bf16 tensor fewer (311,296 less 42 bytes of
+    scales). Under float8 TP (not measured: torch 2.13 does not compile the TP block on this
+    CPU) the count stays as without float8.
 
     Per-head query and key norms (``ModelSpec.qk_norm``) add ``qk_norm_bytes`` wherever the
     layer keeps its tensors.
@@ -111,6 +117,8 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
         total = (seq_split / seq_div + 2 * stats * FP32_BYTES * tokens
                  + 2 * act * tokens * h  # the norms' outputs, whole (gathered under SP)
                  + (attention + mlp) / t + qk_norm_bytes(model, config))
+        if config.float8 and t == 1 and not moe:
+            total -= act * tokens * (2 * h + model.ffn_hidden_size)  # (docstring: float8)
         if recompute == "none":
             total += attention_core_bytes(model, config)
         return total
@@ -135,10 +143,13 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
             casts = (3 + ups) * act * tokens * h
             if model.norm == "rmsnorm" and not fused_norm:
                 seq_split += 2 * FP32_BYTES * tokens * h
-        elif model.norm == "rmsnorm":
-            seq_split += 2 * act * tokens * h
+        elif model.norm == "rmsnorm" and not fused_norm:
+            # torch.rms_norm's composite keeps each norm's normalised input; from a 16-bit
+            # input it upcasts first and keeps the fp32 copy and an fp32 normalised input
+            # in place of the input and a 16-bit one (module doc: ``fused_norm``)
+            seq_split += 2 * act * tokens * h + 4 * (FP32_BYTES - act) * tokens * h
     total = (seq_split / seq_div + (attention + mlp) / t + casts + qk_norm_bytes(
-        model, config, normalised_copy=eager and model.norm == "rmsnorm",
+        model, config, normalised_copy=eager and model.norm == "rmsnorm" and not fused_norm,
         autocast=eager and autocast))
     if float8_inputs and not eager and not moe:
         ffn = model.ffn_hidden_size
@@ -361,6 +372,30 @@ def backward_workspace_bytes(model: ModelSpec, config: ParallelConfig, *,
     activation_grads = 2 * config.bytes_per_activation * tokens_per_microbatch(config) * f
     weight = weight_grad_bytes * model.hidden_size * f if accumulating else 0.0
     return (activation_grads + weight) / config.tp
+
+
+FLOAT8_EAGER_CAST_BYTES = 9
+"""Bytes per element an eager tensorwise float8 cast holds while it runs (torchao's
+``hp_tensor_to_float8_dynamic``, as torchtitan's float8 linears cast their inputs and, in
+backward, their output gradients): the input upcast and scaled (``tensor.to(torch.float32) *
+scale``, 4), clamped to the float8 range (``to_fp8_saturated``, 4, the scaled copy still
+referenced) and cast (1). Under ``torch.compile`` the cast is one fused kernel."""
+
+
+def float8_cast_workspace_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """Bytes an eager float8 block backward holds above ``backward_workspace_bytes``: the
+    SwiGLU's second ffn-wide gradient (``b s f / (cp t)``) is, at the peak, the output
+    gradient of an up projection being cast to float8 (``FLOAT8_EAGER_CAST_BYTES`` per element
+    in place of the activation dtype's). 0 without float8 or under compile. Measured on
+    torchtitan 0.2.2's float8 path (torchao, FSDP float8 all-gather, bf16) on this CPU, one
+    rank of a fake group (``benchmarks/gpu_torchtitan_memory.py``'s ``run_rank``; tiny shapes,
+    8 x 64 tokens, full AC): at the peak the fp32 scaled and clamped copies and the float8 result
+    of a 512 x 176 gradient (811 KiB) beside the recomputed block; the peak 595 KiB above the
+    same plan in bf16, where the model had it 92 KiB below."""
+    if not config.float8 or config.compile != "none" or model.is_moe:
+        return 0.0
+    return ((FLOAT8_EAGER_CAST_BYTES - config.bytes_per_activation)
+            * tokens_per_microbatch(config) * model.ffn_hidden_size / config.tp)
 
 
 def hidden_state_bytes(model: ModelSpec, config: ParallelConfig) -> float:

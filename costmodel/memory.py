@@ -704,6 +704,35 @@ def _pipelined_fsdp_peak(model: ModelSpec, config: ParallelConfig, stage: int, f
     return peak.live * per_microbatch + head, unheld, unsent
 
 
+def _backward_sharded_grads_bytes(model: ModelSpec, config: ParallelConfig, stage: int, *,
+                                  states: StateBytes, params: StageParams, device_key: str,
+                                  dropped_prefetch: float) -> float:
+    """What a later block's backward holds above the first one's under FSDP2 with one
+    micro-batch (torchtitan, pp 1): each block's reduce-scatter leaves its sharded fp32
+    gradient behind (the step's ``zero_grad`` set none before backward), after the LM head
+    group's, while each finished block releases what it stored. Block ``j`` of the backward
+    (0: the first) holds ``head + j (g - a)`` more, ``g`` a block's sharded gradient and ``a``
+    a layer's stored bytes, and the last block one prefetched block less (it prefetches the
+    embedding): the most over the blocks, 0 where the first one holds most (a layer stores
+    more than its sharded gradient: no recomputation, per-op, or long sequences; a layer's
+    stored bytes are the stage's mean where layers recompute differently). Measured on
+    torchtitan's compiled step on this CPU (tiny, FSDP 2, full AC, bf16 and fp32, one rank of a
+    fake group, ``benchmarks/torchtitan_cpu_mixed_memory.py``): the peak falls in the second
+    to last block's backward, beside the head group's and two blocks' sharded gradients."""
+    layers = len(stage_layer_range(model, config, stage))
+    if layers < 2 or not states.grads:
+        return 0.0
+    total = params.dense + params.expert
+    block = states.grads * params.largest_block / total
+    head = states.grads * params.head / total
+    stored = sum(_layer_bytes(model, config, "torchtitan", mode, moe=False,
+                              device_key=device_key)
+                 for mode in layer_modes(config, "torchtitan", stage, layers)) / layers
+    step = block - stored
+    later = max((layers - 2) * step, (layers - 1) * step - dropped_prefetch)
+    return max(0.0, head + later)
+
+
 def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: int, *,
                              calibration: Calibration, states: StateBytes, params: StageParams,
                              activations: float, device_key: str) -> StageMemory:
@@ -786,11 +815,17 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
         buffers, in_block, at_loss = buffers - unheld, in_block - unheld, at_loss - unheld
     live_grads = states.grads if config.grad_accum_steps > 1 and not pipelined_fsdp else 0.0
     swiglu_grads = act.backward_workspace_bytes(model, config, weight_grad_bytes=compute_bytes,
-                                                accumulating=False)
+                                                accumulating=False) \
+        + act.float8_cast_workspace_bytes(model, config)
     if config.zero_stage == 3 and config.pp == 1:
         mid_block = (2 * block_bytes * params.largest_block
                      + compute_bytes * model.hidden_size * model.ffn_hidden_size / config.tp
                      + config.grad_reduce_bytes * params.largest_block)
+        if not live_grads:  # one micro-batch: the sharded gradients appear during backward
+            mid_block += _backward_sharded_grads_bytes(
+                model, config, stage, states=states, params=params, device_key=device_key,
+                dropped_prefetch=block_bytes * params.largest_block
+                - compute_bytes * (params.root - params.head))
     else:  # the buffers stay whole through the block (DDP buckets, a gathered stage)
         mid_block = in_block
     forward_backward = states.params + states.optimizer + live_grads + recv - unsent + max(

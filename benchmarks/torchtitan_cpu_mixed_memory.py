@@ -1,0 +1,130 @@
+"""torchtitan's 16-bit and float8 code paths on this CPU: measured peaks against the model.
+
+The other torchtitan CPU rows of ``costmodel/data/memory_runs.json`` train in fp32. These train
+as torchtitan runs on GPUs: bf16 parameters through FSDP2's mixed precision (fp32 gradient
+reduction), optionally with torchao's float8 linears (tensorwise scaling, the weights
+all-gathered in float8 with their scales precomputed, the LM head left in bf16: meshplan's
+torchtitan export), eager or with each block compiled. Each plan is meshplan's plan exported
+to torchtitan and stepped as rank 0 of torch's fake process group (``gpu_torchtitan_memory.
+run_rank``: one process, every buffer of the rank allocated with its real shape; its dry run
+reproduces the gloo rows), with meshplan's ``tiny`` shapes: live tensor bytes over two steps
+after one, or, compiled, the CPU allocator's bytes (``AllocatorPeak``) over two steps after
+two. Each plan runs in a process of its own.
+
+    python benchmarks/torchtitan_cpu_mixed_memory.py            # measure and compare
+    python benchmarks/torchtitan_cpu_mixed_memory.py --record   # and write the rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = ROOT / "costmodel" / "data" / "memory_runs.json"
+TIMEOUT_S = 600
+PLANS = {
+    # id: (dp, tp, micro-batch, policy, vocabulary, float8, compile)
+    f"torchtitan-cpu-tiny-{kind}-{shape}": (dp, tp, 8, policy, vocab, kind.startswith("float8"),
+                                            "model" if kind.endswith("compile") else "none")
+    for kind in ("bf16", "float8", "bf16-compile", "float8-compile")
+    for shape, (dp, tp, policy, vocab) in {
+        "fsdp2-full-mb8": (2, 1, "full", 256), "fsdp2-none-mb8": (2, 1, "none", 256),
+        "fsdp2-op-mb8": (2, 1, "op", 256), "fsdp4-full-mb8": (4, 1, "full", 256),
+        "v1024-fsdp2-tp2-full-mb8": (2, 2, "full", 1024),
+        "v1024-fsdp2-tp2-op-mb8": (2, 2, "op", 1024)}.items()
+    # torch 2.13 does not compile torchtitan's TP block on the CPU (its AOT autograd refuses
+    # the device mesh among the saved values)
+    if not (kind.endswith("compile") and tp > 1)
+}
+
+
+def measure_one(plan_id: str) -> dict:
+    """Measure one plan in this process (``--one``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_torchtitan_memory import dry_measure
+    dp, tp, micro, policy, vocab, float8, compile_mode = PLANS[plan_id]
+    measured, predicted = dry_measure(dp, tp, micro, policy, vocab, dtype="bf16",
+                                      float8=float8, compile_mode=compile_mode)
+    return {"id": plan_id, "measured": measured, "predicted": predicted}
+
+
+def memory_row(plan_id: str, measured: int) -> dict:
+    """``plan_id``'s row of ``memory_runs.json``."""
+    dp, tp, micro, policy, vocab, float8, compile_mode = PLANS[plan_id]
+    config = {"dp": dp, "zero_stage": 3, "micro_batch_size": micro,
+              "global_batch_size": dp * micro, "seq_len": 64, "dtype": "bf16"}
+    if tp > 1:
+        config.update(tp=tp, sp=True)
+    if policy in ("full", "none"):
+        config["recompute"] = policy
+    else:
+        config.update(recompute="selective", selective_ac=policy)
+    if float8:
+        config["float8"] = True
+    if compile_mode != "none":
+        config["compile"] = compile_mode
+    model = "tiny" if vocab == 256 else {
+        "num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
+        "ffn_hidden_size": 176, "vocab_size": vocab, "seq_len": 64, "activation": "swiglu",
+        "norm": "rmsnorm", "position_embedding": "rope", "linear_bias": False,
+        "tied_embeddings": False, "dropout": False, "name": f"tiny-vocab{vocab}"}
+    meter = ("bytes held through torch's CPU allocator over steps 3-4 (the profiler's "
+             "allocation events: the live-tensor tracker cannot run under compile)"
+             if compile_mode != "none" else "peak live tensor bytes over steps 2-3")
+    parts = [f"FSDP {dp}"] + ([f"TP {tp} (SP, loss parallelism)"] if tp > 1 else [])
+    source = (f"torchtitan 0.2.2's own code path on this project's CPU (torch 2.13.0+cpu), "
+              f"one rank of a fake process group of {dp * tp} ({' x '.join(parts)}): meshplan's "
+              f"plan exported to torchtitan and read by its ConfigManager; bf16 parameters "
+              f"through FSDP2's mixed precision, fp32 reduction"
+              + (", torchao 0.18 float8 linears (tensorwise, float8 all-gather, precomputed "
+                 "scales, the output layer in bf16)" if float8 else "")
+              + (", each block compiled" if compile_mode != "none" else "")
+              + f"; activation checkpointing {policy}; the tiny model's shapes"
+              + (f" with {vocab} vocabulary rows" if vocab != 256 else "")
+              + f", {micro} x 64 tokens; {meter}. Measured {dt.date.today().isoformat()} with "
+              f"`python benchmarks/torchtitan_cpu_mixed_memory.py`.")
+    return {"id": plan_id, "framework": "torchtitan", "model": model, "cluster": "cpu",
+            "nodes": 1, "gpus_per_node": dp * tp, "config": config,
+            "measured": {"peak_allocated_bytes": measured}, "source": source}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--one", choices=sorted(PLANS), help=argparse.SUPPRESS)
+    parser.add_argument("--plans", nargs="+", choices=sorted(PLANS), default=list(PLANS))
+    parser.add_argument("--record", action="store_true",
+                        help="write the measured rows into costmodel/data/memory_runs.json")
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure_one(args.one)))
+        return
+    results = []
+    for plan_id in args.plans:
+        done = subprocess.run([sys.executable, __file__, "--one", plan_id], capture_output=True,
+                              text=True, timeout=TIMEOUT_S, cwd=ROOT)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            print(f"{plan_id}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
+            raise SystemExit(1)
+        result = json.loads(lines[-1])
+        results.append(result)
+        print(f"{plan_id}: measured {result['measured']} B, predicted "
+              f"{result['predicted']:.0f} B, {result['predicted'] / result['measured'] - 1:+.3f}",
+              flush=True)
+    if args.record:
+        data = json.loads(ROWS.read_text())
+        new = {r["id"]: memory_row(r["id"], r["measured"]) for r in results}
+        kept = [row for row in data["runs"] if row["id"] not in new]
+        data["runs"] = kept + list(new.values())
+        ROWS.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"recorded {len(new)} rows in {ROWS}")
+
+
+if __name__ == "__main__":
+    main()
