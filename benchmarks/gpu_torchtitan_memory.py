@@ -33,7 +33,11 @@ is what the model prices); any memory a collective holds only while it is in fli
 completes at once here).
 
     python3 benchmarks/gpu_torchtitan_memory.py [--runs ID ...] [--out DIR]   # one GPU
+    python3 benchmarks/gpu_torchtitan_memory.py --tiny [--out DIR]            # one GPU
     python benchmarks/gpu_torchtitan_memory.py --dry-run                      # this CPU
+
+``--tiny`` runs seven of the CPU's bf16 / float8 plans (``torchtitan_cpu_mixed_memory.py``)
+16 times wider on CUDA beside the model's prediction for an H200 (``tiny_rows``).
 
 ``--dry-run`` runs torchtitan-shaped plans of meshplan's ``tiny`` model on the CPU (fp32,
 eager) under the live-tensor tracker, beside the peaks the same plans measured with real gloo
@@ -62,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torchtitan_cpu_memory import (SEQ_LEN, TINY_HEADS, AllocatorPeak,  # noqa: E402
+from torchtitan_cpu_memory import (SEQ_LEN, AllocatorPeak,  # noqa: E402
                                    _stub_moe_kernels, _track_loss_parallel)
 
 GIB = 2**30
@@ -116,6 +120,9 @@ class RankPeak:
     allocated: int
     reserved: int | None
     step_s: float
+    resting: int | None = None
+    """CUDA: bytes allocated at the first measured step's start, gradients set to None
+    (parameters, optimizer states, buffers, and what libraries such as cuBLAS keep)."""
 
 
 def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, steps: int,
@@ -190,7 +197,7 @@ def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, s
             accumulation = training.global_batch_size // (training.local_batch_size * batch)
             vocab = model_args.vocab_size
             generator = torch.Generator().manual_seed(rank)
-            started = None
+            started = resting = None
             for step in range(warmup + steps):
                 if step == warmup:
                     if meter == "tracker":
@@ -203,6 +210,8 @@ def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, s
                     else contextlib.nullcontext()
                 window.__enter__()
                 optimizers.zero_grad()
+                if step == warmup and meter == "cuda":
+                    resting = torch.cuda.memory_allocated()
                 for _ in range(accumulation):
                     tokens = torch.randint(0, vocab, (training.local_batch_size,
                                                       training.seq_len + 1),
@@ -230,7 +239,8 @@ def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, s
             step_s = (time.perf_counter() - started) / max(1, steps)
         if meter == "cuda":
             return RankPeak(allocated=torch.cuda.max_memory_allocated(),
-                            reserved=torch.cuda.max_memory_reserved(), step_s=step_s)
+                            reserved=torch.cuda.max_memory_reserved(), step_s=step_s,
+                            resting=resting)
         return RankPeak(allocated=peak.peak_bytes, reserved=None, step_s=step_s)
     finally:
         dist.destroy_process_group()
@@ -294,12 +304,12 @@ def dry_plan(dp: int, tp: int, micro_batch: int, policy: str, vocab: int, *,
     return plan, estimate(tiny, cluster, config, framework="torchtitan"), tiny
 
 
-def tiny_overrides(tiny) -> dict:
-    """torchtitan llama3 model arguments with ``tiny``'s shapes (torchtitan_cpu_memory's)."""
-    assert (tiny.num_heads, tiny.kv_heads) == TINY_HEADS
+def tiny_overrides(tiny, *, multiple_of: int = 16) -> dict:
+    """torchtitan llama3 model arguments with ``tiny``'s shapes (torchtitan_cpu_memory's; its
+    SwiGLU width is 8/3 of the width rounded up to ``multiple_of``, as ``tiny``'s 176)."""
     return {"dim": tiny.hidden_size, "n_layers": tiny.num_layers, "n_heads": tiny.num_heads,
-            "n_kv_heads": tiny.kv_heads, "vocab_size": tiny.vocab_size, "multiple_of": 16,
-            "ffn_dim_multiplier": None}
+            "n_kv_heads": tiny.kv_heads, "vocab_size": tiny.vocab_size,
+            "multiple_of": multiple_of, "ffn_dim_multiplier": None}
 
 
 def dry_measure(dp: int, tp: int, micro_batch: int, policy: str, vocab: int, *,
@@ -331,6 +341,69 @@ def dry_rows() -> list[dict]:
     return rows
 
 
+TINY_SCALE = {"hidden_size": 1024, "num_heads": 8, "num_kv_heads": 4, "ffn_hidden_size": 2816,
+              "vocab_size": 8192}
+"""``--tiny`` on CUDA: the CPU plans' shapes widened 16x (ffn 2.75 h, as ``tiny``'s), so that
+the activations (hundreds of MiB) outweigh what libraries allocate through torch's allocator
+(cuBLAS workspaces: MiB)."""
+
+
+TINY_GPU_PLANS = tuple(f"torchtitan-cpu-tiny-{kind}-fsdp2-{policy}-mb8" for kind, policy in (
+    ("bf16", "none"), ("bf16", "full"), ("float8", "full"), ("bf16-compile", "full"),
+    ("float8-compile", "full"), ("float8-compile", "none"), ("float8-compile", "op")))
+"""``--tiny``'s plans on the GPU: one for each mechanism the CPU rows found, the compiled
+float8 ones the model still misses on the CPU among them (2 to 3 minutes on an H200)."""
+
+
+def tiny_rows(plans: dict, *, scale: dict | None = TINY_SCALE,
+              device: torch.device | None = None) -> list[dict]:
+    """The CPU bf16 / float8 plans (``torchtitan_cpu_mixed_memory.PLANS``) on CUDA, widened
+    (``TINY_SCALE``), each beside the model's prediction for a GPU: the peak, and the peak
+    above the resting bytes (``RankPeak.resting``) beside the model's peak above its
+    parameters and optimizer states, which leaves the libraries' workspaces out of it. What
+    the CPU measured of the composite RMSNorm, the eager float8 cast, the sharded gradients in
+    backward and the compiled float8 block, on CUDA's kernels and Inductor. ``scale`` None and
+    ``device`` the CPU: the plans as the CPU rows measured them (this path's own check)."""
+    from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
+    device = device or torch.device("cuda", 0)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    widen = 16 if scale else 1
+    rows = []
+    for plan_id, (dp, tp, micro, policy, vocab, float8, compile_mode) in plans.items():
+        tiny = dataclasses.replace(load_model("tiny"), **(scale or {}))
+        tiny = dataclasses.replace(tiny, vocab_size=tiny.vocab_size * vocab // 256)
+        config = ParallelConfig(dp=dp, tp=tp, sp=tp > 1, zero_stage=3,
+                                recompute=policy if policy in ("full", "none") else "selective",
+                                selective_ac="op" if policy in ("full", "none") else policy,
+                                micro_batch_size=micro, global_batch_size=dp * micro,
+                                seq_len=SEQ_LEN * widen, dtype="bf16", float8=float8,
+                                compile=compile_mode)
+        cluster = load_cluster("dgx-h200" if cuda else "cpu", nodes=1, gpus_per_node=dp * tp)
+        plan, _ = plan_of(load_model("llama3-8b"), cluster, config)
+        memory = estimate(tiny, cluster, config, framework="torchtitan").memory.per_stage[0]
+        row = {"plan": plan_id, "scale": f"x{widen}", "predicted_bytes": memory.peak_bytes,
+               "predicted_above_states_bytes": memory.peak_bytes - memory.params_bytes
+               - memory.optimizer_bytes}
+        try:
+            meter = "cuda" if cuda else "allocator" if compile_mode != "none" else "tracker"
+            result = run_rank(job_config(plan), world=dp * tp, rank=0, device=device,
+                              warmup=2, steps=2, meter=meter,
+                              args_override=tiny_overrides(tiny, multiple_of=16 * widen))
+            row.update(allocated_bytes=result.allocated, reserved_bytes=result.reserved)
+            if result.resting is not None:
+                row["above_resting_bytes"] = result.allocated - result.resting
+        except Exception as exc:  # one plan's failure must not lose the others
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        if cuda:
+            torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -340,6 +413,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps measured")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny plans on the CPU beside their gloo measurements")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the CPU's bf16 / float8 plans (torchtitan_cpu_mixed_memory.py), "
+                        "16x wider, on CUDA")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", RESULTS)))
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
@@ -352,11 +428,17 @@ def main() -> None:
         print(f"gpu_torchtitan_memory: torchtitan is not importable ({exc}); "
               f"pip install -e .[export]", file=sys.stderr)
         raise SystemExit(2) from None
-    rows = dry_rows() if args.dry_run else gpu_rows(args.runs, warmup=args.warmup,
-                                                    steps=args.steps)
+    if args.dry_run:
+        rows = dry_rows()
+    elif args.tiny:
+        from torchtitan_cpu_mixed_memory import PLANS
+        rows = tiny_rows({plan_id: PLANS[plan_id] for plan_id in TINY_GPU_PLANS})
+    else:
+        rows = gpu_rows(args.runs, warmup=args.warmup, steps=args.steps)
     device = "cpu" if args.dry_run else torch.cuda.get_device_name().replace(" ", "-").lower()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"torchtitan-memory-{device}-{dt.date.today().isoformat()}.json"
+    kind = "tiny-" if args.tiny else ""
+    path = args.out / f"torchtitan-memory-{kind}{device}-{dt.date.today().isoformat()}.json"
     path.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1) + "\n")
     print(f"wrote {path}")
 
