@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -102,6 +103,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+MIXED_NORM_WARNING = "Mismatch dtype between input and weight"
+"""The start of the warning torch's ``rms_norm`` gives when a 16-bit input meets an fp32
+weight (under autocast the query and key norms get the projections' 16-bit outputs) and it
+computes with its composite instead of its fused kernel: the query and key norms silence it,
+which every worker of a Qwen3-style run printed. The cost model prices that composite
+(``activations.qk_norm_bytes``)."""
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads.
 
@@ -137,7 +146,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            with warnings.catch_warnings():  # (``MIXED_NORM_WARNING``)
+                warnings.filterwarnings("ignore", message=MIXED_NORM_WARNING)
+                q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.use_rope:
             cos, sin = rope_cos_sin(q.shape[2], self.head_dim, device=q.device, dtype=q.dtype,

@@ -100,3 +100,28 @@ def test_qk_norm_gradients_under_tp_equal_one_process(tmp_path, sp):
     for name, param in reference.named_parameters():
         diff = (torch.tensor(got[name]) - param.grad).abs().max().item()
         assert diff <= GRAD_TOL * max(1.0, param.grad.abs().max().item()), (name, diff)
+
+
+def test_qk_norms_under_autocast_run_without_torchs_mixed_dtype_warning():
+    """Under bf16 autocast the query and key norms get bf16 projections beside fp32 weights;
+    torch's rms_norm then warns (once a process) that it cannot use its fused kernel, which
+    every worker of a run printed. The attention silences that one warning
+    (``model.MIXED_NORM_WARNING``): a fresh process training the qk-norm model prints none,
+    where the same norm called on its own prints it."""
+    import subprocess
+    import sys
+
+    from meshplan.runtime.model import MIXED_NORM_WARNING
+
+    step = ("import torch, tests.runtime.test_qk_norm as t\n"
+            "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+            "    t._loss(t._model(), t._tokens()).backward()\n")
+    alone = ("import torch\n"
+             "torch.nn.RMSNorm(32)(torch.randn(2, 32, dtype=torch.bfloat16))\n")
+    root = Path(__file__).resolve().parents[2]
+    runs = {name: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 timeout=120, cwd=root)
+            for name, code in (("step", step), ("alone", alone))}
+    assert all(done.returncode == 0 for done in runs.values()), runs
+    assert MIXED_NORM_WARNING not in runs["step"].stderr
+    assert MIXED_NORM_WARNING in runs["alone"].stderr
