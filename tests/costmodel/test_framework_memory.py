@@ -601,3 +601,31 @@ def test_meshplan_zero3_loss_phase_leaves_the_block_backward_buffers_out():
     assert stage.peak_bytes - other >= logits
     assert stage.peak_bytes - other <= stage.activations_bytes + stage.buffers_bytes \
         - (4 + 4) * block
+
+
+def test_sharded_gradients_grow_through_a_one_micro_batch_backward():
+    """torchtitan, FSDP 2, one micro-batch of 8 x 64 tokens of the tiny model (4 blocks of
+    46,208 parameters; embedding and head 256 x 64 each, norms 64), bf16 with fp32 reduction,
+    full recomputation. Backward reduces the ``[norm, output]`` group first (sharded fp32:
+    4 x 16,448 / 2 = 32,896 bytes), then each block (4 x 46,208 / 2 = 92,416) while each
+    finished block releases its checkpointed bf16 input (2 x 512 x 64 = 65,536): 26,880 more
+    a block. The third block's backward holds two blocks' shards beside the head's (the
+    fourth prefetches the embedding, 2 x 16,384, in place of a block, 2 x 46,208): 32,896 +
+    2 x 26,880 = 86,656 above the first block's. In fp32 a block stores more (131,072) than
+    it leaves (92,416): the first block holds most, nothing added."""
+    from meshplan.costmodel.frameworks import StateBytes
+    from meshplan.costmodel.memory import _backward_sharded_grads_bytes, stage_params
+
+    model = load_model("tiny")
+    for dtype, expected in (("bf16", 86_656), ("fp32", 0)):
+        config = ParallelConfig(dp=2, zero_stage=3, recompute="full", micro_batch_size=8,
+                                global_batch_size=16, seq_len=64, dtype=dtype)
+        params = stage_params(model, config, 0)
+        total = params.dense + params.expert
+        assert total == 4 * 46_208 + 2 * 256 * 64 + 64
+        states = StateBytes(params=0.0, grads=4 * total / 2, optimizer=0.0, offloaded=0.0)
+        element = 2 if dtype == "bf16" else 4
+        extra = _backward_sharded_grads_bytes(
+            model, config, 0, states=states, params=params, device_key="cpu",
+            dropped_prefetch=element * (46_208 - 256 * 64))
+        assert extra == pytest.approx(expected), dtype
