@@ -86,7 +86,7 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
     intermediates. Measured on torchtitan 0.2.2's block under torch 2.13 on this CPU
     (``benchmarks/torchtitan_saved_tensors.py --policy none --compile``, the tensors the
     compiled graph saves: h 256, ffn 704, 4 x 256 tokens, fp32): 14,966,784 bytes beyond the
-    block input, what this counts. With float8 linears (torchtao's, as torchtitan converts
+    block input, what this counts. With float8 linears (torchao's, as torchtitan converts
     them) the partition keeps neither norm output nor one of the three ffn-wide tensors: it
     rebuilds them, and their float8 casts, in backward from what it keeps. Measured the same
     way on the tiny block in bf16 (8 x 64 tokens, no TP): 946,176 bytes kept without float8,
