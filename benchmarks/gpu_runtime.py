@@ -57,6 +57,9 @@ PLANS = {
     "offload-optimizer": dict(recompute="selective", offload="optimizer"),
     "zero3-offload-params": dict(recompute="selective", zero_stage=3,
                                  offload="optimizer+params"),
+    # FSDP2's bf16 parameters without autocast: CUDA's fused RMSNorm keeps no normalised
+    # copy (activations.layer_activation_bytes, fused_norm; 2026-12-07, not yet on a GPU)
+    "zero3-full": dict(recompute="full", zero_stage=3),
 }
 
 

@@ -72,7 +72,8 @@ def test_runtime_plans_predict_with_the_given_calibration():
 
 
 LONG_TESTS = "MESHPLAN_LONG_TESTS"
-ALL_PLANS = ["none", "zero1", "selective", "full", "offload-optimizer", "zero3-offload-params"]
+ALL_PLANS = ["none", "zero1", "selective", "full", "offload-optimizer", "zero3-offload-params",
+             "zero3-full"]
 SCRIPT_PLANS = ALL_PLANS if os.environ.get(LONG_TESTS) else ["none", "zero3-offload-params"]
 """The plans the script's dry run takes through ``meshplan run``, one launch each (about 30 s
 on a busy 2-core machine): two by default, the first and the last (ZeRO-3 with parameters
