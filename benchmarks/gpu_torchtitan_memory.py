@@ -300,8 +300,16 @@ def dry_plan(dp: int, tp: int, micro_batch: int, policy: str, vocab: int, *,
                             seq_len=SEQ_LEN, dtype=dtype, float8=float8,
                             compile=compile_mode)
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=dp * tp)
-    plan, _ = plan_of(load_model("llama3-8b"), cluster, config)
+    plan, _ = plan_of(load_model("llama3-8b"), export_cluster(dp * tp), config)
     return plan, estimate(tiny, cluster, config, framework="torchtitan"), tiny
+
+
+def export_cluster(gpus: int):
+    """The cluster the dry runs' plans are exported for: the TOML does not depend on it, but
+    meshplan's exporter refuses a float8 plan for the CPU, where torchtitan's converter asks
+    for a float8 GPU (``run_rank`` lets torch's CPU float8 GEMMs stand in for it)."""
+    from meshplan.costmodel import load_cluster
+    return load_cluster("dgx-h100", nodes=1, gpus_per_node=gpus)
 
 
 def tiny_overrides(tiny, *, multiple_of: int = 16) -> dict:
@@ -381,7 +389,7 @@ def tiny_rows(plans: dict, *, scale: dict | None = TINY_SCALE,
                                 seq_len=SEQ_LEN * widen, dtype="bf16", float8=float8,
                                 compile=compile_mode)
         cluster = load_cluster("dgx-h200" if cuda else "cpu", nodes=1, gpus_per_node=dp * tp)
-        plan, _ = plan_of(load_model("llama3-8b"), cluster, config)
+        plan, _ = plan_of(load_model("llama3-8b"), export_cluster(dp * tp), config)
         memory = estimate(tiny, cluster, config, framework="torchtitan").memory.per_stage[0]
         row = {"plan": plan_id, "scale": f"x{widen}", "predicted_bytes": memory.peak_bytes,
                "predicted_above_states_bytes": memory.peak_bytes - memory.params_bytes

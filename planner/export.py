@@ -40,7 +40,7 @@ import warnings
 from typing import Any, NamedTuple
 
 from meshplan.costmodel import ModelSpec, ParallelConfig
-from meshplan.costmodel.config import MESH_AXES, RECOMPUTE_MODES
+from meshplan.costmodel.config import CPU_DEVICE_KEY, MESH_AXES, RECOMPUTE_MODES
 from meshplan.costmodel.layout import (FRAMEWORK_MESH_ORDERS, deepspeed_partition_method,
                                        framework_layout_error)
 from meshplan.planner.plan import Plan
@@ -666,6 +666,11 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
         raise ValueError(f"torchtitan 0.2.2 calls torch's SDPA (or flex attention); the plan "
                          f"was priced with the {config.attention_kernel} attention kernel: "
                          f"plan with --attention-kernel auto")
+    if config.float8 and plan.cluster.gpu.key == CPU_DEVICE_KEY:
+        raise ValueError("torchtitan 0.2.2 converts linears to float8 only on GPUs of compute "
+                         "capability 8.9 or later (its Float8LinearConverter; on other devices "
+                         "only emulated, without compile); the plan is for the CPU: plan "
+                         "without --float8")
     if config.grad_reduce_dtype != "fp32":
         raise ValueError(f"torchtitan 0.2.2 reduces gradients in float32 only "
                          f"(training.mixed_precision_reduce); the plan reduces in "

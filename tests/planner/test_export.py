@@ -1294,3 +1294,19 @@ def test_deepspeed_parser_loads_the_export_of_a_compiled_plan(deepspeed_config):
         data = export.to_deepspeed(compiled_plan("deepspeed", float8=False))
     parsed = deepspeed_config(data, 8)
     assert parsed.zero_optimization_stage == 3 and not parsed.compile_config.deepcompile
+
+
+def test_torchtitan_refuses_a_float8_plan_for_the_cpu():
+    """The cost model prices float8 on the CPU (torch runs float8 GEMMs there), but
+    torchtitan 0.2.2's float8 converter raises without a GPU of compute capability 8.9+
+    (or emulation without compile): the export says so in one line."""
+    config = ParallelConfig(dp=2, zero_stage=3, dtype="bf16", float8=True, micro_batch_size=1,
+                            global_batch_size=2, seq_len=64)
+    est = estimate(load_model("llama3-8b"), load_cluster("cpu", nodes=1, gpus_per_node=2),
+                   config, framework="torchtitan")
+    plan = Plan.from_estimate(est, provenance={"solver": "test"})
+    with pytest.raises(ValueError, match="float8 only on GPUs of compute capability 8.9"):
+        export.to_torchtitan(plan)
+    gpu = make_plan(framework="torchtitan", dp=8, zero_stage=3, dtype="bf16", float8=True,
+                    micro_batch_size=1, global_batch_size=8, seq_len=64)
+    assert "quantize" in tomllib.loads(quietly(export.to_torchtitan, gpu))
