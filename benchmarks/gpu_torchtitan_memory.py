@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchtitan_cpu_memory import (SEQ_LEN, AllocatorPeak,  # noqa: E402
-                                   _stub_moe_kernels, _track_loss_parallel)
+                                   _stub_moe_kernels, _track_loss_parallel, policy_fields)
 
 GIB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -208,32 +208,31 @@ def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, s
                     started = time.perf_counter()
                 window = peak.window() if meter == "allocator" and step >= warmup \
                     else contextlib.nullcontext()
-                window.__enter__()
-                optimizers.zero_grad()
-                if step == warmup and meter == "cuda":
-                    resting = torch.cuda.memory_allocated()
-                for _ in range(accumulation):
-                    tokens = torch.randint(0, vocab, (training.local_batch_size,
-                                                      training.seq_len + 1),
-                                           generator=generator).to(device)
-                    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-                    kwargs: dict = {}
-                    if dims.cp_enabled:
-                        inputs, labels, kwargs = prepare_context_parallel_input(
-                            inputs, labels, kwargs, dims.get_mesh("cp"), device,
-                            par.context_parallel_load_balancer)
-                    with train_context():
-                        with amp:
-                            pred = parts[0](inputs, **kwargs)
-                            loss = loss_fn(pred, labels) / labels.numel()
-                        del pred
-                        loss.backward()
-                dist_utils.clip_grad_norm_([p for m in parts for p in m.parameters()],
-                                           training.max_norm, foreach=True,
-                                           pp_mesh=dims.get_optional_mesh("pp"),
-                                           ep_enabled=dims.ep_enabled)
-                optimizers.step()
-                window.__exit__(None, None, None)
+                with window:
+                    optimizers.zero_grad()
+                    if step == warmup and meter == "cuda":
+                        resting = torch.cuda.memory_allocated()
+                    for _ in range(accumulation):
+                        tokens = torch.randint(0, vocab, (training.local_batch_size,
+                                                          training.seq_len + 1),
+                                               generator=generator).to(device)
+                        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+                        kwargs: dict = {}
+                        if dims.cp_enabled:
+                            inputs, labels, kwargs = prepare_context_parallel_input(
+                                inputs, labels, kwargs, dims.get_mesh("cp"), device,
+                                par.context_parallel_load_balancer)
+                        with train_context():
+                            with amp:
+                                pred = parts[0](inputs, **kwargs)
+                                loss = loss_fn(pred, labels) / labels.numel()
+                            del pred
+                            loss.backward()
+                    dist_utils.clip_grad_norm_([p for m in parts for p in m.parameters()],
+                                               training.max_norm, foreach=True,
+                                               pp_mesh=dims.get_optional_mesh("pp"),
+                                               ep_enabled=dims.ep_enabled)
+                    optimizers.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_s = (time.perf_counter() - started) / max(1, steps)
@@ -291,17 +290,23 @@ def dry_plan(dp: int, tp: int, micro_batch: int, policy: str, vocab: int, *,
     """The dry run's plan for torchtitan's exporter (llama3 8B, the flavour the export names)
     and its estimate for meshplan's ``tiny`` model, whose shapes replace the flavour's
     arguments (``tiny_overrides``)."""
-    from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
+    from meshplan.costmodel import estimate, load_cluster, load_model
     tiny = dataclasses.replace(load_model("tiny"), vocab_size=vocab)
-    config = ParallelConfig(dp=dp, tp=tp, sp=tp > 1, zero_stage=3,
-                            recompute=policy if policy in ("full", "none") else "selective",
-                            selective_ac="op" if policy in ("full", "none") else policy,
-                            micro_batch_size=micro_batch, global_batch_size=dp * micro_batch,
-                            seq_len=SEQ_LEN, dtype=dtype, float8=float8,
-                            compile=compile_mode)
+    config = tiny_config(dp, tp, micro_batch, policy, seq_len=SEQ_LEN, dtype=dtype,
+                         float8=float8, compile_mode=compile_mode)
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=dp * tp)
     plan, _ = plan_of(load_model("llama3-8b"), export_cluster(dp * tp), config)
     return plan, estimate(tiny, cluster, config, framework="torchtitan"), tiny
+
+
+def tiny_config(dp: int, tp: int, micro_batch: int, policy: str, *, seq_len: int, dtype: str,
+                float8: bool, compile_mode: str):
+    """The ZeRO-3 configuration of a dry-run or ``--tiny`` plan: one micro-batch a step, SP
+    with TP, recomputation by ``policy`` (``torchtitan_cpu_memory.policy_fields``)."""
+    from meshplan.costmodel import ParallelConfig
+    return ParallelConfig(dp=dp, tp=tp, sp=tp > 1, zero_stage=3, **policy_fields(policy),
+                          micro_batch_size=micro_batch, global_batch_size=dp * micro_batch,
+                          seq_len=seq_len, dtype=dtype, float8=float8, compile=compile_mode)
 
 
 def export_cluster(gpus: int):
@@ -372,7 +377,7 @@ def tiny_rows(plans: dict, *, scale: dict | None = TINY_SCALE,
     the CPU measured of the composite RMSNorm, the eager float8 cast, the sharded gradients in
     backward and the compiled float8 block, on CUDA's kernels and Inductor. ``scale`` None and
     ``device`` the CPU: the plans as the CPU rows measured them (this path's own check)."""
-    from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
+    from meshplan.costmodel import estimate, load_cluster, load_model
     device = device or torch.device("cuda", 0)
     cuda = device.type == "cuda"
     if cuda:
@@ -382,12 +387,8 @@ def tiny_rows(plans: dict, *, scale: dict | None = TINY_SCALE,
     for plan_id, (dp, tp, micro, policy, vocab, float8, compile_mode) in plans.items():
         tiny = dataclasses.replace(load_model("tiny"), **(scale or {}))
         tiny = dataclasses.replace(tiny, vocab_size=tiny.vocab_size * vocab // 256)
-        config = ParallelConfig(dp=dp, tp=tp, sp=tp > 1, zero_stage=3,
-                                recompute=policy if policy in ("full", "none") else "selective",
-                                selective_ac="op" if policy in ("full", "none") else policy,
-                                micro_batch_size=micro, global_batch_size=dp * micro,
-                                seq_len=SEQ_LEN * widen, dtype="bf16", float8=float8,
-                                compile=compile_mode)
+        config = tiny_config(dp, tp, micro, policy, seq_len=SEQ_LEN * widen, dtype="bf16",
+                             float8=float8, compile_mode=compile_mode)
         cluster = load_cluster("dgx-h200" if cuda else "cpu", nodes=1, gpus_per_node=dp * tp)
         plan, _ = plan_of(load_model("llama3-8b"), export_cluster(dp * tp), config)
         memory = estimate(tiny, cluster, config, framework="torchtitan").memory.per_stage[0]

@@ -260,16 +260,22 @@ def measure(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
                 for r in range(dp * tp)]
 
 
+def policy_fields(policy: str) -> dict[str, str]:
+    """``ParallelConfig``'s recompute fields for an AC ``policy`` as ``_ac_config`` reads it
+    (``full``, ``none``, or torchtitan's selective option: ``op`` or every Nth layer)."""
+    if policy in ("full", "none"):
+        return {"recompute": policy, "selective_ac": "op"}
+    return {"recompute": "selective", "selective_ac": policy}
+
+
 def predict(policy: str, micro_batch: int, *, dp: int = 2, tp: int = 1,
             vocab: int = TINY_VOCAB, heads: tuple[int, int] = TINY_HEADS,
             compile_mode: str = "none") -> float:
     import dataclasses
 
     from meshplan.costmodel import ParallelConfig, estimate, load_cluster, load_model
-    recompute = policy if policy in ("full", "none") else "selective"
-    selective_ac = "op" if policy in ("full", "none") else policy
-    config = ParallelConfig(dp=dp, tp=tp, sp=tp > 1, zero_stage=3, recompute=recompute,
-                            selective_ac=selective_ac, micro_batch_size=micro_batch,
+    config = ParallelConfig(dp=dp, tp=tp, sp=tp > 1, zero_stage=3, **policy_fields(policy),
+                            micro_batch_size=micro_batch,
                             global_batch_size=dp * micro_batch, seq_len=SEQ_LEN,
                             dtype="fp32", compile=compile_mode)
     model = dataclasses.replace(load_model("tiny"), vocab_size=vocab, num_heads=heads[0],

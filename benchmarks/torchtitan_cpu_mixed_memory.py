@@ -55,15 +55,17 @@ def measure_one(plan_id: str) -> dict:
 
 def memory_row(plan_id: str, measured: int) -> dict:
     """``plan_id``'s row of ``memory_runs.json``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from torchtitan_cpu_memory import policy_fields
     dp, tp, micro, policy, vocab, float8, compile_mode = PLANS[plan_id]
     config = {"dp": dp, "zero_stage": 3, "micro_batch_size": micro,
               "global_batch_size": dp * micro, "seq_len": 64, "dtype": "bf16"}
     if tp > 1:
         config.update(tp=tp, sp=True)
-    if policy in ("full", "none"):
-        config["recompute"] = policy
-    else:
-        config.update(recompute="selective", selective_ac=policy)
+    fields = policy_fields(policy)
+    config["recompute"] = fields["recompute"]
+    if fields["recompute"] == "selective":
+        config["selective_ac"] = fields["selective_ac"]
     if float8:
         config["float8"] = True
     if compile_mode != "none":

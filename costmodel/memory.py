@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections import Counter
 from dataclasses import dataclass
 
 from meshplan.costmodel import activations as act
@@ -725,9 +726,10 @@ def _backward_sharded_grads_bytes(model: ModelSpec, config: ParallelConfig, stag
     total = params.dense + params.expert
     block = states.grads * params.largest_block / total
     head = states.grads * params.head / total
-    stored = sum(_layer_bytes(model, config, "torchtitan", mode, moe=False,
-                              device_key=device_key)
-                 for mode in layer_modes(config, "torchtitan", stage, layers)) / layers
+    counts = Counter(layer_modes(config, "torchtitan", stage, layers))
+    stored = sum(count * _layer_bytes(model, config, "torchtitan", mode, moe=False,
+                                      device_key=device_key)
+                 for mode, count in counts.items()) / layers
     step = block - stored
     later = max((layers - 2) * step, (layers - 1) * step - dropped_prefetch)
     return max(0.0, head + later)
