@@ -328,7 +328,8 @@ def embedding_activation_bytes(model: ModelSpec, config: ParallelConfig) -> floa
 
 def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
                           logit_copies: float, vocab_parallel: bool = True,
-                          gathered_head_input: bool = False) -> float:
+                          gathered_head_input: bool = False,
+                          composite_norm: bool = False) -> float:
     """Last stage, one micro-batch: final-norm and LM-head inputs plus the logits.
 
     Megatron-LM counts ``4 s b h (1 + V/h)``: two 2-byte h-wide tensors and fp32 logits over
@@ -339,6 +340,16 @@ def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
     ``ColwiseParallel`` with ``input_layouts=Shard(1)``): the LM head's input is the
     all-gathered final-norm output, kept whole for the head's weight gradient, while the norm's
     input stays a sequence shard.
+
+    ``composite_norm`` (torchtitan on the CPU, whose torch has no CPU kernel for
+    ``_fused_rms_norm``): the final RMSNorm runs torch's composite, which keeps its input
+    upcast to fp32 (the input itself when it is fp32), the fp32 normalised input and the fp32
+    reciprocal RMS per token beside its output, in place of the input: ``(8 - a) h + 4`` bytes
+    a token more, ``a`` the activation dtype's bytes (the blocks' norms:
+    ``layer_activation_bytes``'s ``fused_norm``). Measured on torchtitan 0.2.2's bf16 step on
+    this CPU (tiny, FSDP 2, blocks compiled, full AC, 32 x 64 tokens): at the peak, in the
+    loss's backward, the final norm holds 524,288 + 524,288 + 8,192 bytes of fp32 and the
+    262,144-byte bf16 output, where the model had counted the bf16 input.
     """
     tokens = tokens_per_microbatch(config)
     act = config.bytes_per_activation
@@ -346,8 +357,22 @@ def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
     h_part = 2 * act * tokens * model.hidden_size / shards
     if gathered_head_input:
         h_part = act * tokens * model.hidden_size * (1 + 1 / shards)
+    if composite_norm:
+        h_part += composite_final_norm_bytes(model, config)
     return h_part + logit_bytes(model, config, copies=logit_copies,
                                 vocab_parallel=vocab_parallel)
+
+
+def composite_final_norm_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """What the final RMSNorm keeps beyond its input when it runs torch's composite
+    (``head_activation_bytes``'s ``composite_norm``): ``(8 - a) h + 4`` bytes a token of its
+    sequence shard, ``a`` the activation dtype's bytes; 0 for LayerNorm. Its backward runs
+    right after the loss's, so no block's backward sees these bytes."""
+    if model.norm != "rmsnorm":
+        return 0.0
+    shards = config.tp if config.sp else 1
+    return ((2 * FP32_BYTES - config.bytes_per_activation) * model.hidden_size + FP32_BYTES) \
+        * tokens_per_microbatch(config) / shards
 
 
 def logit_bytes(model: ModelSpec, config: ParallelConfig, *, copies: float,

@@ -254,7 +254,7 @@ def stage_activation_bytes(model: ModelSpec, config: ParallelConfig, stage: int,
     if stage == 0:
         total += in_flight * act.embedding_activation_bytes(model, config)
     if stage == config.pp - 1:
-        total += last_stage_head_bytes(model, config, framework)
+        total += last_stage_head_bytes(model, config, framework, device_key=device_key)
     return total
 
 
@@ -285,17 +285,21 @@ def loss_logit_copies(framework: str, config: ParallelConfig) -> float:
                         compiled_loss=config.fused_loss_kernel, loss_parallel=config.tp > 1)
 
 
-def last_stage_head_bytes(model: ModelSpec, config: ParallelConfig, framework: str) -> float:
+def last_stage_head_bytes(model: ModelSpec, config: ParallelConfig, framework: str, *,
+                          device_key: str = "") -> float:
     """What the last stage holds for the LM head and the loss beyond its layers' activations:
     the head's inputs and the framework's loss copies of the logits
     (``activations.head_activation_bytes``; torchtitan's compiled loss and loss parallelism,
     and the all-gathered head input under SP, ``frameworks.DTENSOR_TP_FRAMEWORKS``), and the stage
-    outputs the pipeline schedule keeps."""
+    outputs the pipeline schedule keeps. ``device_key``: on the ``cpu`` pseudo-device
+    torchtitan's final norm runs torch's composite RMSNorm (``activations.
+    head_activation_bytes``'s ``composite_norm``)."""
     head = act.head_activation_bytes(
         model, config, logit_copies=loss_logit_copies(framework, config),
         vocab_parallel=vocab_parallel_loss(framework),
         gathered_head_input=(framework in DTENSOR_TP_FRAMEWORKS and config.sp
-                             and config.tp > 1))
+                             and config.tp > 1),
+        composite_norm=framework == "torchtitan" and device_key == CPU_DEVICE_KEY)
     return head + act.logit_bytes(model, config,
                                   copies=kept_stage_output_copies(framework, config.pp),
                                   vocab_parallel=vocab_parallel_loss(framework),
@@ -686,7 +690,8 @@ def _pipelined_fsdp_peak(model: ModelSpec, config: ParallelConfig, stage: int, f
     CPU) the sends the interleaved schedule holds to its end (``stage_recv_buffer_bytes``
     counts all of them) pile up as it goes. ``activations``: the stage's at the warmup count
     (``stage_activation_bytes``), whose in-flight part is rescaled."""
-    head = last_stage_head_bytes(model, config, framework) if stage == config.pp - 1 else 0.0
+    head = (last_stage_head_bytes(model, config, framework, device_key=device_key)
+            if stage == config.pp - 1 else 0.0)
     per_microbatch = (activations - head) / act.in_flight_microbatches(config, stage)
     vpp = config.vpp
     gloo = device_key == CPU_DEVICE_KEY and vpp > 1  # 1F1B waits on each send before the next
@@ -786,8 +791,11 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     workspace = recompute_workspace_bytes(model, config, stage, framework="torchtitan",
                                           device_key=device_key)
     last = stage == config.pp - 1
+    # what the loss phase alone holds: the logits' copies and, on the CPU, the final norm's
+    # composite (its backward runs before any block's)
     loss = act.logit_bytes(model, config, copies=loss_logit_copies("torchtitan", config)) \
-        if last else 0.0
+        + (act.composite_final_norm_bytes(model, config) if device_key == CPU_DEVICE_KEY
+           else 0.0) if last else 0.0
     if config.zero_stage <= 1:  # DDP: buckets stay allocated, nothing is gathered
         at_loss = in_block = buffers
     elif config.zero_stage == 3 and config.pp == 1:

@@ -320,3 +320,42 @@ def test_cpu_rmsnorm_keeps_fp32_copies_of_a_16_bit_input():
                                                rope_tables=False, fused_norm=fused)
                     for fused in (False, True))
     assert cpu32 - gpu32 == 2 * 4 * tokens * H  # the normalised copy alone
+
+
+def test_cpu_final_rmsnorm_composite_counts_at_the_loss_only():
+    """torchtitan's final norm on the CPU runs torch's composite RMSNorm: from a bf16 input it
+    keeps the fp32 upcast, the fp32 normalised input and the fp32 inverse RMS beside its bf16
+    output, where the model had counted the bf16 input. The live tensors at the loss's
+    backward of torchtitan's bf16 step on this CPU (tiny, FSDP 2, blocks compiled, full AC,
+    32 x 64 tokens): 524,288 + 524,288 + 8,192 bytes of fp32 and the 262,144-byte output. Its
+    backward runs before any block's, so a block's backward does not see them: only the
+    loss phase grows, and only on the CPU."""
+    from meshplan.costmodel import activations as act
+    from meshplan.costmodel.memory import last_stage_head_bytes
+
+    tiny = load_model("tiny")
+    config = ParallelConfig(dp=2, zero_stage=3, recompute="full", micro_batch_size=32,
+                            global_batch_size=64, seq_len=64, dtype="bf16", compile="model")
+    measured = 524_288 + 524_288 + 8_192 + 262_144
+    counted_before = 2 * 2 * 32 * 64 * tiny.hidden_size  # the bf16 input and output
+    cpu, gpu = (last_stage_head_bytes(tiny, config, "torchtitan", device_key=key)
+                for key in ("cpu", "h100-sxm"))
+    assert cpu - gpu == act.composite_final_norm_bytes(tiny, config) \
+        == measured - counted_before
+    # the other frameworks, and LayerNorm models, are unchanged
+    assert last_stage_head_bytes(tiny, config, "meshplan", device_key="cpu") == \
+        last_stage_head_bytes(tiny, config, "meshplan", device_key="h100-sxm")
+    gpt = load_model("gpt3-125m")
+    assert act.composite_final_norm_bytes(gpt, config) == 0
+    # fp32: the upcast is the input itself; the normalised copy and the statistics remain
+    fp32 = ParallelConfig(dp=2, zero_stage=3, recompute="full", micro_batch_size=32,
+                          global_batch_size=64, seq_len=64, dtype="fp32")
+    assert act.composite_final_norm_bytes(tiny, fp32) == (4 * 64 + 4) * 32 * 64
+    # under SP the norm runs on the sequence shard
+    sp = ParallelConfig(dp=2, tp=2, sp=True, zero_stage=3, recompute="full",
+                        micro_batch_size=32, global_batch_size=64, seq_len=64, dtype="bf16")
+    assert act.composite_final_norm_bytes(tiny, sp) == (6 * 64 + 4) * 32 * 64 / 2
+    # the step's peak on the CPU: the loss phase carries the composite, a block's does not
+    cluster = load_cluster("cpu", nodes=1, gpus_per_node=2)
+    on_cpu = estimate(tiny, cluster, config, framework="torchtitan")
+    assert on_cpu.memory.per_stage[0].peak_bytes == pytest.approx(10_006_052, rel=0.02)
