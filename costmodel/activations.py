@@ -423,6 +423,36 @@ def float8_cast_workspace_bytes(model: ModelSpec, config: ParallelConfig) -> flo
             * tokens_per_microbatch(config) * model.ffn_hidden_size / config.tp)
 
 
+FLOAT8_BYTES = 1
+
+
+def float8_compiled_backward_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """Bytes a compiled float8 block's backward holds above what its saved tensors and the
+    bf16 block's backward workspace count (``--compile`` with ``--float8``, no TP, dense; 0
+    otherwise). Its forward/backward partition keeps neither norm output nor one ffn-wide
+    tensor (``layer_activation_bytes``'s ``compiled``): the backward rebuilds them
+    (``a (2 h + f)`` bytes a token, ``a`` the activation dtype's bytes), and where the bf16
+    block's backward holds six ffn-wide tensors in the activation dtype, the float8 one holds
+    four, an fp32 upcast and four float8 copies (the casts of the MLP's inputs and output
+    gradients, one per layout each ``torch._scaled_mm`` operand needs): ``(8 - 2 a) f`` more.
+    Its h-wide tensors are as many bytes (three in the activation dtype and four float8 copies
+    where the bf16 block holds five).
+
+    Measured on torchtitan 0.2.2's float8 step on this CPU (tiny, FSDP 2, blocks compiled,
+    full AC, 8 x 64 tokens, one rank of a fake group; the live allocations at the peak, in the
+    first block's compiled backward, replayed from the profiler's allocation events): the
+    compiled backward holds 4 x 180,224 + 360,448 + 4 x 90,112 bytes ffn-wide and 3 x 65,536
+    + 4 x 32,768 h-wide, 337,968 bytes more than the bf16 step's in its block's backward
+    (6 x 180,224 and 5 x 65,536), where the model had it 311,296 bytes less."""
+    if not config.float8 or config.compile == "none" or config.tp != 1 or model.is_moe:
+        return 0.0
+    a = config.bytes_per_activation
+    f = model.ffn_hidden_size
+    rebuilt = a * (2 * model.hidden_size + f)
+    casts = (4 * FLOAT8_BYTES + FP32_BYTES - 2 * a) * f
+    return (rebuilt + casts) * tokens_per_microbatch(config)
+
+
 def hidden_state_bytes(model: ModelSpec, config: ParallelConfig) -> float:
     """Bytes of one micro-batch's whole hidden state on a rank (``b s h / cp`` elements in the
     activation dtype): what an SP collective gathers or scatters, a TP all-reduce reduces."""

@@ -7,6 +7,8 @@ throughputs are torchtitan's published ones (``costmodel/data/reference_runs.jso
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from meshplan.costmodel import eager
@@ -359,3 +361,35 @@ def test_cpu_final_rmsnorm_composite_counts_at_the_loss_only():
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=2)
     on_cpu = estimate(tiny, cluster, config, framework="torchtitan")
     assert on_cpu.memory.per_stage[0].peak_bytes == pytest.approx(10_006_052, rel=0.02)
+
+
+def test_compiled_float8_block_backward_rebuilds_and_casts():
+    """A compiled float8 block's backward (torchtitan on this CPU, tiny, FSDP 2, full AC,
+    8 x 64 tokens): the live allocations of its compiled backward at the step's peak hold
+    4 x 180,224 + 360,448 + 4 x 90,112 bytes ffn-wide where the bf16 step's hold 6 x 180,224
+    (4 f bytes a token more), and as many h-wide bytes (3 x 65,536 + 4 x 32,768 against
+    5 x 65,536); and they hold again the norm outputs and the ffn-wide tensor its partition did
+    not keep, which the model takes off its saved bytes."""
+    from meshplan.costmodel import activations as act
+
+    tiny = load_model("tiny")
+    config = ParallelConfig(dp=2, zero_stage=3, recompute="full", micro_batch_size=8,
+                            global_batch_size=16, seq_len=64, dtype="bf16", compile="model",
+                            float8=True)
+    tokens, h, f = 8 * 64, tiny.hidden_size, tiny.ffn_hidden_size
+    ffn_wide = (4 * 180_224 + 360_448 + 4 * 90_112) - 6 * 180_224
+    assert 3 * 65_536 + 4 * 32_768 == 5 * 65_536  # h-wide: no more bytes
+    not_kept = (act.layer_activation_bytes(tiny, dataclasses.replace(config, float8=False),
+                                           recompute="none", compiled=True)
+                - act.layer_activation_bytes(tiny, config, recompute="none", compiled=True))
+    assert not_kept == 2 * tokens * (2 * h + f)
+    assert act.float8_compiled_backward_bytes(tiny, config) == ffn_wide + not_kept
+    # nothing without compile, under TP, or without float8
+    for other in (dataclasses.replace(config, compile="none"),
+                  dataclasses.replace(config, float8=False),
+                  dataclasses.replace(config, tp=2, sp=True, dp=1)):
+        assert act.float8_compiled_backward_bytes(tiny, other) == 0
+    # in the step: the block's backward phase carries it, on any device
+    cluster = load_cluster("cpu", nodes=1, gpus_per_node=2)
+    peak = estimate(tiny, cluster, config, framework="torchtitan").memory.per_stage[0].peak_bytes
+    assert peak == pytest.approx(3_840_388, rel=0.03)  # the measured step (memory_runs.json)

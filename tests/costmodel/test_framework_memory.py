@@ -40,9 +40,7 @@ KNOWN_UNDER = {"torchtitan-llama3.1-70b-fsdp32-tp8-h100": 0.09,
                "torchtitan-llama3.1-405b-fsdp8-tp8-pp8-interleaved-h100": 0.12,
                "torchtitan-llama3.1-405b-fsdp1-cp8-tp8-pp8-s262144-h100": 0.125,
                "torchtitan-llama3.1-8b-fsdp32-h200-compile-float8": 0.06,
-               "torchtitan-llama3.1-8b-fsdp64-h200-compile-float8": 0.08,
-               "torchtitan-cpu-tiny-float8-compile-fsdp2-full-mb8": 0.08,
-               "torchtitan-cpu-tiny-float8-compile-fsdp4-full-mb8": 0.07}
+               "torchtitan-llama3.1-8b-fsdp64-h200-compile-float8": 0.08}
 """Runs still under-predicted beyond ``UNDER_LIMIT``, with how far they may go: torchtitan's
 2D table (70B, FSDP 32 x TP 8 with SP and loss parallelism, compiled, float8, full AC, 16 x
 8192 tokens per rank) measures 71.9 GiB reserved against 65.9 predicted (-8.3 %; its peak is
@@ -58,16 +56,7 @@ rows (June 2025: torch 2.8, per-op SAC, blocks and loss compiled, 2 x 8K tokens)
 counts the down projection's output (torchtitan 0.2.2 under the pinned torch does not keep
 it, measured on its CPU step; the Grand Teton compiled rows of December 2024 are 5.0-5.4 GiB
 below their eager twins, as that predicts): those runs held about 4 GiB more at the loss than
-the pinned stack would. torchtitan's float8 step with its blocks compiled and fully
-recomputed, on this CPU (tiny, FSDP 2 and 4, bf16, one rank of a fake group, 8 x 64 tokens),
-measures 7.5 and 6.3 % above the model (12.6 and 12.7 % before the final norm's CPU composite
-was counted at the loss; at 32 x 64 tokens, where the peak is the loss's, within 0.5 %): at
-its peak, inside a block's compiled backward, the graph holds
-the float8 copies of the MLP's inputs and output gradients in both layouts (four ffn-wide,
-four h-wide, one byte each) and an fp32 ffn-wide upcast beside four bf16 ffn-wide tensors,
-where the bf16 block's backward holds six bf16 ffn-wide tensors (338 KiB more; the eager
-float8 step, whose casts run one at a time, is within 1.3 %). Which of those buffers CUDA's
-Inductor keeps alike is what ``benchmarks/gpu_torchtitan_memory.py`` can measure."""
+the pinned stack would."""
 
 
 def test_known_misses_are_still_misses():
