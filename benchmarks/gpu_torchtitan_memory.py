@@ -123,6 +123,8 @@ class RankPeak:
     resting: int | None = None
     """CUDA: bytes allocated at the first measured step's start, gradients set to None
     (parameters, optimizer states, buffers, and what libraries such as cuBLAS keep)."""
+    meter: object = None
+    """The CPU meter (``AllocatorPeak``: its ``live_at_peak``), for the live-allocation replay."""
 
 
 def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, steps: int,
@@ -240,7 +242,7 @@ def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, s
             return RankPeak(allocated=torch.cuda.max_memory_allocated(),
                             reserved=torch.cuda.max_memory_reserved(), step_s=step_s,
                             resting=resting)
-        return RankPeak(allocated=peak.peak_bytes, reserved=None, step_s=step_s)
+        return RankPeak(allocated=peak.peak_bytes, reserved=None, step_s=step_s, meter=peak)
     finally:
         dist.destroy_process_group()
 
@@ -327,18 +329,20 @@ def tiny_overrides(tiny, *, multiple_of: int = 16) -> dict:
 
 def dry_measure(dp: int, tp: int, micro_batch: int, policy: str, vocab: int, *,
                 dtype: str = "fp32", float8: bool = False,
-                compile_mode: str = "none") -> tuple[int, float]:
+                compile_mode: str = "none", live: bool = False):
     """(fake rank 0's peak bytes, the model's peak) for a tiny plan on the CPU: live tensor
-    bytes, or under ``compile_mode`` the CPU allocator's (``run_rank``'s meters), over two
-    steps after one (two compiling) that are not measured."""
+    bytes, or under ``compile_mode`` (or ``live``) the CPU allocator's (``run_rank``'s
+    meters), over two steps after one (two compiling) that are not measured. ``live``: a
+    third item, the allocator meter (``AllocatorPeak.live_at_peak``)."""
     _import_torchtitan()
     plan, est, tiny = dry_plan(dp, tp, micro_batch, policy, vocab, dtype=dtype, float8=float8,
                                compile_mode=compile_mode)
     compiled = compile_mode != "none"
     result = run_rank(job_config(plan), world=dp * tp, rank=0, device=torch.device("cpu"),
                       warmup=2 if compiled else 1, steps=2, args_override=tiny_overrides(tiny),
-                      meter="allocator" if compiled else "tracker")
-    return result.allocated, est.memory.per_stage[0].peak_bytes
+                      meter="allocator" if compiled or live else "tracker")
+    measured = (result.allocated, est.memory.per_stage[0].peak_bytes)
+    return (*measured, result.meter) if live else measured
 
 
 def dry_rows() -> list[dict]:

@@ -181,11 +181,13 @@ class AllocatorPeak:
         from torch.autograd.profiler import record_function
         return record_function(self.WINDOW)
 
-    @property
-    def peak_bytes(self) -> int:
+    def _allocations(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int, str]]]:
+        """(the windows' (start, end) times, every CPU allocation event as (time, address,
+        bytes, running total, the ops it ran under, innermost first, ``<``-joined)), by time;
+        a free is an event of negative bytes."""
         from torch._C._profiler import _ExtraFields_Allocation
         events = list(self._profile.profiler.kineto_results.experimental_event_tree())
-        windows, totals = [], []
+        windows, allocations = [], []
         while events:
             event = events.pop()
             events.extend(event.children)
@@ -193,9 +195,40 @@ class AllocatorPeak:
                 windows.append((event.start_time_ns, event.end_time_ns))
             fields = event.extra_fields
             if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
-                totals.append((event.start_time_ns, fields.total_allocated))
-        return max(total for time_ns, total in totals
-                   if any(first <= time_ns <= last for first, last in windows))
+                ops, parent = [], event.parent
+                while parent is not None:
+                    ops.append(parent.name)
+                    parent = parent.parent
+                allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size,
+                                    fields.total_allocated, "<".join(ops)))
+        allocations.sort(key=lambda a: a[0])
+        return windows, allocations
+
+    def _peak(self, within: str | None = None):
+        windows, allocations = self._allocations()
+        inside = [a for a in allocations if any(first <= a[0] <= last for first, last in windows)
+                  and (within is None or within in a[4])]
+        return allocations, max(inside, key=lambda a: a[3])
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak()[1][3]
+
+    def live_at_peak(self, within: str | None = None) -> list[tuple[int, str]]:
+        """The allocations alive at the windows' peak, or at the highest point reached while
+        an op whose name contains ``within`` ran: (bytes, the ops that made it, innermost
+        first), largest first. What sums to ``peak_bytes``: the analysis that shows which
+        tensors a compiled graph holds, which the live-tensor tracker cannot see."""
+        allocations, peak = self._peak(within)
+        live: dict[int, tuple[int, str]] = {}
+        for time_ns, address, size, _total, ops in allocations:
+            if time_ns > peak[0]:
+                break
+            if size > 0:
+                live[address] = (size, ops)
+            else:
+                live.pop(address, None)
+        return sorted(live.values(), key=lambda item: -item[0])
 
 
 def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: int,

@@ -13,6 +13,8 @@ two. Each plan runs in a process of its own.
 
     python benchmarks/torchtitan_cpu_mixed_memory.py            # measure and compare
     python benchmarks/torchtitan_cpu_mixed_memory.py --record   # and write the rows
+    python benchmarks/torchtitan_cpu_mixed_memory.py --live PLAN [--within OP]
+                                                     # what is alive at PLAN's peak
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import datetime as dt
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +59,27 @@ def measure_one(plan_id: str) -> dict:
     measured, predicted = dry_measure(dp, tp, micro, policy, vocab, dtype="bf16",
                                       float8=float8, compile_mode=compile_mode)
     return {"id": plan_id, "measured": measured, "predicted": predicted}
+
+
+def print_live(plan_id: str, within: str | None) -> None:
+    """The allocations alive at ``plan_id``'s peak (or at the highest point inside ops named
+    ``within``), grouped by size and the op that made them (``--live``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_torchtitan_memory import dry_measure
+    dp, tp, micro, policy, vocab, float8, compile_mode = PLANS[plan_id]
+    measured, predicted, meter = dry_measure(dp, tp, micro, policy, vocab, dtype="bf16",
+                                             float8=float8, compile_mode=compile_mode,
+                                             live=True)
+    live = meter.live_at_peak(within)
+    print(f"{plan_id}: peak {measured} B (model {predicted:.0f} B); "
+          f"{sum(size for size, _ in live)} B alive at the point shown, {len(live)} blocks")
+    def label(ops: str) -> str:  # the innermost op beside the first that is not an aten op
+        chain = ops.split("<")
+        outer = next((op for op in chain if not op.startswith("aten::")), "")
+        return f"{chain[0][:28]} in {outer[:60]}" if outer != chain[0] else chain[0][:90]
+    groups = Counter((size, label(ops)) for size, ops in live)
+    for (size, op), count in sorted(groups.items(), key=lambda item: -item[0][0] * item[1]):
+        print(f"{size:>11,d} B x {count:<3d} {op}")
 
 
 def memory_row(plan_id: str, measured: int) -> dict:
@@ -107,7 +131,16 @@ def main() -> None:
     parser.add_argument("--plans", nargs="+", choices=sorted(PLANS), default=list(PLANS))
     parser.add_argument("--record", action="store_true",
                         help="write the measured rows into costmodel/data/memory_runs.json")
+    parser.add_argument("--live", choices=sorted(PLANS), metavar="PLAN",
+                        help="print the allocations alive at PLAN's peak (the CPU allocator's "
+                             "events replayed), by size and the op that made them")
+    parser.add_argument("--within", metavar="OP",
+                        help="with --live: the highest point reached inside ops whose name "
+                             "contains OP (e.g. CompiledFunctionBackward), not the step's peak")
     args = parser.parse_args()
+    if args.live:
+        print_live(args.live, args.within)
+        return
     if args.one:
         print(json.dumps(measure_one(args.one)))
         return

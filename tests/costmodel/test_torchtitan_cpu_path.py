@@ -160,3 +160,31 @@ def test_the_float8_path_reproduces_its_row(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     measured = int(re.search(r"measured (\d+) B", done.stdout).group(1))
     assert measured == pytest.approx(run.measured, rel=0.001)
+
+
+def test_allocator_replay_names_what_is_alive_at_the_peak(monkeypatch):
+    """``AllocatorPeak.live_at_peak`` (``torchtitan_cpu_mixed_memory.py --live``) replays the
+    CPU allocator's events to the window's peak: the blocks alive there sum to the peak, and
+    ``within`` finds the highest point inside one op instead."""
+    import torch
+    from torch.autograd.profiler import record_function
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    benchmark = importlib.import_module("torchtitan_cpu_memory")
+    with benchmark.AllocatorPeak() as meter:
+        kept = torch.empty(1 << 20, dtype=torch.uint8)  # before the window: alive throughout
+        with meter.window():
+            with record_function("first"):
+                a = torch.empty(3 << 20, dtype=torch.uint8)
+                del a
+            with record_function("second"):
+                b = torch.empty(2 << 20, dtype=torch.uint8)
+                c = torch.empty(1 << 20, dtype=torch.uint8)
+                del b, c
+    del kept
+    live = meter.live_at_peak()
+    assert meter.peak_bytes == sum(size for size, _ in live)
+    assert sorted(size for size, _ in live)[-2:] == [1 << 20, 3 << 20]
+    assert any("first" in ops for size, ops in live if size == 3 << 20)
+    inside = meter.live_at_peak(within="second")
+    assert sorted(size for size, _ in inside)[-3:] == [1 << 20, 1 << 20, 2 << 20]
