@@ -424,6 +424,7 @@ def float8_cast_workspace_bytes(model: ModelSpec, config: ParallelConfig) -> flo
 
 
 FLOAT8_BYTES = 1
+"""Bytes of a float8 element."""
 
 
 def float8_compiled_backward_bytes(model: ModelSpec, config: ParallelConfig) -> float:
@@ -440,12 +441,12 @@ def float8_compiled_backward_bytes(model: ModelSpec, config: ParallelConfig) -> 
 
     Measured on torchtitan 0.2.2's float8 step on this CPU (tiny, FSDP 2, blocks compiled,
     full AC, 8 x 64 tokens, one rank of a fake group; the live allocations at the peak, in the
-    first block's compiled backward, replayed from the profiler's allocation events:
+    first block's compiled backward, replayed from the profiler's allocation events by
     ``benchmarks/torchtitan_cpu_mixed_memory.py --live PLAN --within
-    CompiledFunctionBackward``): the
-    compiled backward holds 4 x 180,224 + 360,448 + 4 x 90,112 bytes ffn-wide and 3 x 65,536
-    + 4 x 32,768 h-wide, 337,968 bytes more than the bf16 step's in its block's backward
-    (6 x 180,224 and 5 x 65,536), where the model had it 311,296 bytes less."""
+    CompiledFunctionBackward``): the compiled backward holds 4 x 180,224 + 360,448 + 4 x
+    90,112 bytes ffn-wide and 3 x 65,536 + 4 x 32,768 h-wide, 337,968 bytes more than the bf16
+    step's in its block's backward (6 x 180,224 and 5 x 65,536), where the model had it
+    311,296 bytes less."""
     if not config.float8 or config.compile == "none" or config.tp != 1 or model.is_moe:
         return 0.0
     a = config.bytes_per_activation
