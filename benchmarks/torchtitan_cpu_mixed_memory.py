@@ -44,7 +44,9 @@ PLANS = {
         # four times the tokens (the compiled full-AC steps' peak moves to the loss, where the
         # final norm's CPU composite holds its fp32 copies: composite_final_norm_bytes)
         "fsdp2-full-mb32": (2, 1, 32, "full", 256), "fsdp2-op-mb32": (2, 1, 32, "op", 256),
-        "fsdp2-none-mb32": (2, 1, 32, "none", 256)}.items()
+        "fsdp2-none-mb32": (2, 1, 32, "none", 256),
+        "v1024-fsdp2-tp2-full-mb32": (2, 2, 32, "full", 1024),
+        "v1024-fsdp2-tp2-op-mb32": (2, 2, 32, "op", 1024)}.items()
     # torch 2.13 does not compile torchtitan's TP block on the CPU (its AOT autograd refuses
     # the device mesh among the saved values)
     if not (kind.endswith("compile") and tp > 1)
