@@ -125,10 +125,44 @@ class RankPeak:
     (parameters, optimizer states, buffers, and what libraries such as cuBLAS keep)."""
     meter: object = None
     """The CPU meter (``AllocatorPeak``: its ``live_at_peak``), for the live-allocation replay."""
+    live: list | None = None
+    """CUDA with ``history``: the blocks alive at the trace's peak (``cuda_live_at_peak``)."""
+
+
+def cuda_live_at_peak(trace: list[dict], *, top: int = 25) -> list[dict]:
+    """The blocks alive at the highest point of a CUDA allocator trace (``torch.cuda.memory.
+    _snapshot()["device_traces"][i]``, recorded with ``_record_memory_history``), grouped by
+    size and the innermost Python frame that allocated them, largest groups first: what the
+    CPU's ``--live`` replay shows (``torchtitan_cpu_memory.AllocatorPeak.live_at_peak``), for
+    CUDA's kernels and Inductor. Blocks allocated before the recording began are not in it, and
+    their frees are skipped; a block counts until its free completes."""
+    live: dict[int, dict] = {}
+    total = best = 0
+    at_best: list[dict] = []
+    for entry in trace:
+        action, address = entry.get("action"), entry.get("addr")
+        if action == "alloc":
+            live[address] = entry
+            total += entry["size"]
+            if total > best:
+                best, at_best = total, list(live.values())
+        elif action == "free_completed" and address in live:
+            total -= live.pop(address)["size"]
+    groups: dict[tuple[int, str], int] = {}
+    for entry in at_best:
+        frames = entry.get("frames") or [{}]
+        frame = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0])
+        label = f"{frame.get('name', '?')} ({Path(frame.get('filename', '?')).name}:" \
+                f"{frame.get('line', '?')})"
+        groups[entry["size"], label] = groups.get((entry["size"], label), 0) + 1
+    ranked = sorted(groups.items(), key=lambda item: -item[0][0] * item[1])[:top]
+    return [{"bytes": size, "count": count, "frame": label}
+            for (size, label), count in ranked]
 
 
 def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, steps: int,
-             args_override: dict | None = None, meter: str = "cuda") -> RankPeak:
+             args_override: dict | None = None, meter: str = "cuda",
+             history: bool = False) -> RankPeak:
     """torchtitan's train step on ``rank`` of a fake group of ``world`` ranks (module doc).
 
     ``args_override``: model-argument fields replaced after the flavour's (the dry run's tiny
@@ -136,7 +170,8 @@ def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, s
     tensor bytes (``PeakMemory``), or ``allocator``, the CPU allocator's running total
     (``torchtitan_cpu_memory.AllocatorPeak``: it sees inside compiled graphs, which the
     tracker's dispatch mode keeps Dynamo from tracing; in one process no gloo thread adds to
-    it)."""
+    it). ``history`` (CUDA): record the allocator's trace over the measured steps and keep
+    the blocks alive at its peak (``cuda_live_at_peak``) in ``RankPeak.live``."""
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
@@ -207,6 +242,8 @@ def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, s
                     elif meter == "cuda":
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
+                        if history:
+                            torch.cuda.memory._record_memory_history(max_entries=500_000)
                     started = time.perf_counter()
                 window = peak.window() if meter == "allocator" and step >= warmup \
                     else contextlib.nullcontext()
@@ -239,9 +276,14 @@ def run_rank(job, *, world: int, rank: int, device: torch.device, warmup: int, s
                 torch.cuda.synchronize()
             step_s = (time.perf_counter() - started) / max(1, steps)
         if meter == "cuda":
+            live = None
+            if history:
+                trace = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+                torch.cuda.memory._record_memory_history(enabled=None)
+                live = cuda_live_at_peak(trace)
             return RankPeak(allocated=torch.cuda.max_memory_allocated(),
                             reserved=torch.cuda.max_memory_reserved(), step_s=step_s,
-                            resting=resting)
+                            resting=resting, live=live)
         return RankPeak(allocated=peak.peak_bytes, reserved=None, step_s=step_s, meter=peak)
     finally:
         dist.destroy_process_group()
@@ -369,7 +411,7 @@ TINY_GPU_PLANS = tuple(f"torchtitan-cpu-tiny-{kind}-fsdp2-{policy}-mb8" for kind
     ("bf16", "none"), ("bf16", "full"), ("float8", "full"), ("bf16-compile", "full"),
     ("float8-compile", "full"), ("float8-compile", "none"), ("float8-compile", "op")))
 """``--tiny``'s plans on the GPU: one for each mechanism the CPU rows found, the compiled
-float8 ones the model still misses on the CPU among them (2 to 3 minutes on an H200)."""
+float8 block backward among them (2 to 3 minutes on an H200)."""
 
 
 def tiny_rows(plans: dict, *, scale: dict | None = TINY_SCALE,
@@ -402,9 +444,11 @@ def tiny_rows(plans: dict, *, scale: dict | None = TINY_SCALE,
         try:
             meter = "cuda" if cuda else "allocator" if compile_mode != "none" else "tracker"
             result = run_rank(job_config(plan), world=dp * tp, rank=0, device=device,
-                              warmup=2, steps=2, meter=meter,
+                              warmup=2, steps=2, meter=meter, history=cuda,
                               args_override=tiny_overrides(tiny, multiple_of=16 * widen))
             row.update(allocated_bytes=result.allocated, reserved_bytes=result.reserved)
+            if result.live is not None:
+                row["live_at_peak"] = result.live
             if result.resting is not None:
                 row["above_resting_bytes"] = result.allocated - result.resting
         except Exception as exc:  # one plan's failure must not lose the others

@@ -188,3 +188,32 @@ def test_allocator_replay_names_what_is_alive_at_the_peak(monkeypatch):
     assert any("first" in ops for size, ops in live if size == 3 << 20)
     inside = meter.live_at_peak(within="second")
     assert sorted(size for size, _ in inside)[-3:] == [1 << 20, 1 << 20, 2 << 20]
+
+
+def test_cuda_trace_replay_finds_the_blocks_alive_at_the_peak(monkeypatch):
+    """``gpu_torchtitan_memory.cuda_live_at_peak`` replays a CUDA allocator trace (the
+    ``_snapshot()["device_traces"]`` entries: alloc, free_requested, free_completed): a block
+    counts until its free completes, frees of blocks allocated before the recording are
+    skipped, and the blocks alive at the highest point are grouped by size and the first frame
+    outside torch."""
+    if importlib.util.find_spec("torchtitan") is None:  # the benchmark imports its helpers
+        pytest.skip("torchtitan is not installed")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    benchmark = importlib.import_module("gpu_torchtitan_memory")
+
+    def frame(name):
+        return [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": f"/tmp/{name}.py", "line": 7, "name": name}]
+
+    trace = [
+        {"action": "free_completed", "addr": 99, "size": 1000},  # allocated before recording
+        {"action": "alloc", "addr": 1, "size": 300, "frames": frame("mlp")},
+        {"action": "alloc", "addr": 2, "size": 300, "frames": frame("mlp")},
+        {"action": "free_requested", "addr": 1, "size": 300},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": frame("norm")},  # peak: 650
+        {"action": "free_completed", "addr": 1, "size": 300},
+        {"action": "alloc", "addr": 4, "size": 200, "frames": frame("loss")},  # 550
+    ]
+    live = benchmark.cuda_live_at_peak(trace)
+    assert live == [{"bytes": 300, "count": 2, "frame": "mlp (mlp.py:7)"},
+                    {"bytes": 50, "count": 1, "frame": "norm (norm.py:7)"}]
