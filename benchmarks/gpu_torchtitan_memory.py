@@ -136,20 +136,29 @@ def cuda_live_at_peak(trace: list[dict], *, top: int = 25) -> list[dict]:
     CPU's ``--live`` replay shows (``torchtitan_cpu_memory.AllocatorPeak.live_at_peak``), for
     CUDA's kernels and Inductor. Blocks allocated before the recording began are not in it, and
     their frees are skipped; a block counts until its free completes."""
-    live: dict[int, dict] = {}
-    total = best = 0
-    at_best: list[dict] = []
-    for entry in trace:
-        action, address = entry.get("action"), entry.get("addr")
-        if action == "alloc":
-            live[address] = entry
-            total += entry["size"]
-            if total > best:
-                best, at_best = total, list(live.values())
-        elif action == "free_completed" and address in live:
-            total -= live.pop(address)["size"]
+    def replay(stop: int | None) -> tuple[dict[int, dict], int]:
+        """The blocks alive after entry ``stop`` (all entries: None), and the index of the
+        entry at which the running total was highest."""
+        live: dict[int, dict] = {}
+        total = best = 0
+        best_index = -1
+        for index, entry in enumerate(trace):
+            action, address = entry.get("action"), entry.get("addr")
+            if action == "alloc":
+                live[address] = entry
+                total += entry["size"]
+                if total > best:
+                    best, best_index = total, index
+            elif action == "free_completed" and address in live:
+                total -= live.pop(address)["size"]
+            if index == stop:
+                break
+        return live, best_index
+
+    _, peak_index = replay(None)
+    at_peak, _ = replay(peak_index) if peak_index >= 0 else ({}, -1)
     groups: dict[tuple[int, str], int] = {}
-    for entry in at_best:
+    for entry in at_peak.values():
         frames = entry.get("frames") or [{}]
         frame = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0])
         label = f"{frame.get('name', '?')} ({Path(frame.get('filename', '?')).name}:" \

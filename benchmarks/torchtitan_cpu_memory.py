@@ -208,6 +208,9 @@ class AllocatorPeak:
         windows, allocations = self._allocations()
         inside = [a for a in allocations if any(first <= a[0] <= last for first, last in windows)
                   and (within is None or within in a[4])]
+        if not inside:
+            raise ValueError("no allocation in the measured window"
+                             + (f" inside an op named like {within!r}" if within else ""))
         return allocations, max(inside, key=lambda a: a[3])
 
     @property

@@ -63,6 +63,14 @@ def measure_one(plan_id: str) -> dict:
     return {"id": plan_id, "measured": measured, "predicted": predicted}
 
 
+def _allocation_label(ops: str) -> str:
+    """The op that made an allocation (``AllocatorPeak.live_at_peak``'s ``<``-joined chain,
+    innermost first), beside the first op around it that is not an ATen op."""
+    chain = ops.split("<")
+    outer = next((op for op in chain if not op.startswith("aten::")), "")
+    return f"{chain[0][:28]} in {outer[:60]}" if outer != chain[0] else chain[0][:90]
+
+
 def print_live(plan_id: str, within: str | None) -> None:
     """The allocations alive at ``plan_id``'s peak (or at the highest point inside ops named
     ``within``), grouped by size and the op that made them (``--live``)."""
@@ -72,14 +80,14 @@ def print_live(plan_id: str, within: str | None) -> None:
     measured, predicted, meter = dry_measure(dp, tp, micro, policy, vocab, dtype="bf16",
                                              float8=float8, compile_mode=compile_mode,
                                              live=True)
-    live = meter.live_at_peak(within)
+    try:
+        live = meter.live_at_peak(within)
+    except ValueError as exc:
+        print(f"torchtitan_cpu_mixed_memory: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"{plan_id}: peak {measured} B (model {predicted:.0f} B); "
           f"{sum(size for size, _ in live)} B alive at the point shown, {len(live)} blocks")
-    def label(ops: str) -> str:  # the innermost op beside the first that is not an aten op
-        chain = ops.split("<")
-        outer = next((op for op in chain if not op.startswith("aten::")), "")
-        return f"{chain[0][:28]} in {outer[:60]}" if outer != chain[0] else chain[0][:90]
-    groups = Counter((size, label(ops)) for size, ops in live)
+    groups = Counter((size, _allocation_label(ops)) for size, ops in live)
     for (size, op), count in sorted(groups.items(), key=lambda item: -item[0][0] * item[1]):
         print(f"{size:>11,d} B x {count:<3d} {op}")
 
@@ -140,6 +148,8 @@ def main() -> None:
                         help="with --live: the highest point reached inside ops whose name "
                              "contains OP (e.g. CompiledFunctionBackward), not the step's peak")
     args = parser.parse_args()
+    if args.within and not args.live:
+        parser.error("--within needs --live PLAN")
     if args.live:
         print_live(args.live, args.within)
         return
