@@ -324,14 +324,14 @@ def test_cpu_rmsnorm_keeps_fp32_copies_of_a_16_bit_input():
     assert cpu32 - gpu32 == 2 * 4 * tokens * H  # the normalised copy alone
 
 
-def test_cpu_final_rmsnorm_composite_counts_at_the_loss_only():
+def test_cpu_final_rmsnorm_composite_at_the_loss():
     """torchtitan's final norm on the CPU runs torch's composite RMSNorm: from a bf16 input it
     keeps the fp32 upcast, the fp32 normalised input and the fp32 inverse RMS beside its bf16
     output, where the model had counted the bf16 input. The live tensors at the loss's
     backward of torchtitan's bf16 step on this CPU (tiny, FSDP 2, blocks compiled, full AC,
     32 x 64 tokens): 524,288 + 524,288 + 8,192 bytes of fp32 and the 262,144-byte output. Its
-    backward runs before any block's, so a block's backward does not see them: only the
-    loss phase grows, and only on the CPU."""
+    backward runs before any block's, so the model counts them at the loss phase (the step's
+    peak there), and only on the CPU."""
     from meshplan.costmodel import activations as act
     from meshplan.costmodel.memory import last_stage_head_bytes
 
