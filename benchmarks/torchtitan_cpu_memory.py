@@ -181,9 +181,9 @@ class AllocatorPeak:
         from torch.autograd.profiler import record_function
         return record_function(self.WINDOW)
 
-    def _allocations(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int, str]]]:
+    def _allocations(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int, object]]]:
         """(the windows' (start, end) times, every CPU allocation event as (time, address,
-        bytes, running total, the ops it ran under, innermost first, ``<``-joined)), by time;
+        bytes, running total, the profiler event: ``_ops`` names what it ran under)), by time;
         a free is an event of negative bytes."""
         from torch._C._profiler import _ExtraFields_Allocation
         events = list(self._profile.profiler.kineto_results.experimental_event_tree())
@@ -195,19 +195,24 @@ class AllocatorPeak:
                 windows.append((event.start_time_ns, event.end_time_ns))
             fields = event.extra_fields
             if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
-                ops, parent = [], event.parent
-                while parent is not None:
-                    ops.append(parent.name)
-                    parent = parent.parent
                 allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size,
-                                    fields.total_allocated, "<".join(ops)))
+                                    fields.total_allocated, event))
         allocations.sort(key=lambda a: a[0])
         return windows, allocations
+
+    @staticmethod
+    def _ops(event) -> str:
+        """The ops an allocation event ran under, innermost first, ``<``-joined."""
+        ops, parent = [], event.parent
+        while parent is not None:
+            ops.append(parent.name)
+            parent = parent.parent
+        return "<".join(ops)
 
     def _peak(self, within: str | None = None):
         windows, allocations = self._allocations()
         inside = [a for a in allocations if any(first <= a[0] <= last for first, last in windows)
-                  and (within is None or within in a[4])]
+                  and (within is None or within in self._ops(a[4]))]
         if not inside:
             raise ValueError("no allocation in the measured window"
                              + (f" inside an op named like {within!r}" if within else ""))
@@ -223,15 +228,16 @@ class AllocatorPeak:
         first), largest first. What sums to ``peak_bytes``: the analysis that shows which
         tensors a compiled graph holds, which the live-tensor tracker cannot see."""
         allocations, peak = self._peak(within)
-        live: dict[int, tuple[int, str]] = {}
-        for time_ns, address, size, _total, ops in allocations:
+        live: dict[int, tuple[int, object]] = {}
+        for time_ns, address, size, _total, event in allocations:
             if time_ns > peak[0]:
                 break
             if size > 0:
-                live[address] = (size, ops)
+                live[address] = (size, event)
             else:
                 live.pop(address, None)
-        return sorted(live.values(), key=lambda item: -item[0])
+        return sorted(((size, self._ops(event)) for size, event in live.values()),
+                      key=lambda item: -item[0])
 
 
 def _worker(rank: int, policy: str, micro_batch: int, dp: int, tp: int, vocab: int,

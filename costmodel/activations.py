@@ -147,7 +147,7 @@ def layer_activation_bytes(model: ModelSpec, config: ParallelConfig, *, recomput
             # torch.rms_norm's composite keeps each norm's normalised input; from a 16-bit
             # input it upcasts first and keeps the fp32 copy and an fp32 normalised input
             # in place of the input and a 16-bit one (module doc: ``fused_norm``)
-            seq_split += 2 * act * tokens * h + 4 * (FP32_BYTES - act) * tokens * h
+            seq_split += 2 * composite_rms_norm_bytes(act) * tokens * h
     total = (seq_split / seq_div + (attention + mlp) / t + casts + qk_norm_bytes(
         model, config, normalised_copy=eager and model.norm == "rmsnorm" and not fused_norm,
         autocast=eager and autocast))
@@ -363,6 +363,14 @@ def head_activation_bytes(model: ModelSpec, config: ParallelConfig, *,
                                 vocab_parallel=vocab_parallel)
 
 
+def composite_rms_norm_bytes(act: int) -> int:
+    """Bytes an element of its input that torch's composite RMSNorm (the CPU's: no
+    ``_fused_rms_norm`` kernel there) keeps beyond that input: the input upcast to fp32 (the
+    input itself when it is fp32) and the fp32 normalised input, in place of the input of
+    ``act`` bytes: ``8 - act``. Its per-token statistics are counted apart."""
+    return 2 * FP32_BYTES - act
+
+
 def composite_final_norm_bytes(model: ModelSpec, config: ParallelConfig) -> float:
     """What the final RMSNorm keeps beyond its input when it runs torch's composite
     (``head_activation_bytes``'s ``composite_norm``): ``(8 - a) h + 4`` bytes a token of its
@@ -371,8 +379,8 @@ def composite_final_norm_bytes(model: ModelSpec, config: ParallelConfig) -> floa
     if model.norm != "rmsnorm":
         return 0.0
     shards = config.tp if config.sp else 1
-    return ((2 * FP32_BYTES - config.bytes_per_activation) * model.hidden_size + FP32_BYTES) \
-        * tokens_per_microbatch(config) / shards
+    return (composite_rms_norm_bytes(config.bytes_per_activation) * model.hidden_size
+            + FP32_BYTES) * tokens_per_microbatch(config) / shards
 
 
 def logit_bytes(model: ModelSpec, config: ParallelConfig, *, copies: float,
@@ -427,12 +435,14 @@ FLOAT8_BYTES = 1
 """Bytes of a float8 element."""
 
 
-def float8_compiled_backward_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+def float8_compiled_backward_bytes(model: ModelSpec, config: ParallelConfig, *,
+                                   recompute: str) -> float:
     """Bytes a compiled float8 block's backward holds above what its saved tensors and the
     bf16 block's backward workspace count (``--compile`` with ``--float8``, no TP, dense; 0
     otherwise). Its forward/backward partition keeps neither norm output nor one ffn-wide
     tensor (``layer_activation_bytes``'s ``compiled``): the backward rebuilds them
-    (``a (2 h + f)`` bytes a token, ``a`` the activation dtype's bytes), and where the bf16
+    (``a (2 h + f)`` bytes a token, ``a`` the activation dtype's bytes; under full or no
+    recomputation, ``recompute``, the modes that saving is counted for), and where the bf16
     block's backward holds six ffn-wide tensors in the activation dtype, the float8 one holds
     four, an fp32 upcast and four float8 copies (the casts of the MLP's inputs and output
     gradients, one per layout each ``torch._scaled_mm`` operand needs): ``(8 - 2 a) f`` more.
@@ -447,7 +457,8 @@ def float8_compiled_backward_bytes(model: ModelSpec, config: ParallelConfig) -> 
     90,112 bytes ffn-wide and 3 x 65,536 + 4 x 32,768 h-wide, 337,968 bytes more than the bf16
     step's in its block's backward (6 x 180,224 and 5 x 65,536), where the model had it
     311,296 bytes less."""
-    if not config.float8 or config.compile == "none" or config.tp != 1 or model.is_moe:
+    if (not config.float8 or config.compile == "none" or config.tp != 1 or model.is_moe
+            or recompute not in ("none", "full")):  # where the partition's saving is counted
         return 0.0
     a = config.bytes_per_activation
     f = model.ffn_hidden_size

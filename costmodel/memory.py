@@ -826,9 +826,8 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     live_grads = states.grads if config.grad_accum_steps > 1 and not pipelined_fsdp else 0.0
     swiglu_grads = act.backward_workspace_bytes(model, config, weight_grad_bytes=compute_bytes,
                                                 accumulating=False) \
-        + act.float8_cast_workspace_bytes(model, config)
-    if config.stage_recompute(stage) in ("none", "full"):  # the compiled partition's float8 pair
-        swiglu_grads += act.float8_compiled_backward_bytes(model, config)
+        + act.float8_cast_workspace_bytes(model, config) \
+        + act.float8_compiled_backward_bytes(model, config, recompute=config.stage_recompute(stage))
     if config.zero_stage == 3 and config.pp == 1:
         mid_block = (2 * block_bytes * params.largest_block
                      + compute_bytes * model.hidden_size * model.ffn_hidden_size / config.tp
