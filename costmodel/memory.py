@@ -505,7 +505,7 @@ def stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
 def _stage_memory(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,
                   *, framework: str, calibration: Calibration) -> StageMemory:
     """``stage_memory`` on a GPU (device memory apart from what is offloaded)."""
-    compute_bytes = 4 if config.dtype == "fp32" else 2
+    compute_bytes = config.bytes_per_activation  # the compute dtype's
     states, params = stage_states(model, config, stage, framework)
     activations = stage_activation_bytes(model, config, stage, framework,
                                          device_key=cluster.gpu.key)
@@ -779,7 +779,7 @@ def _torchtitan_stage_memory(model: ModelSpec, config: ParallelConfig, stage: in
     (``torchtitan_cached_bytes``), then the allocator's fragmentation and the communicator.
     """
     fp32 = config.dtype == "fp32"
-    compute_bytes = 4 if fp32 else 2
+    compute_bytes = config.bytes_per_activation  # the compute dtype's
     buffers = framework_buffer_bytes(
         "torchtitan", zero_stage=config.zero_stage, stage_params=params.dense + params.expert,
         largest_layer_params=params.largest_layer, fp32=fp32,
