@@ -463,6 +463,8 @@ def load_json_document(path: str | Path, *, what: str,
     does; messages start with the file name (``what``, e.g. ``cluster`` or ``run report``,
     names the kind of file when it does not exist)."""
     file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"{what} file {str(path)!r} is a directory; give a JSON file")
     if not file.is_file():
         raise ValueError(f"{what} file {str(path)!r} does not exist")
     return parse_json_document(file.read_text(encoding="utf-8"), origin=str(path),

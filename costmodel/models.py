@@ -112,6 +112,10 @@ def _resolve(ref: str) -> ModelSpec:
         path = path / "config.json"
     if path.is_file():
         return load_model_file(path)
+    if path.is_dir():
+        raise ValueError(f"model directory {ref!r} has no config.json; give a HuggingFace "
+                         f"checkpoint directory, a ModelSpec JSON or HF config.json, or a "
+                         f"catalog name")
     if _looks_like_path(ref):
         raise ValueError(f"model file {ref!r} does not exist (resolved to {path.resolve()}); "
                          f"give an existing ModelSpec JSON or HF config.json, or a catalog name")

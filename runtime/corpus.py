@@ -110,8 +110,12 @@ def eos_id(tokenizer, file: str) -> int:
     config = os.path.join(os.path.dirname(file), "tokenizer_config.json")
     names = list(EOS_NAMES)
     if os.path.isfile(config):
-        with open(config) as handle:
-            eos = json.load(handle).get("eos_token")
+        with open(config, encoding="utf-8") as handle:
+            try:
+                settings = json.load(handle)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{config}: not valid JSON: {error}") from None
+        eos = settings.get("eos_token") if isinstance(settings, dict) else None
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str):
             names.insert(0, eos)
@@ -145,7 +149,12 @@ def prepare(path: str, *, tokenizer: str, field: str, vocab_size: int,
     if not os.path.exists(path):
         raise ValueError(f"--data {path!r}: no such file or folder")
     file = tokenizer_file(tokenizer)
-    tok = Tokenizer.from_file(file)
+    try:
+        tok = Tokenizer.from_file(file)
+    except Exception as error:  # the tokenizers library raises a bare Exception
+        raise ValueError(f"--tokenizer {file}: not a tokenizers JSON file "
+                         f"({str(error).splitlines()[0] if str(error) else type(error).__name__})"
+                         ) from None
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"--tokenizer {tokenizer}: its vocabulary has {tok.get_vocab_size()} "
                          f"tokens, more than the model's {vocab_size}")

@@ -107,33 +107,55 @@ def hf_name(name: str) -> str:
 
 
 def _files(directory: str) -> dict[str, str]:
-    """HF tensor name -> safetensors file holding it."""
+    """HF tensor name -> safetensors file holding it; ValueError (one line) for an index
+    without a weight map, or a file that is missing or has no readable safetensors header
+    (only headers are read)."""
     index = os.path.join(directory, INDEX)
     if os.path.isfile(index):
-        with open(index) as handle:
-            weight_map = json.load(handle)["weight_map"]
-        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        from meshplan.costmodel.jsonio import parse_json_document
+
+        with open(index, encoding="utf-8") as handle:
+            weight_map = parse_json_document(handle.read(), origin=index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(file, str) for file in weight_map.values()):
+            raise ValueError(f"{index}: no 'weight_map' of tensor names to file names")
+        files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            _tensor_names(file)
+        return files
     single = os.path.join(directory, SINGLE)
     if not os.path.isfile(single):
         raise ValueError(f"--init-from {directory}: no {SINGLE} and no {INDEX} (safetensors "
                          "weights are needed; save with save_pretrained(safe_serialization=True))")
+    return {name: single for name in _tensor_names(single)}
+
+
+def _tensor_names(file: str) -> list[str]:
+    """The tensor names in a safetensors file's header."""
     from safetensors import safe_open
 
-    with safe_open(single, framework="pt") as handle:
-        return {name: single for name in handle.keys()}
+    if not os.path.isfile(file):
+        raise ValueError(f"{file}: no such file (named by {INDEX})")
+    try:
+        with safe_open(file, framework="pt") as handle:
+            return list(handle.keys())
+    except Exception as error:  # safetensors raises its own SafetensorError
+        raise ValueError(f"{file}: not a safetensors file ({error})") from None
 
 
 def check_directory(directory: str, spec: ModelSpec) -> None:
     """ValueError (one line) unless ``directory`` holds an HF checkpoint of ``spec``: its
     config describes the same architecture and every tensor the decoder needs is there."""
+    from meshplan.costmodel.jsonio import parse_json_document
     from meshplan.costmodel.models import from_hf_config
 
     check_mappable(spec, what="--init-from")
     path = os.path.join(directory, CONFIG)
     if not os.path.isfile(path):
         raise ValueError(f"--init-from {directory}: no {CONFIG}")
-    with open(path) as handle:
-        theirs = from_hf_config(json.load(handle), name=spec.name, origin=path)
+    with open(path, encoding="utf-8") as handle:
+        theirs = from_hf_config(parse_json_document(handle.read(), origin=path),
+                                name=spec.name, origin=path)
     fields = ("num_layers", "hidden_size", "num_heads", "kv_heads", "head_size",
               "ffn_hidden_size", "vocab_rows", "qkv_bias", "tied_embeddings", "rope_theta",
               "norm_eps", "sliding_window")

@@ -72,6 +72,14 @@ def finite_nonnegative_float(text: str) -> float:
     return _number(text, accept=lambda v: 0 <= v < math.inf, rule="a finite number >= 0")
 
 
+def rdzv_conf(text: str) -> str:
+    """torchrun's ``--rdzv-conf``: KEY=VALUE pairs joined by commas."""
+    if not all(key.strip() and sep for key, sep, _ in
+               (item.partition("=") for item in text.split(","))):
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE[,KEY=VALUE...], got {text!r}")
+    return text
+
+
 def _split_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",")]
 

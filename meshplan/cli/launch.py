@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from meshplan.cli import run as run_command
-from meshplan.cli.args import positive_int
+from meshplan.cli.args import positive_int, rdzv_conf
 from meshplan.cli.errors import EXIT_OK, UsageError
 from meshplan.cli.output import check_folder, print_json, refuse_overwrite, write_text
 
@@ -34,7 +34,7 @@ SET_BY_LAUNCH = {
 }
 """Run flags launch sets on every node itself, and what stands for them."""
 SLURM_ONLY = ("time", "partition", "job_name", "script", "rdzv_port", "cpus_per_task",
-              "submit", "force")
+              "submit")
 LOCAL_ONLY = ("log_dir",)
 SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}")
 """sbatch --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
@@ -64,13 +64,6 @@ def port(text: str) -> int:
     if value > MAX_PORT:
         raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to {MAX_PORT}, got {text!r}")
     return value
-
-
-def rdzv_conf(text: str) -> str:
-    if not all(key.strip() and sep for key, sep, _ in
-               (item.partition("=") for item in text.split(","))):
-        raise argparse.ArgumentTypeError(f"must be KEY=VALUE[,KEY=VALUE...], got {text!r}")
-    return text
 
 
 class _Forward(argparse.Action):
@@ -118,11 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torchrun's rendezvous options, passed to meshplan run")
     parser.add_argument("--json", action="store_true",
                         help="print what was written / how the nodes ended as JSON")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite an existing --script (slurm), and pass --force to "
+                             "meshplan run (its --report)")
     slurm = parser.add_argument_group("slurm")
     slurm.add_argument("--script", metavar="FILE",
                        help="the batch script (default: <plan folder>/<plan stem>.sbatch); its "
                             "job writes <script stem>-<job id>.out next to it")
-    slurm.add_argument("--force", action="store_true", help="overwrite an existing --script")
     slurm.add_argument("--submit", action="store_true", help="sbatch the script; print the id")
     slurm.add_argument("--time", type=slurm_time, metavar="HH:MM:SS",
                        help="time limit (default: the partition's)")
@@ -163,7 +158,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """0; ValueError when refused; local: the nodes' exit code (``LocalResult.exit_code``)."""
-    run_flags = list(args.run_flags or [])
+    run_flags = list(args.run_flags or []) + (["--force"] if args.force else [])
     _check_flags(args)
     _run_parser().parse_args([args.plan_file, *run_flags])
     if args.scheduler == "slurm":

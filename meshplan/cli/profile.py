@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from meshplan.cli.args import positive_int
 from meshplan.cli.errors import EXIT_OK
 from meshplan.cli.inputs import load_calibration_flag, load_flagged
+from meshplan.cli.output import refuse_overwrite
 from meshplan.costmodel.config import DTYPES
 from meshplan.costmodel.hardware import load_cluster
 
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 2 on the CPU, one per GPU up to 8; 1 skips them). Under "
                              "torchrun every process of the job takes part instead, and "
                              "cross-node links are measured too")
+    parser.add_argument("--force", action="store_true",
+                        help="let --out and --measurements overwrite existing files")
     parser.add_argument("--quick", action="store_true",
                         help="fewer and smaller sizes (seconds; for tests)")
     parser.add_argument("--dtype", choices=DTYPES,
@@ -41,8 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Under torchrun the ranks other than 0 print nothing and return 0."""
-    from meshplan.workflows.profile import profile
+    from meshplan.workflows.profile import measurements_path, profile
 
+    refuse_overwrite("--out", args.out, force=args.force)
+    refuse_overwrite("--measurements", measurements_path(args.out, args.measurements),
+                     force=args.force)
     base = load_calibration_flag(args.calibration)
     cluster = (load_flagged("--cluster", args.cluster, lambda: load_cluster(args.cluster))
                if args.cluster else None)

@@ -9,8 +9,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from meshplan.cli.args import (node_range, nonnegative_float, nonnegative_int, positive_float,
-                               positive_int)
-from meshplan.cli.output import check_folder, print_json
+                               positive_int, rdzv_conf)
+from meshplan.cli.output import check_folder, print_json, refuse_overwrite
 
 if TYPE_CHECKING:
     from meshplan.runtime.report import RunReport
@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the field / column holding the text (default text)")
     parser.add_argument("--report", metavar="FILE",
                         help="write the run report JSON (schema_version 1) to FILE")
+    parser.add_argument("--force", action="store_true",
+                        help="let --report overwrite an existing FILE")
     parser.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
                         help="process-group timeout in seconds once the first step is done "
                              "(default 60)")
@@ -98,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="nodes (default 1); MIN:MAX: an elastic job that replans and "
                             "reshards from the last checkpoint when nodes leave or join "
                             "(needs --checkpoint-dir and --checkpoint-every)")
-    group.add_argument("--rdzv-conf", metavar="K=V,...",
+    group.add_argument("--rdzv-conf", type=rdzv_conf, metavar="K=V,...",
                        help="torchrun's rendezvous settings, e.g. join_timeout=600,"
                             "last_call_timeout=30,keep_alive_interval=5 (seconds)")
     group.add_argument("--replan-time-limit", type=positive_float, default=30.0, metavar="S",
@@ -129,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         data, shuffle = _tokenized(args), True
     elif data and not os.path.isfile(data):
         raise ValueError(f"--data {args.data!r}: no such file")
+    refuse_overwrite("--report", args.report, force=args.force)
     check_folder("--report", args.report)
     if args.save_hf and os.path.exists(args.save_hf) and (
             not os.path.isdir(args.save_hf) or os.listdir(args.save_hf)):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from meshplan.cli.args import positive_float, positive_int
 from meshplan.cli.errors import EXIT_OK
 from meshplan.cli.inputs import load_calibration_flag
+from meshplan.cli.output import refuse_overwrite
 
 if TYPE_CHECKING:
     from meshplan.workflows.validate import PlanMeasurement, RefitSummary
@@ -28,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where --refit writes (default calibration-refit.json)")
     parser.add_argument("--report", metavar="FILE",
                         help="write measured and predicted values of every plan as JSON")
+    parser.add_argument("--force", action="store_true",
+                        help="let --out and --report overwrite existing files")
     parser.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
                         help="process-group timeout in seconds (default 60)")
     parser.add_argument("--nproc-per-node", type=positive_int, metavar="K",
@@ -39,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from meshplan.workflows.validate import RunFailed, validate
 
     several = len(args.plan_files) > 1
+    if args.refit:
+        refuse_overwrite("--out", args.out, force=args.force)
+    refuse_overwrite("--report", args.report, force=args.force)
 
     def show(measurement: PlanMeasurement) -> None:
         if several:

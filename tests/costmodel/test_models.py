@@ -388,6 +388,11 @@ def test_missing_file_that_looks_like_a_path(tmp_path):
         load_model("models/llama.json")
 
 
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(ValueError, match="model directory .* has no config.json"):
+        load_model(str(tmp_path))
+
+
 def _tiny_fields(**changes) -> dict:
     return model_catalog()["tiny"].to_dict() | changes
 

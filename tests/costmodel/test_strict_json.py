@@ -551,6 +551,9 @@ def test_load_json_document_names_the_file(tmp_path):
     with pytest.raises(ValueError) as info:
         load_json_document(tmp_path / "none.json", what="run report")
     assert str(info.value) == f"run report file {str(tmp_path / 'none.json')!r} does not exist"
+    with pytest.raises(ValueError) as info:
+        load_json_document(tmp_path, what="cluster")
+    assert str(info.value) == f"cluster file {str(tmp_path)!r} is a directory; give a JSON file"
     write(path, '{"losses": [1.0, NaN]}')
     with pytest.raises(ValueError) as info:
         load_json_document(path, what="run report", schema=schema)

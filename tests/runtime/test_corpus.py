@@ -94,6 +94,8 @@ def test_shuffled_windows_cover_each_pass_once_and_depend_on_the_seed(tmp_path):
     ("big_vocab", "more than the model's 8"),
     ("no_eos", "no EOS token"),
     ("no_tokenizer", "no tokenizer.json"),
+    ("bad_tokenizer", "not a tokenizers JSON file"),
+    ("bad_tokenizer_config", "tokenizer_config.json: not valid JSON"),
 ])
 def test_bad_data_is_one_line(tmp_path, tok, case, message):
     path, tokenizer, vocab = _write(tmp_path, "jsonl"), tok, VOCAB
@@ -105,6 +107,11 @@ def test_bad_data_is_one_line(tmp_path, tok, case, message):
         vocab = 8
     elif case == "no_eos":
         tokenizer = _tokenizer(tmp_path / "plain", eos=False)
+    elif case == "bad_tokenizer":
+        tokenizer = tmp_path / "broken.json"
+        tokenizer.write_text("not json")
+    elif case == "bad_tokenizer_config":
+        (tok / "tokenizer_config.json").write_text("{eos")
     else:
         tokenizer = tmp_path
     with pytest.raises(ValueError, match=message):

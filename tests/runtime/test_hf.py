@@ -267,8 +267,20 @@ def test_init_from_refuses_another_model_in_one_line(tmp_path):
     import dataclasses
     with pytest.raises(ValueError, match="another model than the plan's: ffn_hidden_size"):
         hf.check_directory(str(source), dataclasses.replace(other, ffn_hidden_size=128))
+    (source / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="model.safetensors: not a safetensors file"):
+        hf.check_directory(str(source), other)
     (source / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no model.safetensors"):
+        hf.check_directory(str(source), other)
+    (source / hf.INDEX).write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match="no 'weight_map' of tensor names"):
+        hf.check_directory(str(source), other)
+    (source / hf.INDEX).write_text('{"weight_map": {"model.norm.weight": "a.safetensors"}}')
+    with pytest.raises(ValueError, match="a.safetensors: no such file"):
+        hf.check_directory(str(source), other)
+    (source / "config.json").write_text("{bad")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
         hf.check_directory(str(source), other)
 
 

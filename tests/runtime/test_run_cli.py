@@ -185,6 +185,19 @@ def test_report_folder_must_exist(capsys, dp2_plan, tmp_path):
     assert "--report" in capsys.readouterr().err
 
 
+def test_report_is_not_overwritten_without_force(capsys, dp2_plan, tmp_path):
+    report = tmp_path / "r.json"
+    report.write_text("mine\n")
+    assert cli.main(["run", str(dp2_plan), "--report", str(report)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists; pass --force to overwrite it" in err, err
+    assert report.read_text() == "mine\n"
+    assert cli.main(["run", str(dp2_plan), "--report", str(tmp_path)]) == 2
+    assert "is a folder; give a file name" in capsys.readouterr().err
+    assert cli.main(["run", str(dp2_plan), "--rdzv-conf", "join_timeout"]) == 2
+    assert "must be KEY=VALUE" in capsys.readouterr().err
+
+
 def test_negative_seed_is_refused(capsys, dp2_plan):
     assert cli.main(["run", str(dp2_plan), "--seed", "-1"]) == 2
     assert "seed must be >= 0" in capsys.readouterr().err

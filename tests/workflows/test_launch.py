@@ -154,6 +154,7 @@ def test_existing_script_is_kept_without_force(dp2_plan):
     assert script.read_text() == "mine\n"
     assert run_cli("launch", dp2_plan, "--scheduler", "slurm", "--force").code == 0
     assert script.read_text().startswith("#!/bin/bash\n")
+    assert "--force" in script.read_text()  # passed to meshplan run for its --report
 
 
 @pytest.mark.parametrize("argv, message", [

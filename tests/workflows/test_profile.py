@@ -8,6 +8,7 @@ import json
 import pytest
 
 from meshplan.cli.profile import profile_lines
+from meshplan.testing import usage_error
 from meshplan.costmodel import load_calibration
 from meshplan.workflows import profile as wf
 
@@ -28,6 +29,18 @@ def test_missing_folder_and_cpu_fp16_are_refused_before_measuring(tmp_path):
     with pytest.raises(ValueError, match="fp16 on the CPU"):
         wf.profile(out=str(tmp_path / "c.json"), dtype="fp16", quick=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_calibration_is_kept_without_force(tmp_path):
+    out, raw = tmp_path / "c.json", tmp_path / "c-measurements.json"
+    out.write_text("{}\n")
+    line = usage_error("profile", "--quick", "--out", out)
+    assert line.endswith(f"--out {str(out)!r} exists; pass --force to overwrite it")
+    out.unlink()
+    raw.write_text("{}\n")
+    line = usage_error("profile", "--quick", "--out", out)
+    assert line.endswith(f"--measurements {str(raw)!r} exists; pass --force to overwrite it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c-measurements.json"]
 
 
 @pytest.mark.slow

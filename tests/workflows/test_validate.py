@@ -86,6 +86,16 @@ def test_missing_folders_are_refused_before_anything_runs(tmp_path):
     assert usage_error("validate", tmp_path / "nope.json").endswith("nope.json' does not exist")
 
 
+def test_existing_outputs_are_kept_without_force(tmp_path):
+    plan_file, mine = tmp_path / "plan.json", tmp_path / "mine.json"
+    write_plan(_plan(), plan_file)
+    mine.write_text("{}\n")
+    for flags in (["--report", mine], ["--refit", "--out", mine]):
+        line = usage_error("validate", plan_file, *flags)
+        assert line.endswith(f"{str(mine)!r} exists; pass --force to overwrite it")
+    assert mine.read_text() == "{}\n"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_validate_in_this_process_runs_measures_and_writes_the_report(tmp_path):
