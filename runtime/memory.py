@@ -133,13 +133,15 @@ class PeakMemory:
     Use as a context around everything to be counted (model construction included, so the
     CPU tracker knows every persistent storage); call ``reset`` where the window starts.
     ``cpu_tracking=False`` skips the CPU tracker (its dispatch overhead slows small steps);
-    the peaks are then None on the CPU.
+    the peaks are then None on the CPU. ``stop_cpu_tracking`` leaves the tracker part way:
+    the peak so far is kept, later ops run without its overhead.
     """
 
     def __init__(self, device: torch.device, *, cpu_tracking: bool = True) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
         self._tracker = LiveStorageTracker() if not self._cuda and cpu_tracking else None
+        self._stopped = False
 
     def __enter__(self) -> "PeakMemory":
         if self._tracker is not None:
@@ -147,8 +149,21 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._tracker is not None:
+        if self._tracker is not None and not self._stopped:
             self._tracker.__exit__(*exc)
+
+    @property
+    def cpu_tracking(self) -> bool:
+        """Whether the CPU tracker counts this rank's ops now (its dispatch overhead is on)."""
+        return self._tracker is not None and not self._stopped
+
+    def stop_cpu_tracking(self) -> None:
+        """Leave the CPU tracker: ``peak_bytes`` keeps the peak counted so far, the current
+        bytes read None from now on. Call it where the tracker's mode is the innermost one
+        (between steps). Nothing on CUDA, whose counters cost nothing."""
+        if self.cpu_tracking:
+            self._stopped = True
+            self._tracker.__exit__(None, None, None)
 
     @property
     def tracker(self) -> LiveStorageTracker | None:
@@ -165,7 +180,7 @@ class PeakMemory:
     def reset(self) -> None:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self._tracker is not None:
+        elif self.cpu_tracking:
             self._tracker.reset_peak()
 
     @property
@@ -179,7 +194,7 @@ class PeakMemory:
         """Bytes allocated now (CUDA allocator, or live tensors on the CPU; None when off)."""
         if self._cuda:
             return int(torch.cuda.memory_allocated(self.device))
-        return int(self._tracker.live_bytes) if self._tracker is not None else None
+        return int(self._tracker.live_bytes) if self.cpu_tracking else None
 
     @property
     def reserved_bytes(self) -> int | None:

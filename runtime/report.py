@@ -90,14 +90,23 @@ class RunReport:
     worker_start: str | None = None
     """How the workers started: ``forkserver`` (forks of one preloaded interpreter, the CPU
     default) or ``spawn`` (an interpreter each; ``runtime/prefork.py``)."""
+    tracked_steps: tuple[int, ...] = ()
+    """Indices into ``step_s`` of the steps this attempt ran under the CPU live-tensor tracker
+    (``RunOptions.memory_steps``): its dispatch overhead is in their times, so the median
+    leaves them out when other steps were timed. A resumed run's earlier steps are not
+    listed."""
     membership_changes: tuple[dict[str, Any], ...] = ()
     """An elastic run's membership records (``elastic.report_changes``), oldest first; the
     document has the key only when there was a change."""
 
     @property
     def step_s_median(self) -> float:
-        """Median step time, without the first (warm-up) step when there are several."""
-        return statistics.median(self.step_s[1:] if len(self.step_s) > 1 else self.step_s)
+        """Median step time, without the first (warm-up) step when there are several, and
+        without the steps timed under the CPU tracker when others were timed."""
+        tracked = set(self.tracked_steps)
+        bare = [s for index, s in enumerate(self.step_s) if index > 0 and index not in tracked]
+        return statistics.median(bare or (self.step_s[1:] if len(self.step_s) > 1
+                                          else self.step_s))
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,6 +135,7 @@ class RunReport:
                 "resumed_from_step": self.resumed_from_step, "restarts": self.restarts,
                 "grad_norms": list(self.grad_norms), "lrs": list(self.lrs),
                 "optimizer_s": list(self.optimizer_s), "recipe": self.recipe,
+                "tracked_steps": list(self.tracked_steps),
                 "worker_start": self.worker_start,
                 **({"membership_changes": list(self.membership_changes)}
                    if self.membership_changes else {})}
@@ -162,7 +172,7 @@ tokens/s, ratios, the largest peak) are checked for type and recomputed, not rea
 _RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankReport))
 _OPTIONAL_FIELDS = ("compute_dtype", "resumed_from_step", "restarts", "recipe",
                     "worker_start")
-_OPTIONAL_SERIES = ("grad_norms", "lrs", "optimizer_s", "membership_changes")
+_OPTIONAL_SERIES = ("grad_norms", "lrs", "optimizer_s", "membership_changes", "tracked_steps")
 
 
 def report_from_dict(data: Any, *, origin: str) -> RunReport:

@@ -89,6 +89,13 @@ class RunOptions:
     """JSONL file of per-step metrics (metrics.py), written by rank 0; None: console only."""
     track_memory: bool = True
     """Count live tensor bytes on the CPU (memory.py); costs dispatch time on every op."""
+    memory_steps: int = 2
+    """On the CPU, the steps (of those this attempt runs) counted by the live-tensor tracker:
+    the warm-up and one step with the optimizer states in place, which peaks as every later
+    step does. The rest run without the tracker's dispatch overhead (about twice a small
+    model's step time here), and the median step time is theirs (``RunReport.tracked_steps``).
+    Saving a checkpoint after them is not counted in the peak. CUDA's counters cost nothing
+    and count every step."""
     checkpoint_dir: str | None = None
     """Folder of the checkpoints (checkpoint.py), shared by all nodes; None: no checkpoints."""
     checkpoint_every: int = 0
@@ -118,6 +125,8 @@ class RunOptions:
         if self.save_hf_every < 0 or (self.save_hf_every and not self.save_hf):
             raise ValueError(f"--save-hf-every must be >= 1 and needs --save-hf DIR, got "
                              f"{self.save_hf_every}")
+        if self.memory_steps < 1:
+            raise ValueError(f"memory_steps must be >= 1, got {self.memory_steps}")
         if self.keep_last < 0:
             raise ValueError(f"--keep-last must be >= 1 (0: keep all), got {self.keep_last}")
         if self.checkpoint_every < 0:
@@ -562,6 +571,7 @@ class _Log:
         self.grad_norms = list(history.grad_norms) if history else []
         self.lrs = list(history.lrs) if history else []
         self.optimizer_s: list[float] = []  # this attempt's steps only (not checkpointed)
+        self.tracked: list[int] = []  # this attempt's steps timed under the CPU tracker
         self.resumed_from = history.step if history is not None else None
         self.recipe = dataclasses.asdict(options.recipe)
         self.run_id = options.run_id
@@ -610,11 +620,15 @@ def _train(rank_model: RankModel, plan: Plan, data_spec: data_mod.DataSpec,
         for step in range(first, options.steps):
             if fault is not None:
                 fault.before_step(step + 1, dist.get_rank(), rank_model.modules)
+            if memory.cpu_tracking:
+                log.tracked.append(step)
             log.add(_timed_step(rank_model, plan, data_mod.global_batch(data_spec, step),
                                 device, memory, recipe=options.recipe, step=step))
             if step == first:
                 mesh_mod.set_timeout(mesh, options.timeout_s)
             done = step + 1
+            if done - first == options.memory_steps:  # the peak is in; time the rest bare
+                memory.stop_cpu_tracking()
             if options.checkpoint_every and done % options.checkpoint_every == 0:
                 checkpoint.save(rank_model.modules, rank_model.optimizer,
                                 options.checkpoint_dir, log.state(plan, data_spec),
@@ -646,6 +660,7 @@ def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
                           per_rank=gathered)
     return dataclasses.replace(report, grad_norms=tuple(log.grad_norms), lrs=tuple(log.lrs),
                                optimizer_s=tuple(log.optimizer_s), recipe=log.recipe,
+                               tracked_steps=tuple(log.tracked),
                                resumed_from_step=log.resumed_from,
                                worker_start=prefork.started_as)
 

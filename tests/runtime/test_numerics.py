@@ -193,6 +193,9 @@ def test_report_has_the_design_schema(runs):
     assert len(report["optimizer_s"]) == len(report["step_s"])
     assert all(0 < o < s for o, s in zip(report["optimizer_s"], report["step_s"]))
     assert report["tokens_per_s"] == pytest.approx(8 * 64 / report["step_s_median"])
+    # the first two steps ran under the CPU live-tensor tracker, the median is the third's
+    assert report["tracked_steps"] == [0, 1] and len(report["step_s"]) == 3
+    assert report["step_s_median"] == report["step_s"][2]
     assert report["predicted"]["step_s"] > 0 and report["predicted"]["peak_bytes"] > 0
     ranks = report["per_rank"]
     assert [r["rank"] for r in ranks] == list(range(8))

@@ -11,7 +11,8 @@ import torch
 
 from meshplan.costmodel import ParallelConfig, load_model
 from meshplan.runtime import data, materialize, mesh, optim, pipeline
-from meshplan.runtime.memory import LiveStorageTracker
+from meshplan.runtime.memory import LiveStorageTracker, PeakMemory
+from meshplan.runtime.report import RunReport
 from meshplan.runtime.model import build_decoder
 from meshplan.runtime.recipe import Recipe
 
@@ -293,6 +294,37 @@ def test_tracker_reentered_where_modes_are_off_sees_the_temporaries():
         del hidden, kept
     assert tracker.peak_bytes == 12000
     assert torch.UntypedStorage.resize_ is original_resize
+
+
+def test_stopping_the_cpu_tracker_keeps_its_peak_and_restores_dispatch():
+    original_resize = torch.UntypedStorage.resize_
+    with PeakMemory(torch.device("cpu")) as memory:
+        kept = torch.empty(1000)  # 4000 bytes
+        memory.reset()
+        temporary = torch.empty(500)  # 2000 bytes: the peak, 6000
+        del temporary
+        assert memory.cpu_tracking and memory.allocated_bytes == 4000
+        memory.stop_cpu_tracking()
+        assert not memory.cpu_tracking and memory.allocated_bytes is None
+        assert torch.UntypedStorage.resize_ is original_resize  # the tracker's hook is gone
+        later = torch.empty(10_000)  # after the stop: not counted
+        memory.stop_cpu_tracking()  # a second stop does nothing
+        memory.reset()  # nor does a reset once stopped
+        assert memory.peak_bytes == memory.peak_reserved_bytes == 6000
+        del later, kept
+    assert memory.source == "cpu-live-tensors" and memory.peak_bytes == 6000
+
+
+def test_median_step_leaves_out_the_warm_up_and_the_tracked_steps():
+    def report(step_s, tracked=()):
+        return RunReport(plan={}, world_size=1, backend="gloo", losses=(1.0,) * len(step_s),
+                         step_s=step_s, predicted_step_s=1.0, predicted_peak_bytes=1.0,
+                         per_rank=(), tracked_steps=tracked)
+    assert report((9.0, 2.0, 1.0, 1.2, 1.1), (0, 1)).step_s_median == 1.1
+    assert report((9.0, 2.0, 1.0, 1.2, 1.1)).step_s_median == pytest.approx(1.15)
+    # nothing timed bare: the rule without a tracker (all but the warm-up; one step: itself)
+    assert report((9.0, 2.0), (0, 1)).step_s_median == 2.0
+    assert report((9.0,), (0,)).step_s_median == 9.0
 
 
 def test_plans_that_do_not_fit_the_model_are_refused():
