@@ -1864,6 +1864,31 @@ def _fits(est: Estimate, cluster: ClusterSpec, space: SearchSpace, *, framework:
     return need <= (cluster.nvme_bytes if where == "NVMe" else cluster.host_bytes)
 
 
+def _context_parallel_hint(framework: str, config: ParallelConfig, model: ModelSpec) -> str:
+    """Where the sequence binds and ``framework`` cannot split it (cp > 1) but other frameworks
+    can (``framework_layout_error`` on the layout with cp 2 in place of half its dp, tp or
+    pp): name them."""
+    if config.cp > 1:
+        return ""
+    split = None
+    for degree in ("dp", "tp", "pp"):
+        if getattr(config, degree) % 2 == 0:
+            try:
+                split = config.replace(cp=2, **{degree: getattr(config, degree) // 2})
+                break
+            except ValueError:
+                continue
+    if split is None or framework_layout_error(framework, split, model) is None:
+        return ""
+    others = [name for name in ("torchtitan", "megatron")
+              if name != framework and framework_layout_error(name, split, model) is None]
+    if not others:
+        return ""
+    return (f"context parallelism (cp > 1 splits the sequence; "
+            f"{FRAMEWORK_NAMES.get(framework, framework)} does not run it: "
+            f"--framework {' or '.join(others)})")
+
+
 def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[ParallelConfig],
                     space: SearchSpace, *, framework: str,
                     calibration: Calibration) -> tuple[str, Estimate | None]:
@@ -1913,11 +1938,12 @@ def _no_fit_message(model: ModelSpec, cluster: ClusterSpec, configs: list[Parall
     per_stage = least.memory.per_stage
     stages = ", ".join(f"{x.reserved_bytes / 2**30:.1f}" for x in per_stage)
     worst = max(range(len(per_stage)), key=lambda i: per_stage[i].reserved_bytes)
+    long_sequence = per_stage[0].activations_bytes > 0.3 * least_peak
     hints = [f"more GPUs (at least {least_peak / capacity:.1f}x the memory is needed)",
              "offload (--offload optimizer or optimizer+params with --zero 3)"
              if c.offload == "none" and space.offload is None else "",
-             f"a shorter sequence than {c.seq_len}" if per_stage[0]
-             .activations_bytes > 0.3 * least_peak else ""]
+             f"a shorter sequence than {c.seq_len}" if long_sequence else "",
+             _context_parallel_hint(framework, c, model) if long_sequence else ""]
     binds = f" (stage {worst} binds)" if len(per_stage) > 1 else ""
     return (f"no plan fits: GPU memory binds: the least-memory configuration (tp {c.tp}, "
             f"pp {c.pp}, dp {c.dp}, cp {c.cp}, ZeRO-{c.zero_stage}, offload {c.offload}, "

@@ -189,6 +189,20 @@ def test_no_plan_fits_names_gpu_memory_and_the_binding_stage():
     assert "more GPUs (at least" in line
 
 
+def test_no_plan_fits_a_long_sequence_names_the_frameworks_with_context_parallelism():
+    """Llama 3 8B at 131,072 tokens on 8 H100s: meshplan's runtime has no cp, so even its
+    least-memory plan keeps whole sequences; torchtitan runs the same layout with cp 2."""
+    argv = ("plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--nodes", "1",
+            "--global-batch", "64", "--seq-len", "131072", "--deterministic")
+    r = run_cli(*argv)
+    assert r.code == 3, r.err
+    line = r.err.strip()
+    assert "no plan fits: GPU memory binds" in line and "a shorter sequence than 131072" in line
+    assert line.endswith("context parallelism (cp > 1 splits the sequence; meshplan's runtime "
+                         "does not run it: --framework torchtitan)"), line
+    assert run_cli(*argv, "--framework", "torchtitan").code == 0
+
+
 def test_empty_space_names_the_nearest_batches_and_node_counts():
     """Batch 1922 on 5 nodes of 8 GPUs with tp 8, pp 1 and cp 1 pinned: dp = 5 does not divide
     1922 = 2 x 31^2."""
