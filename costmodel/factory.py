@@ -25,13 +25,14 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from meshplan.costmodel.model import ModelSpec, TracedLayer
-from meshplan.costmodel.refs import is_factory_ref
+from meshplan.costmodel.refs import HF_CONFIG_REF, is_factory_ref
 from meshplan.costmodel.tracing import LayerGraph, trace_module
 
 LEGACY_FACTORY_MODULES = {"runtime.examples": "meshplan.runtime.examples"}
@@ -40,7 +41,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def load_factory(ref: str) -> Callable[[], nn.Module]:
-    """Import ``package.module:callable``; ValueError naming what is missing."""
+    """Import ``package.module:callable``; ValueError naming what is missing. ``hf-config:PATH``
+    builds the ``transformers`` causal LM of that config (``costmodel.hf.hf_factory``; its
+    ``meshplan_seq_len`` is the config's ``max_position_embeddings``)."""
+    if ref.startswith(HF_CONFIG_REF):
+        return _hf_config_factory(ref)
     if not is_factory_ref(ref):
         raise ValueError(f"--model {ref!r}: expected package.module:callable")
     module_name, attr = ref.split(":")
@@ -62,6 +67,25 @@ def load_factory(ref: str) -> Callable[[], nn.Module]:
     if not callable(target):
         raise ValueError(f"--model {ref!r}: {attr} is not callable")
     return target
+
+
+def _hf_config_factory(ref: str) -> Callable[[], nn.Module]:
+    try:
+        from meshplan.costmodel.hf import hf_config, hf_factory
+        config = hf_config(ref[len(HF_CONFIG_REF):])
+    except (ImportError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--model {ref!r}: {str(err).splitlines()[0] if str(err) else err!r}"
+                         ) from None
+    build_model = hf_factory(config)
+    length = getattr(config, "max_position_embeddings", None)
+
+    def build() -> nn.Module:
+        module = build_model()
+        if isinstance(length, int) and length > 0:
+            module.meshplan_seq_len = length
+        return module
+
+    return build
 
 
 def build_meta(factory: Callable[[], nn.Module], *, ref: str) -> nn.Module:
@@ -155,7 +179,11 @@ def model_from_factory(ref: str, *, seq_len: int | None = None,
         raise ValueError(f"--model {ref!r}: tracing one forward and backward failed: "
                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
                          ) from None
-    name = ref.split(":")[1].split(".")[-1] if ":" in ref else ref
+    if ref.startswith(HF_CONFIG_REF):  # the folder a config.json sits in names the model
+        path = Path(ref[len(HF_CONFIG_REF):])
+        name = (path.parent if path.name == "config.json" else path).resolve().name
+    else:
+        name = ref.split(":")[1].split(".")[-1] if ":" in ref else ref
     spec = spec_from_graph(graph, name=name, seq_len=length, micro_batch=1,
                            dtype_bytes=torch.finfo(torch_dtype).bits // 8, factory=ref,
                            source=f"traced from {ref} (meta device, FakeTensorMode, "

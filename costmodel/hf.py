@@ -62,6 +62,11 @@ def _transformers() -> Any:
     return transformers
 
 
+def knows_model_type(model_type: str) -> bool:
+    """Whether the installed ``transformers`` has a config class for ``model_type``."""
+    return model_type in _transformers().CONFIG_MAPPING
+
+
 def hf_config(data: Mapping[str, Any] | str | os.PathLike[str]) -> transformers.PretrainedConfig:
     """A ``transformers`` config from a ``config.json`` dict, file, or folder holding one.
 
@@ -96,8 +101,15 @@ def hf_factory(config: transformers.PretrainedConfig) -> Callable[[], nn.Module]
     transformers = _transformers()
 
     def build() -> nn.Module:
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation=ATTN_IMPLEMENTATION)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation=ATTN_IMPLEMENTATION)
+        except ValueError as err:  # a model without an SDPA path (Gemma 2's soft-capping)
+            if "attention implementation" not in str(err):
+                raise
+            logger.info("%s: %s; tracing its eager attention", type(config).__name__, err)
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, attn_implementation="eager")
         return model.train()
 
     return build

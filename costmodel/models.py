@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib.util
+import json
 import logging
 import os
 import types
@@ -27,7 +29,7 @@ from typing import Any, Callable
 from meshplan.costmodel.jsonio import (FRACTION, NON_NEGATIVE, Limit, Rule, check_object,
                                        check_value, parse_json_document, schema_of)
 from meshplan.costmodel.model import MODEL_LIMITS, ModelSpec, TracedLayer
-from meshplan.costmodel.refs import is_factory_ref
+from meshplan.costmodel.refs import HF_CONFIG_REF, is_factory_ref
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +94,17 @@ def load_model(ref: str | os.PathLike[str], *, seq_len: int | None = None,
     plans will use: other dtypes scale the traced bytes, which misjudges tensors kept in fp32). ``seq_len`` replaces the model's default
     sequence length; for learned positions that also resizes the counted position table, as
     ``ModelSpec.embedding_params`` counts ``seq_len`` rows.
+
+    A HuggingFace config of a model type the analytic reader does not know (Gemma, Phi-3,
+    DeepSeek-V3, ...; ``_HF_MODEL_TYPES`` lists those it knows) is traced instead, as
+    ``hf-config:PATH`` (``refs.HF_CONFIG_REF``), when ``transformers`` is installed: the
+    ``transformers`` model built from it on the meta device, at ``seq_len`` or else its
+    ``max_position_embeddings``.
     """
     ref = os.fspath(ref)
+    traced_config = _untraced_hf_config(ref)
+    if traced_config is not None:
+        ref = f"{HF_CONFIG_REF}{traced_config}"
     if is_factory_ref(ref):
         from meshplan.costmodel.factory import model_from_factory  # imports torch
         return model_from_factory(ref, seq_len=seq_len, dtype=dtype or "bf16")
@@ -101,6 +112,42 @@ def load_model(ref: str | os.PathLike[str], *, seq_len: int | None = None,
     if seq_len is not None:
         spec = dataclasses.replace(spec, seq_len=seq_len)
     return spec
+
+
+def is_traced_ref(ref: str | os.PathLike[str] | None) -> bool:
+    """``load_model(ref)`` traces a module (so it takes the plans' ``seq_len`` and dtype): a
+    factory reference, or a HuggingFace config of a model type the analytic reader lacks."""
+    if not ref:
+        return False
+    ref = os.fspath(ref)
+    return is_factory_ref(ref) or _untraced_hf_config(ref) is not None
+
+
+def _untraced_hf_config(ref: str) -> Path | None:
+    """The ``config.json`` ``ref`` names when it is a HuggingFace config whose model type the
+    analytic reader does not know, and ``transformers`` is installed to trace it; else None
+    (``_resolve`` then reads it, or reports why it cannot)."""
+    catalog = _catalog()
+    if ref in catalog or ref.lower() in catalog or is_factory_ref(ref):
+        return None
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not is_hf_config(data):
+        return None
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or model_type in _HF_MODEL_TYPES \
+            or importlib.util.find_spec("transformers") is None:
+        return None
+    from meshplan.costmodel.hf import knows_model_type  # imports transformers, not torch's
+
+    return path.resolve() if knows_model_type(model_type) else None
 
 
 def _resolve(ref: str) -> ModelSpec:
@@ -454,7 +501,8 @@ def hf_config_style(config: Mapping[str, Any], *, origin: str = "HF config") -> 
         if not isinstance(model_type, str) or model_type not in _HF_MODEL_TYPES:
             raise ValueError(f"{origin}: HF model_type {model_type!r} is not supported; "
                              f"supported: {', '.join(_HF_MODEL_TYPES)} (or write a ModelSpec "
-                             f"JSON)")
+                             f"JSON; --model traces the configs of the model types the "
+                             f"installed transformers knows)")
         return _HF_MODEL_TYPES[model_type]
     if "n_embd" in config:
         return "gpt2"

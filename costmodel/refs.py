@@ -11,8 +11,17 @@ from pathlib import Path
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 """``package.module:callable`` (the callable may be an attribute path, ``mod:Class.build``)."""
+HF_CONFIG_REF = "hf-config:"
+"""``hf-config:PATH``: the ``transformers`` causal LM of a local ``config.json`` (or a folder
+holding one), built on the meta device and traced like a user's factory. ``load_model`` takes
+this route itself for the HF model types its analytic reader does not know."""
 
 
 def is_factory_ref(ref: str | None) -> bool:
-    """``ref`` names a user's module factory, not a catalog model or a file."""
-    return bool(ref) and bool(_FACTORY.match(str(ref))) and not Path(str(ref)).exists()
+    """``ref`` names a module factory (a user's, or ``hf-config:PATH``), not a catalog model or
+    a file."""
+    if not ref:
+        return False
+    text = str(ref)
+    return text.startswith(HF_CONFIG_REF) or (bool(_FACTORY.match(text))
+                                              and not Path(text).exists())

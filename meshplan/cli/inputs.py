@@ -12,8 +12,7 @@ from meshplan.costmodel.calibration import Calibration, load_calibration
 from meshplan.costmodel.config import ParallelConfig, default_dtype
 from meshplan.costmodel.hardware import ClusterSpec, load_cluster
 from meshplan.costmodel.model import ModelSpec
-from meshplan.costmodel.models import load_model
-from meshplan.costmodel.refs import is_factory_ref
+from meshplan.costmodel.models import is_traced_ref, load_model
 
 
 def load_flagged(flag: str, ref: str | None, loader: Callable[[], Any]) -> Any:
@@ -49,7 +48,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Calib
     # a user's module (package.module:callable) is traced at the sequence length and in the
     # dtype the plans will use
     seq_len = dtype = None
-    if is_factory_ref(args.model):
+    if is_traced_ref(args.model):
         seq_len = getattr(args, "seq_len", None)
         dtype = getattr(args, "dtype", None) or default_dtype(cluster.gpu.key)
     model = load_flagged("--model", args.model,

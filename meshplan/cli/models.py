@@ -9,8 +9,7 @@ from meshplan.cli.errors import EXIT_OK
 from meshplan.cli.inputs import load_flagged
 from meshplan.cli.output import print_json
 from meshplan.costmodel.config import DTYPES
-from meshplan.costmodel.models import load_model, model_catalog
-from meshplan.costmodel.refs import is_factory_ref
+from meshplan.costmodel.models import is_traced_ref, load_model, model_catalog
 from meshplan.planner import report
 
 
@@ -27,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.model:
-        factory = is_factory_ref(args.model)
+        factory = is_traced_ref(args.model)
         model = load_flagged("--model", args.model, lambda: load_model(
             args.model, seq_len=args.seq_len if factory else None,
             dtype=args.dtype if factory else None))

@@ -255,3 +255,52 @@ def test_llama3_70b_traces_without_weight_memory(tmp_path):
     spec = from_hf_config(LLAMA3_70B_CONFIG, name="llama3-70b")
     assert report["params"] == PUBLISHED_PARAMS["llama3-70b"] == spec.num_params
     assert report["attempts"] == []
+
+
+OLMO2_TINY = {"model_type": "olmo2", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256, "max_position_embeddings": 64}
+GEMMA2_TINY = {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 64}
+
+
+def _meta_params(config: dict) -> int:
+    """Parameters transformers' own model of ``config`` holds (shared tensors once)."""
+    fields = dict(config)
+    hf = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("config", [OLMO2_TINY, GEMMA2_TINY], ids=["olmo2", "gemma2"])
+def test_configs_the_analytic_reader_lacks_are_traced(tmp_path, config):
+    """OLMo 2 and Gemma 2 have no analytic key reader: their config folder is traced as
+    ``hf-config:PATH`` (Gemma 2 with eager attention: transformers gives it no SDPA path)."""
+    from meshplan.costmodel.models import is_traced_ref, load_model
+
+    folder = tmp_path / f"my-{config['model_type']}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    assert is_traced_ref(str(folder)) and is_traced_ref(str(folder / "config.json"))
+    spec = load_model(str(folder), seq_len=32, dtype="fp32")
+    assert spec.is_traced and spec.name == folder.name and spec.seq_len == 32
+    assert spec.factory == f"hf-config:{(folder / 'config.json').resolve()}"
+    assert spec.num_params == _meta_params(config)
+    assert load_model(str(folder)).seq_len == 64  # no seq_len: max_position_embeddings
+
+
+def test_known_and_unknown_model_types_are_not_traced(tmp_path):
+    from meshplan.costmodel.models import is_traced_ref, load_model
+
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(LLAMA2_7B_CONFIG))
+    assert not is_traced_ref(str(tmp_path / "llama"))  # read analytically
+    assert not load_model(str(tmp_path / "llama")).is_traced
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({**OLMO2_TINY,
+                                                              "model_type": "no_such_model"}))
+    assert not is_traced_ref(str(tmp_path / "odd"))
+    with pytest.raises(ValueError, match="model_type 'no_such_model' is not supported"):
+        load_model(str(tmp_path / "odd"))

@@ -72,3 +72,29 @@ def test_peak_memory_per_rank_within_10_percent(reports, name):
         low = 1 - (FULL_RECOMPUTE_OVER if CASES.get(name, {}).get("recompute") == "full"
                    else MEMORY_TOL)
         assert low <= ratio <= 1 + MEMORY_TOL, (name, rank["rank"], rank["stage"], ratio)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_hf_config_without_an_analytic_reader_plans_and_trains(tmp_path, meshplan):
+    """A Gemma 2 config (no analytic key reader: traced as ``hf-config:PATH``) goes through
+    ``plan`` and ``run`` like a user's module: dp 2 on the CPU, the loss falls, each rank's
+    peak within 10 % of the traced prediction."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "gemma2-tiny"
+    transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              vocab_size=256, max_position_embeddings=64
+                              ).save_pretrained(folder)
+    plan, report = tmp_path / "plan.json", tmp_path / "report.json"
+    done = meshplan("plan", "--model", str(folder), "--cluster", "cpu", "--nodes", "1",
+                    "--gpus-per-node", "2", "--dp", "2", "--global-batch", "4", "--seq-len",
+                    "32", "--dtype", "fp32", "--deterministic", "-o", str(plan))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(plan.read_text())["model"]["factory"].startswith("hf-config:")
+    done = meshplan("run", str(plan), "--steps", "4", "--report", str(report))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["losses"][-1] < result["losses"][0]
+    for rank in result["per_rank"]:
+        assert abs(rank["peak_ratio"] - 1) <= MEMORY_TOL, rank
