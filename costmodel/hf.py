@@ -29,10 +29,11 @@ Where the fake-mode trace differs from a real run (forward FLOPs are the same):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,25 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "sdpa"
 """HF attention backend used for tracing: the same ``scaled_dot_product_attention`` kernels
 the runtime calls (flash on CPU when there is no dropout, the math path with dropout)."""
+
+
+QUIET_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+"""Loggers that warn while ``from_config`` first imports transformers' torchao quantizer: the
+CPU wheel lacks torchao's CUDA extensions, and torchao registers enums torch's pytree now
+takes natively. Neither matters to a model built on meta; the warnings are held back there."""
+
+
+@contextlib.contextmanager
+def _quiet_imports() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in QUIET_IMPORT_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 def _transformers() -> Any:
@@ -101,15 +121,16 @@ def hf_factory(config: transformers.PretrainedConfig) -> Callable[[], nn.Module]
     transformers = _transformers()
 
     def build() -> nn.Module:
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=ATTN_IMPLEMENTATION)
-        except ValueError as err:  # a model without an SDPA path (Gemma 2's soft-capping)
-            if "attention implementation" not in str(err):
-                raise
-            logger.info("%s: %s; tracing its eager attention", type(config).__name__, err)
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation="eager")
+        with _quiet_imports():
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(
+                    config, attn_implementation=ATTN_IMPLEMENTATION)
+            except ValueError as err:  # a model without an SDPA path (Gemma 2's soft-capping)
+                if "attention implementation" not in str(err):
+                    raise
+                logger.info("%s: %s; tracing its eager attention", type(config).__name__, err)
+                model = transformers.AutoModelForCausalLM.from_config(
+                    config, attn_implementation="eager")
         return model.train()
 
     return build
