@@ -102,7 +102,7 @@ def load_model(ref: str | os.PathLike[str], *, seq_len: int | None = None,
     ``max_position_embeddings``.
     """
     ref = os.fspath(ref)
-    traced_config = _untraced_hf_config(ref)
+    traced_config = _hf_config_to_trace(ref)
     if traced_config is not None:
         ref = f"{HF_CONFIG_REF}{traced_config}"
     if is_factory_ref(ref):
@@ -120,10 +120,10 @@ def is_traced_ref(ref: str | os.PathLike[str] | None) -> bool:
     if not ref:
         return False
     ref = os.fspath(ref)
-    return is_factory_ref(ref) or _untraced_hf_config(ref) is not None
+    return is_factory_ref(ref) or _hf_config_to_trace(ref) is not None
 
 
-def _untraced_hf_config(ref: str) -> Path | None:
+def _hf_config_to_trace(ref: str) -> Path | None:
     """The ``config.json`` ``ref`` names when it is a HuggingFace config whose model type the
     analytic reader does not know, and ``transformers`` is installed to trace it; else None
     (``_resolve`` then reads it, or reports why it cannot)."""
@@ -145,7 +145,7 @@ def _untraced_hf_config(ref: str) -> Path | None:
     if not isinstance(model_type, str) or model_type in _HF_MODEL_TYPES \
             or importlib.util.find_spec("transformers") is None:
         return None
-    from meshplan.costmodel.hf import knows_model_type  # imports transformers, not torch's
+    from meshplan.costmodel.hf import knows_model_type  # imports torch and transformers
 
     return path.resolve() if knows_model_type(model_type) else None
 

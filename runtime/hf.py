@@ -115,7 +115,8 @@ def _files(directory: str) -> dict[str, str]:
         from meshplan.costmodel.jsonio import parse_json_document
 
         with open(index, encoding="utf-8") as handle:
-            weight_map = parse_json_document(handle.read(), origin=index).get("weight_map")
+            document = parse_json_document(handle.read(), origin=index)
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(file, str) for file in weight_map.values()):
             raise ValueError(f"{index}: no 'weight_map' of tensor names to file names")

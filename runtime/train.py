@@ -94,8 +94,8 @@ class RunOptions:
     the warm-up and one step with the optimizer states in place, which peaks as every later
     step does. The rest run without the tracker's dispatch overhead (about twice a small
     model's step time here), and the median step time is theirs (``RunReport.tracked_steps``).
-    Saving a checkpoint after them is not counted in the peak. CUDA's counters cost nothing
-    and count every step."""
+    A checkpoint saved between those steps counts in the peak, one saved after them does not.
+    CUDA's counters cost nothing and count every step."""
     checkpoint_dir: str | None = None
     """Folder of the checkpoints (checkpoint.py), shared by all nodes; None: no checkpoints."""
     checkpoint_every: int = 0

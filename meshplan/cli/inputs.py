@@ -45,8 +45,8 @@ def load_inputs(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec, Calib
         overrides["nvme_bytes"] = int(args.nvme_gib * 2**30)
     if overrides:
         cluster = dataclasses.replace(cluster, **overrides)
-    # a user's module (package.module:callable) is traced at the sequence length and in the
-    # dtype the plans will use
+    # a traced module (a user's package.module:callable, or an HF config the analytic reader
+    # lacks) is traced at the sequence length and in the dtype the plans will use
     seq_len = dtype = None
     if is_traced_ref(args.model):
         seq_len = getattr(args, "seq_len", None)

@@ -26,10 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.model:
-        factory = is_traced_ref(args.model)
+        traced = is_traced_ref(args.model)
         model = load_flagged("--model", args.model, lambda: load_model(
-            args.model, seq_len=args.seq_len if factory else None,
-            dtype=args.dtype if factory else None))
+            args.model, seq_len=args.seq_len if traced else None,
+            dtype=args.dtype if traced else None))
         if args.json:
             print_json({**model.to_dict(), "num_params": model.num_params})
         else:
