@@ -172,7 +172,9 @@ HF_CASES = {
     "model-type-not-a-string": (edited(LLAMA_HF, model_type=["llama"]),
                                 "HF model_type ['llama'] is not supported; supported: llama, "
                                 "mistral, mixtral, qwen2, qwen3, qwen3_moe, gpt2, gpt_neox, "
-                                "bloom, opt (or write a ModelSpec JSON)"),
+                                "bloom, opt (or write a ModelSpec JSON; --model traces the "
+                                "configs of the model types the installed transformers "
+                                "knows)"),
 }
 
 
