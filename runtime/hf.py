@@ -146,10 +146,14 @@ def _tensor_names(file: str) -> list[str]:
 
 def check_directory(directory: str, spec: ModelSpec) -> None:
     """ValueError (one line) unless ``directory`` holds an HF checkpoint of ``spec``: its
-    config describes the same architecture and every tensor the decoder needs is there."""
+    config describes the same architecture and every tensor the decoder needs is there. For a
+    model traced from an HF config (``hf-config:PATH``): ``check_traced_directory``."""
     from meshplan.costmodel.jsonio import parse_json_document
     from meshplan.costmodel.models import from_hf_config
 
+    if traced_from_hf_config(spec):
+        check_traced_directory(directory, spec)
+        return
     check_mappable(spec, what="--init-from")
     path = os.path.join(directory, CONFIG)
     if not os.path.isfile(path):
@@ -175,6 +179,78 @@ def check_directory(directory: str, spec: ModelSpec) -> None:
     if missing:
         raise ValueError(f"--init-from {directory}: {len(missing)} tensors are missing, e.g. "
                          f"{missing[0]}")
+
+
+def traced_from_hf_config(spec: ModelSpec) -> bool:
+    """``spec`` is a transformers model traced from an HF config (``refs.HF_CONFIG_REF``)."""
+    from meshplan.costmodel.refs import HF_CONFIG_REF
+
+    return spec.is_traced and spec.factory.startswith(HF_CONFIG_REF)
+
+
+def _module_tensor_shapes(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The state-dict names and shapes of ``spec``'s transformers module, built on meta, and
+    the names that alias another tensor of it (tied weights, which checkpoints store once)."""
+    from meshplan.costmodel.factory import build_meta, load_factory
+
+    module = build_meta(load_factory(spec.factory), ref=spec.factory)
+    state = module.state_dict(keep_vars=True)
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, tensor in state.items():
+        if id(tensor) in first:
+            aliases.add(name)
+        else:
+            first[id(tensor)] = name
+    return {name: tuple(t.shape) for name, t in state.items()}, aliases
+
+
+def check_traced_directory(directory: str, spec: ModelSpec) -> None:
+    """ValueError (one line) unless ``directory``'s safetensors hold every tensor of ``spec``'s
+    traced transformers module with its shape (a tied alias may be stored once); only the
+    headers are read. The run loads them by name into the whole module
+    (``load_traced_weights``)."""
+    if spec.traced_chain:
+        raise ValueError(f"--init-from: {spec.name} is traced as a chain of layers; the runtime "
+                         f"loads HF weights into traced modules it runs whole only")
+    files = _files(directory)
+    shapes, aliases = _module_tensor_shapes(spec)
+    missing = [name for name in shapes if name not in files and name not in aliases]
+    if missing:
+        raise ValueError(f"--init-from {directory}: {len(missing)} of the tensors of "
+                         f"{spec.name}'s module are missing, e.g. {missing[0]}")
+    from safetensors import safe_open
+
+    for name, shape in shapes.items():
+        if name not in files:
+            continue
+        with safe_open(files[name], framework="pt") as handle:
+            stored = tuple(handle.get_slice(name).get_shape())
+        if stored != shape:
+            raise ValueError(f"--init-from {directory}: {name} has shape {stored}, the plan's "
+                             f"model needs {shape}")
+
+
+def load_traced_weights(module: nn.Module, directory: str) -> int:
+    """Copy the tensors of the HF checkpoint in ``directory`` into the transformers ``module``
+    (whole, before it is sharded) by state-dict name; tied aliases follow their tensor. Returns
+    the bytes read."""
+    from safetensors import safe_open
+
+    files = _files(directory)
+    state = module.state_dict(keep_vars=True)
+    done: set[int] = set()
+    read = 0
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if name not in files or id(tensor) in done:
+                continue
+            with safe_open(files[name], framework="pt") as handle:
+                value = handle.get_tensor(name)
+            tensor.copy_(value)
+            done.add(id(tensor))
+            read += value.numel() * value.element_size()
+    return read
 
 
 class SliceReader:

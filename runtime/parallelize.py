@@ -197,11 +197,19 @@ class DataParallelChoice:
 
 def _blocks(module: nn.Module) -> list[nn.Module]:
     """The units FSDP2 wraps one by one: a chunk's ``layers``, or a whole traced module's
-    top-level layers (``chain.Whole``)."""
+    top-level layers (``chain.Whole``). Layers that share a parameter (a transformers model's
+    tied input embedding and LM head) stay in the root group, as FSDP2 needs a parameter in
+    one group."""
     names = getattr(module, "layer_names", None)
-    if names is not None:
-        return [module.module.get_submodule(name) for name in names]
-    return list(module.layers.values())
+    if names is None:
+        return list(module.layers.values())
+    blocks = [module.module.get_submodule(name) for name in names]
+    owners: dict[int, int] = {}
+    for block in blocks:
+        for param in block.parameters():
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return [block for block in blocks
+            if all(owners[id(param)] == 1 for param in block.parameters())]
 
 
 def _fsdp(module: nn.Module, dp_mesh: DeviceMesh, choice: DataParallelChoice) -> nn.Module:

@@ -206,11 +206,12 @@ class RankModel:
         return self.num_stages - 1 in self.stage_indices
 
 
-def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
-                   device: torch.device) -> tuple[list[nn.Module], list[int]]:
+def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.device,
+                   init_from: str | None = None) -> tuple[list[nn.Module], list[int]]:
     """Build, tensor-parallelise and checkpoint-wrap this rank's (virtual) stage modules:
     the decoder's on ``meta`` (``materialize.py`` fills them once sharded), a traced module's
-    initialised on ``device``."""
+    initialised on ``device`` (a transformers module run whole: from ``init_from``'s
+    weights, ``hf.load_traced_weights``)."""
     from meshplan.runtime import parallelize
     from meshplan.runtime.chain import build_chain, build_whole
 
@@ -222,6 +223,8 @@ def _chunk_modules(plan: Plan, mesh: DeviceMesh, *, seed: int,
     for index in indices:
         if spec.is_traced and not spec.traced_chain:  # one stage (mesh.check_supported)
             module = build_whole(spec, seed=seed, device=device)
+            if init_from:  # hf.check_directory took only a transformers module run whole
+                hf.load_traced_weights(module.module, init_from)
         elif spec.is_traced:
             module = build_chain(spec, layer_ids=layers[index], seed=seed, device=device)
         else:
@@ -266,7 +269,8 @@ def build_rank_model(plan: Plan, mesh: DeviceMesh, *, seed: int, device: torch.d
 
     config = plan.config
     dtype = compute_dtype(plan, device)
-    modules, indices = _chunk_modules(plan, mesh, seed=seed, device=device)
+    modules, indices = _chunk_modules(plan, mesh, seed=seed, device=device,
+                                      init_from=init_from)
     choice = parallelize.DataParallelChoice(
         zero_stage=config.zero_stage, offload=config.offload, dp=config.dp,
         tensor_parallel=config.tp > 1, pipelined=config.pp > 1, interleaved=config.vpp > 1,

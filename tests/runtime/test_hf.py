@@ -413,3 +413,49 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     assert (expected - outputs[0]).abs().max().item() <= LOGITS_TOL
     assert (expected - outputs[1]).abs().max().item() > 1e-3
     assert hf.hf_config_of(spec)["sliding_window"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_traced_hf_model_starts_from_its_checkpoint(tmp_path, plan_file, meshplan_env):
+    """Gemma 2 (no analytic reader: traced as ``hf-config:PATH`` and run whole) from a
+    ``save_pretrained`` folder: one process and dp 2 under ZeRO-3 take its weights
+    (``--init-from``), so the first step's loss is ``transformers``' own on the same batch.
+    A folder missing a tensor is refused in one line before anything starts."""
+    from meshplan.costmodel import ParallelConfig
+    from meshplan.runtime.launch import Launch, torchrun_command
+    from meshplan.runtime.worker import Job
+
+    config = transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(1)
+    folder = tmp_path / "gemma2"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    spec = load_model(str(folder), seq_len=32, dtype="fp32")
+    assert spec.is_traced and hf.traced_from_hf_config(spec)
+    hf.check_directory(str(folder), spec)
+    expected = None
+    for name, fields in {"single": {}, "dp2_zero3": dict(dp=2, zero_stage=3)}.items():
+        plan = plan_file(spec, ParallelConfig(dtype="fp32", **COMMON, **fields),
+                         tmp_path / f"{name}.json")
+        report = tmp_path / f"{name}-report.json"
+        job = Job(plans=(str(plan),), reports=(str(report),),
+                  options=RunOptions(steps=1, timeout_s=60.0, init_from=str(folder)))
+        world = read_plan(plan).config.world_size
+        done = subprocess.run(torchrun_command(job, Launch(), nproc_per_node=world),
+                              capture_output=True, text=True, timeout=300, env=meshplan_env)
+        assert done.returncode == 0, done.stderr[-5000:]
+        expected = expected if expected is not None else _hf_loss(folder, plan, 0)
+        loss = json.loads(report.read_text())["losses"][0]
+        assert abs(loss - expected) <= FIRST_STEP_TOL, (name, loss, expected)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    tensors.pop("model.norm.weight")
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match="tensors of gemma2's module are missing, e.g. "
+                                         "model.norm.weight"):
+        hf.check_directory(str(broken), spec)
