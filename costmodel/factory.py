@@ -161,6 +161,20 @@ def spec_from_graph(graph: LayerGraph, *, name: str, seq_len: int, micro_batch: 
                      reported_params=float(graph.total_params), source=source)
 
 
+def _layers_share_parameters(module: nn.Module, names: list[str]) -> bool:
+    """Whether two of ``module``'s layers ``names`` hold the same parameter (tied weights)."""
+    from meshplan.costmodel.tracing import top_level_layers
+
+    layers = top_level_layers(module)
+    seen: set[int] = set()
+    for name in names:
+        ids = {id(param) for param in layers[name].parameters()} if name in layers else set()
+        if ids & seen:
+            return True
+        seen |= ids
+    return False
+
+
 def model_from_factory(ref: str, *, seq_len: int | None = None,
                        dtype: str = "bf16") -> ModelSpec:
     """Trace the module ``ref`` (``package.module:callable``) into a traced ``ModelSpec``."""
@@ -188,6 +202,11 @@ def model_from_factory(ref: str, *, seq_len: int | None = None,
                            dtype_bytes=torch.finfo(torch_dtype).bits // 8, factory=ref,
                            source=f"traced from {ref} (meta device, FakeTensorMode, "
                                   f"{dtype}, 1 x {length})")
+    if spec.traced_chain and _layers_share_parameters(module, [layer.name for layer in
+                                                               spec.traced]):
+        # a stage builds only its layers: a parameter of two layers (a tied embedding and
+        # head) would become two copies on two stages, so such a module runs whole
+        spec = dataclasses.replace(spec, traced_chain=False)
     vocab = (getattr(module, "vocab_size", None)
              or getattr(getattr(module, "config", None), "vocab_size", None))
     if isinstance(vocab, int) and vocab > 1:  # a language model: the runtime can feed it

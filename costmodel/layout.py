@@ -298,6 +298,10 @@ def framework_layout_error(framework: str, config: ParallelConfig,
             if size % config.tp:
                 return (f"tp {config.tp} must divide {what} ({size}) for the runtime's even "
                         f"tensor-parallel split")
+        if model.is_traced and not model.traced_chain and config.pp > 1:
+            return (f"the runtime runs a traced module whose layers are not a chain (or share "
+                    f"parameters) on one pipeline stage, not pp {config.pp}; use pp 1 (data "
+                    f"parallel, ZeRO 0-3, recompute)")
         if model.tied_embeddings and config.pp > 1 and offload == "optimizer+params":
             return ("tied embeddings across pipeline stages with parameter offload are not "
                     "implemented (their gradients would sit in host memory); use --offload "

@@ -203,8 +203,8 @@ class ModelSpec:
     factory: str = ""
     """``package.module:callable`` that builds the traced module, for the runtime."""
     traced_chain: bool = False
-    """Each traced layer takes the previous one's output: the module is a chain of its layers
-    (what the runtime needs to cut it into stages)."""
+    """Each traced layer takes the previous one's output and no two layers share a parameter:
+    the module is a chain of its layers (what the runtime needs to cut it into stages)."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size",

@@ -51,8 +51,9 @@ def check_runnable(spec: ModelSpec, *, pp: int = 1) -> None:
         raise ValueError(f"{spec.name}: the runtime cuts a traced module into pipeline stages "
                          f"only when its top-level layers form a chain, and some layer does not "
                          f"take the previous one's output (e.g. a position embedding fed "
-                         f"separately); plan it with --pp 1 (data parallel, ZeRO 0-3, "
-                         f"recompute), or restructure it as a chain")
+                         f"separately) or two layers share a parameter (tied weights); plan it "
+                         f"with --pp 1 (data parallel, ZeRO 0-3, recompute), or restructure it "
+                         f"as a chain")
     if spec.vocab_size <= 1:
         raise ValueError(f"{spec.name}: the runtime runs traced modules that map token ids to "
                          f"logits; give the module a vocab_size attribute")

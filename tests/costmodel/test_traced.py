@@ -351,8 +351,33 @@ class Branches(nn.Module):
         return (torch.zeros(batch_size, seq_len, 16),)
 
 
+class TiedEnds(nn.Module):
+    """A chain of embedding, block and head whose head is the embedding's weight: two copies
+    on two pipeline stages would train apart."""
+
+    meshplan_seq_len = 8
+    vocab_size = 32
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.block = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)))
+
+    def meshplan_inputs(self, batch_size, seq_len):
+        return (torch.zeros(batch_size, seq_len, dtype=torch.long),)
+
+
 def good():
     return Chain()
+
+
+def tied_ends():
+    return TiedEnds()
 
 
 def branches():
@@ -439,6 +464,20 @@ def test_a_chain_is_told_from_a_module_whose_layers_read_other_inputs(factories,
 
     with pytest.raises(ValueError, match="chain"):  # stages need a chain; one stage does not
         check_runnable(split, pp=2)
+
+
+def test_layers_that_share_a_parameter_are_not_a_chain(factories):
+    """An embedding and a head with one weight run on one stage: the planner's meshplan
+    framework and the runtime refuse pp 2 for them."""
+    from meshplan.costmodel.layout import framework_layout_error
+
+    tied = load_model(f"{factories}:tied_ends")
+    assert [layer.name for layer in tied.traced] == ["embed", "block", "head"]
+    assert not tied.traced_chain
+    config = ParallelConfig(pp=2, global_batch_size=4, seq_len=8)
+    assert "traced module whose layers are not a chain (or share parameters)" in \
+        framework_layout_error("meshplan", config, tied)
+    assert framework_layout_error("meshplan", config.replace(pp=1), tied) is None
 
 
 def test_layer_graph_is_the_traced_layers_in_order(hybrid, real):
