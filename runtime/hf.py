@@ -283,12 +283,28 @@ class SliceReader:
         return tensor
 
 
+def check_savable(spec: ModelSpec) -> None:
+    """ValueError (one line) unless ``--save-hf`` can write ``spec``: the built-in decoder's
+    HF architectures (``check_mappable``), or a transformers model traced from its HF config
+    and run whole."""
+    if traced_from_hf_config(spec):
+        if spec.traced_chain:
+            raise ValueError(f"--save-hf: {spec.name} is traced as a chain of layers; the "
+                             f"runtime writes traced modules it runs whole only")
+        return
+    check_mappable(spec, what="--save-hf")
+
+
 def save(modules: Sequence[nn.Module], directory: str, *, spec: ModelSpec, stage_indices:
          Sequence[int], num_stages: int, writer: bool, source: str | None) -> None:
     """Write the HF checkpoint of the model held by ``modules`` into ``directory`` (every rank
     calls it; ``writer``: this rank writes its stages' files)."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if traced_from_hf_config(spec):
+        _save_traced(modules, directory, spec=spec, source=source)
+        return
 
     options = StateDictOptions(full_state_dict=True)
     written: dict[str, str] = {}
@@ -313,6 +329,40 @@ def save(modules: Sequence[nn.Module], directory: str, *, spec: ModelSpec, stage
         _write_json(os.path.join(directory, INDEX), {"metadata": {}, "weight_map": dict(
             sorted(weight_map.items()))})
         _write_config(directory, spec, source)
+    dist.barrier()
+
+
+def _save_traced(modules: Sequence[nn.Module], directory: str, *, spec: ModelSpec,
+                 source: str | None) -> None:
+    """``save`` of a transformers model traced from its HF config and run whole (one module
+    on every rank, data parallel only): its full state under its own names, a tied alias
+    once, into one ``model.safetensors`` beside the traced ``config.json`` (and the source's
+    tokenizer files); global rank 0 writes."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from meshplan.costmodel.refs import HF_CONFIG_REF
+
+    (module,) = modules
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    if dist.get_rank() == 0:
+        _, aliases = _module_tensor_shapes(spec)
+        tensors = {}
+        for name, value in state.items():
+            key = clean_name(name)
+            if key in aliases:
+                continue
+            local = value.full_tensor() if hasattr(value, "full_tensor") else value
+            tensors[key] = local.detach().to("cpu").contiguous()
+        os.makedirs(directory, exist_ok=True)
+        save_file(tensors, os.path.join(directory, SINGLE), metadata={"format": "pt"})
+        config = spec.factory[len(HF_CONFIG_REF):]
+        if os.path.isdir(config):
+            config = os.path.join(config, CONFIG)
+        shutil.copyfile(config, os.path.join(directory, CONFIG))
+        if source is not None:
+            for name in _present(source, TOKENIZER_FILES):
+                shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
     dist.barrier()
 
 

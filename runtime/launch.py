@@ -365,7 +365,7 @@ def run(plan_path: str, *, options: RunOptions, launch: Launch, report: str | No
     if options.init_from:
         hf.check_directory(options.init_from, plan.model)
     if options.save_hf:
-        hf.check_mappable(plan.model, what="--save-hf")
+        hf.check_savable(plan.model)
     _check_checkpoint_flags(plan, options)
     if not under_torchrun():
         if launch.elastic:  # each attempt replans for the nodes present (elastic.py)

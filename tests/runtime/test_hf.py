@@ -420,8 +420,10 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
 def test_a_traced_hf_model_starts_from_its_checkpoint(tmp_path, plan_file, meshplan_env):
     """Gemma 2 (no analytic reader: traced as ``hf-config:PATH`` and run whole) from a
     ``save_pretrained`` folder: one process and dp 2 under ZeRO-3 take its weights
-    (``--init-from``), so the first step's loss is ``transformers``' own on the same batch.
-    A folder missing a tensor is refused in one line before anything starts."""
+    (``--init-from``), so the first step's loss is ``transformers``' own on the same batch;
+    the dp 2 run's ``--save-hf`` checkpoint after one step loads in ``transformers`` with the
+    loss the run took its second step at. A folder missing a tensor is refused in one line
+    before anything starts."""
     from meshplan.costmodel import ParallelConfig
     from meshplan.runtime.launch import Launch, torchrun_command
     from meshplan.runtime.worker import Job
@@ -435,13 +437,15 @@ def test_a_traced_hf_model_starts_from_its_checkpoint(tmp_path, plan_file, meshp
     spec = load_model(str(folder), seq_len=32, dtype="fp32")
     assert spec.is_traced and hf.traced_from_hf_config(spec)
     hf.check_directory(str(folder), spec)
-    expected = None
+    expected, saved = None, tmp_path / "saved"
     for name, fields in {"single": {}, "dp2_zero3": dict(dp=2, zero_stage=3)}.items():
         plan = plan_file(spec, ParallelConfig(dtype="fp32", **COMMON, **fields),
                          tmp_path / f"{name}.json")
         report = tmp_path / f"{name}-report.json"
+        writes = dict(steps=2, save_hf=str(saved), save_hf_every=1) if name != "single" \
+            else dict(steps=1)
         job = Job(plans=(str(plan),), reports=(str(report),),
-                  options=RunOptions(steps=1, timeout_s=60.0, init_from=str(folder)))
+                  options=RunOptions(timeout_s=60.0, init_from=str(folder), **writes))
         world = read_plan(plan).config.world_size
         done = subprocess.run(torchrun_command(job, Launch(), nproc_per_node=world),
                               capture_output=True, text=True, timeout=300, env=meshplan_env)
@@ -449,6 +453,10 @@ def test_a_traced_hf_model_starts_from_its_checkpoint(tmp_path, plan_file, meshp
         expected = expected if expected is not None else _hf_loss(folder, plan, 0)
         loss = json.loads(report.read_text())["losses"][0]
         assert abs(loss - expected) <= FIRST_STEP_TOL, (name, loss, expected)
+    second = json.loads(report.read_text())["losses"][1]
+    assert (saved / "step-1" / "config.json").read_text() == \
+        (folder / "config.json").read_text()
+    assert abs(_hf_loss(saved / "step-1", plan, 1) - second) <= STEPS_TOL, second
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((folder / "config.json").read_text())
