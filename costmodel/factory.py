@@ -138,12 +138,14 @@ def spec_from_graph(graph: LayerGraph, *, name: str, seq_len: int, micro_batch: 
         attrs = graph.graph.nodes[node]
         costs = (attrs["params"], attrs["fwd_flop"] / micro_batch,
                  attrs["bwd_flop"] / micro_batch, attrs["saved_bytes"] / micro_batch,
-                 attrs["output_bytes"] / micro_batch)
+                 attrs["output_bytes"] / micro_batch, attrs.get("fwd_ops", 0),
+                 attrs.get("bwd_ops", 0))
         kind = kinds.setdefault((*costs, previous_output), len(kinds))
         previous_output = costs[4]
         layers.append(TracedLayer(name=node, kind=kind, params=int(costs[0]),
                                   fwd_flop=float(costs[1]), bwd_flop=float(costs[2]),
-                                  saved_bytes=float(costs[3]), output_bytes=float(costs[4])))
+                                  saved_bytes=float(costs[3]), output_bytes=float(costs[4]),
+                                  fwd_ops=float(costs[5]), bwd_ops=float(costs[6])))
     if not layers:
         raise ValueError(f"{name}: the trace found no layers (no submodule ran)")
     inner = [layer.output_bytes for layer in layers[:-1]] or [layers[-1].output_bytes]

@@ -101,9 +101,18 @@ class TracedLayer:
     """Bytes saved for backward per sequence without recomputation, at the traced dtype."""
     output_bytes: float
     """Bytes of the layer's output per sequence, at the traced dtype."""
+    fwd_ops: float = 0.0
+    """ATen operators the layer dispatches in its forward (any batch size: one dispatch per
+    op), for a per-operator price of traced layers; not priced yet (pricing them at the
+    CPU's ``op_overhead_s`` moved the planner's traced tables off the brute-force optimum in
+    one tight DeepSpeed case, which needs looking into first). 0 in traces made before
+    meshplan counted them."""
+    bwd_ops: float = 0.0
+    """ATen operators its backward dispatches."""
 
     def __post_init__(self) -> None:
-        for field in ("kind", "params", "fwd_flop", "bwd_flop", "saved_bytes", "output_bytes"):
+        for field in ("kind", "params", "fwd_flop", "bwd_flop", "saved_bytes", "output_bytes",
+                      "fwd_ops", "bwd_ops"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"traced layer {self.name!r}: {field} must be a number >= 0, "

@@ -486,3 +486,19 @@ def test_layer_graph_is_the_traced_layers_in_order(hybrid, real):
     assert sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"]) == names
     assert list(graph.edges) == list(zip(names, names[1:]))
     assert [graph.nodes[n]["params"] for n in names] == real_layer_params(real)
+
+
+def test_operator_counts_equal_an_eager_run_of_the_real_module():
+    """Each layer's ATen operators, forward and backward, as the fake-mode trace counts them
+    and as an eager run of the real module on the CPU dispatches them (fp32, one sequence)."""
+    from meshplan.costmodel.tracing import _OpCounter, top_level_layers
+
+    module = examples.hybrid()
+    layers = top_level_layers(module)
+    eager = _OpCounter({f"{type(module).__name__}.{name}": name for name in layers})
+    with eager:
+        module(*module.meshplan_inputs(1, SEQ_LEN)).float().sum().backward()
+    spec = load_model(HYBRID, seq_len=SEQ_LEN, dtype="fp32")
+    assert [(layer.fwd_ops, layer.bwd_ops) for layer in spec.traced] == \
+        [(eager.fwd.get(layer.name, 0), eager.bwd.get(layer.name, 0)) for layer in spec.traced]
+    assert spec.traced[1].fwd_ops > 50  # a transformer block: norms, projections, attention
