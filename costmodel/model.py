@@ -102,11 +102,10 @@ class TracedLayer:
     output_bytes: float
     """Bytes of the layer's output per sequence, at the traced dtype."""
     fwd_ops: float = 0.0
-    """ATen operators the layer dispatches in its forward (any batch size: one dispatch per
-    op), for a per-operator price of traced layers; not priced yet (pricing them at the
-    CPU's ``op_overhead_s`` moved the planner's traced tables off the brute-force optimum in
-    one tight DeepSpeed case, which needs looking into first). 0 in traces made before
-    meshplan counted them."""
+    """ATen operators the layer dispatches in its forward (one dispatch each, whatever the
+    batch size); each costs the device's ``op_overhead_s`` (``timing.traced_layer_s``; the
+    CPU's fixed time per operator, 0 on GPUs). 0 in traces made before meshplan counted
+    them."""
     bwd_ops: float = 0.0
     """ATen operators its backward dispatches."""
 

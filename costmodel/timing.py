@@ -1057,17 +1057,21 @@ def traced_layer_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
 
     Matmul and attention FLOPs (as traced) at the calibrated matmul efficiency; element-wise
     kernels move the layer's saved bytes through HBM (``elementwise_traffic_factor``, as for an
-    analytic layer), twice as much in the backward."""
+    analytic layer), twice as much in the backward; each ATen operator the trace counted
+    (``TracedLayer.fwd_ops``, ``bwd_ops``) costs the device's ``op_overhead_s``, as an
+    analytic eager layer's ``EAGER_OPS_PER_LAYER`` do."""
     device = calibration.device(cluster.gpu.key)
     peak = cluster.gpu.peak(config.dtype)
     fwd_flop, bwd_flop = traced.layer_flop(model, config, index)
     bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
     elementwise = (calibration.elementwise_traffic_factor
                    * traced.layer_saved_bytes(model, config, index, "none") / bandwidth)
+    layer = model.traced[index]
     fwd = _gemm_s(fwd_flop, 0, peak=peak, efficiency=device.matmul_efficiency,
-                  overhead_s=0.0) + elementwise
+                  overhead_s=0.0) + elementwise + layer.fwd_ops * device.op_overhead_s
     bwd = _gemm_s(bwd_flop, 0, peak=peak, efficiency=device.matmul_efficiency,
-                  overhead_s=0.0) + BACKWARD_FACTOR * elementwise
+                  overhead_s=0.0) + BACKWARD_FACTOR * elementwise \
+        + layer.bwd_ops * device.op_overhead_s
     return fwd, bwd
 
 

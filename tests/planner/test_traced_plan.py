@@ -77,12 +77,17 @@ def brute_force_by_capacity(model, clusters, space, framework):
     has the most), from one pass over the space: step time does not depend on GPU memory, so
     a capacity's optimum is the fastest estimate on the first cluster that fits and whose
     reserved peak is within that capacity; it is estimated again on its own cluster, which
-    must agree (fits, same step)."""
+    must agree (fits, same step). Splits the framework cannot build (DeepSpeed's partition
+    methods, ``framework_layout_error``) are not plans."""
+    from meshplan.costmodel.layout import framework_layout_error
+
     every = []
     for config in candidates(model, clusters[0], space, framework=framework):
         for split in compositions(model.num_layers, config.pp):
             for modes in stage_modes(space.recompute_modes, config.pp, framework):
                 staged = config.replace(layers_per_stage=split, recompute=modes)
+                if framework_layout_error(framework, staged, model) is not None:
+                    continue
                 est = estimate(model, clusters[0], staged, framework=framework,
                                calibration=CALIBRATION)
                 if est.fits:
