@@ -195,14 +195,22 @@ def _module_tensor_shapes(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], 
 
     module = build_meta(load_factory(spec.factory), ref=spec.factory)
     state = module.state_dict(keep_vars=True)
-    first: dict[int, str] = {}
+    seen: set[int] = set()
     aliases = set()
     for name, tensor in state.items():
-        if id(tensor) in first:
+        if id(tensor) in seen:
             aliases.add(name)
-        else:
-            first[id(tensor)] = name
+        seen.add(id(tensor))
     return {name: tuple(t.shape) for name, t in state.items()}, aliases
+
+
+def _by_file(files: dict[str, str], names: Iterable[str]) -> dict[str, list[str]]:
+    """``names`` (those ``files`` holds) grouped by the safetensors file holding them."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        if name in files:
+            groups.setdefault(files[name], []).append(name)
+    return groups
 
 
 def check_traced_directory(directory: str, spec: ModelSpec) -> None:
@@ -221,14 +229,13 @@ def check_traced_directory(directory: str, spec: ModelSpec) -> None:
                          f"{spec.name}'s module are missing, e.g. {missing[0]}")
     from safetensors import safe_open
 
-    for name, shape in shapes.items():
-        if name not in files:
-            continue
-        with safe_open(files[name], framework="pt") as handle:
-            stored = tuple(handle.get_slice(name).get_shape())
-        if stored != shape:
-            raise ValueError(f"--init-from {directory}: {name} has shape {stored}, the plan's "
-                             f"model needs {shape}")
+    for file, names in _by_file(files, shapes).items():
+        with safe_open(file, framework="pt") as handle:
+            for name in names:
+                stored = tuple(handle.get_slice(name).get_shape())
+                if stored != shapes[name]:
+                    raise ValueError(f"--init-from {directory}: {name} has shape {stored}, "
+                                     f"the plan's model needs {shapes[name]}")
 
 
 def load_traced_weights(module: nn.Module, directory: str) -> int:
@@ -242,14 +249,15 @@ def load_traced_weights(module: nn.Module, directory: str) -> int:
     done: set[int] = set()
     read = 0
     with torch.no_grad():
-        for name, tensor in state.items():
-            if name not in files or id(tensor) in done:
-                continue
-            with safe_open(files[name], framework="pt") as handle:
-                value = handle.get_tensor(name)
-            tensor.copy_(value)
-            done.add(id(tensor))
-            read += value.numel() * value.element_size()
+        for file, names in _by_file(files, state).items():
+            with safe_open(file, framework="pt") as handle:
+                for name in names:
+                    if id(state[name]) in done:
+                        continue
+                    value = handle.get_tensor(name)
+                    state[name].copy_(value)
+                    done.add(id(state[name]))
+                    read += value.numel() * value.element_size()
     return read
 
 
