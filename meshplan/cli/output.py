@@ -12,9 +12,11 @@ def print_json(data: Any) -> None:
 
 
 def refuse_overwrite(flag: str, path: str | None, *, force: bool) -> None:
-    """ValueError when ``path`` exists and ``--force`` was not given (a folder: always)."""
-    if path and os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r}: is a folder; give a file name")
+    """ValueError when ``path`` exists and ``--force`` was not given (a folder: always,
+    ``workflows.files.check_not_folder``)."""
+    from meshplan.workflows.files import check_not_folder
+
+    check_not_folder(flag, path)
     if path and not force and os.path.exists(path):
         raise ValueError(f"{flag} {path!r} exists; pass --force to overwrite it")
 

@@ -12,11 +12,16 @@ from typing import Any
 from meshplan.costmodel.calibration import Calibration
 
 
+def check_not_folder(flag: str, path: str | None) -> None:
+    """ValueError when the file ``path`` a flag names is a folder."""
+    if path and os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r}: is a folder; give a file name")
+
+
 def check_folder(flag: str, path: str | None) -> None:
     """ValueError, before anything is measured, when the file ``path`` cannot be written:
     its folder does not exist, or ``path`` is itself a folder."""
-    if path and os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r}: is a folder; give a file name")
+    check_not_folder(flag, path)
     if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise ValueError(f"{flag} {path!r}: its folder does not exist")
 
