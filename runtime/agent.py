@@ -1,4 +1,5 @@
-"""torchrun, started by ``meshplan run``: ``python -m meshplan.runtime.agent <torchrun args>``.
+"""torchrun, started by ``meshplan run``: ``python -m meshplan.runtime <torchrun args>``
+(``runtime/__main__.py``; ``python -m meshplan.runtime.agent`` runs the same).
 
 It is torchrun's own ``main`` (``torch.distributed.run``) with one difference, how a failure
 ends. A worker that refuses its input (a damaged checkpoint, a diverged loss, a plan that does

@@ -130,10 +130,11 @@ def processes_per_node(launch: Launch, world_size: int) -> int:
 
 
 def torchrun_command(job: Job, launch: Launch, *, nproc_per_node: int) -> list[str]:
-    """The ``python -m meshplan.runtime.agent ... -m meshplan.runtime.worker <job>`` command
-    line (``agent`` is torchrun that ends quietly on an error a worker recorded)."""
+    """The ``python -m meshplan.runtime ... -m meshplan.runtime.worker <job>`` command line
+    (``runtime/__main__.py`` runs ``agent``: torchrun that ends quietly on an error a worker
+    recorded)."""
     conf = ["--rdzv-conf", launch.rdzv_conf] if launch.rdzv_conf else []
-    return [sys.executable, "-m", "meshplan.runtime.agent",
+    return [sys.executable, "-m", "meshplan.runtime",
             "--nnodes", launch.nodes_arg, "--nproc-per-node", str(nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint or LOCAL_ENDPOINT,
             "--rdzv-id", launch.rdzv_id or uuid.uuid4().hex, *conf,

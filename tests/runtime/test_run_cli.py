@@ -117,6 +117,7 @@ def test_run_json_prints_the_report(user_run):
     assert report == json.loads(report_path.read_text())
     assert report["world_size"] == 2 and len(report["losses"]) == 2
     assert "step 1 loss" in done.stderr  # progress goes to stderr under --json
+    assert "Warning" not in done.stderr, done.stderr  # e.g. runpy's, once per forked worker
     assert [r["rank"] for r in report["per_rank"]] == [0, 1]
 
 
