@@ -1081,11 +1081,14 @@ def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Para
                             framework: str) -> StageTime:
     """A traced model's stage: its layers' own compute; no TP, CP or EP traffic."""
     mode = config.stage_recompute(stage)
-    compute = 0.0
+    factor = calibration.compute_factor(framework)
+    compute = host_wait = 0.0
     for i in layer_range:
         fwd, bwd = traced_layer_s(model, cluster, config, calibration, i)
-        compute += fwd + bwd + (fwd if mode == "full" else 0.0)
-    compute *= calibration.compute_factor(framework)
+        kernels = (fwd + bwd + (fwd if mode == "full" else 0.0)) * factor
+        wait = max(0.0, traced_host_s(model, cluster, config, calibration, i, mode) - kernels)
+        compute += kernels + wait
+        host_wait += wait
     pp = 0.0
     if pp_link is not None:
         one = coll.send_recv_s(pp_link, traced.boundary_bytes(model, config),
@@ -1093,7 +1096,29 @@ def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Para
                                inter_eff=calibration.network_efficiency)
         pp = 2 * one * (1 - calibration.pp_overlap)
     return _stage_time(model, cluster, config, calibration, stage, params=params, links=links,
-                       framework=framework, compute=compute, tp=0.0, cp=0.0, ep=0.0, pp=pp)
+                       framework=framework, compute=compute, tp=0.0, cp=0.0, ep=0.0, pp=pp,
+                       host_wait=host_wait)
+
+
+def traced_host_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                  calibration: Calibration, index: int, mode: str) -> float:
+    """Host seconds of traced layer ``index``'s forward and backward for one micro-batch on a
+    GPU: the ATen operators the trace counted (``TracedLayer.fwd_ops`` + ``bwd_ops``, the
+    unit ``HOST_OP_EQUIVALENTS`` counts in) at ``DeviceCalibration.host_op_s`` each, times
+    ``HOST_OP_EQUIVALENTS``' measured ratio of ``mode`` to ``none`` (full recomputation runs
+    the forward again under torch's checkpoint). The device runs queued kernels while the
+    host issues the next, so the layer takes the larger of this and its kernels' time
+    (``_traced_microbatch_time``), as an analytic eager layer does. A traced model is the
+    user's own eager module under every framework, so the floor holds for all of them; 0
+    where it is compiled (its compiled graphs' kernel count is not traced) and on the CPU
+    (``host_op_s`` 0: its serial host work is ``op_overhead_s``, in ``traced_layer_s``)."""
+    host_op_s = calibration.device(cluster.gpu.key).host_op_s
+    if not host_op_s or config.compile != "none":
+        return 0.0
+    layer = model.traced[index]
+    scale = HOST_OP_EQUIVALENTS.get(mode, HOST_OP_EQUIVALENTS["none"]) \
+        / HOST_OP_EQUIVALENTS["none"]
+    return (layer.fwd_ops + layer.bwd_ops) * scale * host_op_s
 
 
 def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,

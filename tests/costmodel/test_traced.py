@@ -502,3 +502,24 @@ def test_operator_counts_equal_an_eager_run_of_the_real_module():
     assert [(layer.fwd_ops, layer.bwd_ops) for layer in spec.traced] == \
         [(eager.fwd.get(layer.name, 0), eager.bwd.get(layer.name, 0)) for layer in spec.traced]
     assert spec.traced[1].fwd_ops > 50  # a transformer block: norms, projections, attention
+
+
+def test_a_small_traced_module_on_a_gpu_waits_on_its_host():
+    """On a GPU the host issues each ATen operator (``DeviceCalibration.host_op_s``) while the
+    device runs the ones before: the example's layers at one 64-token sequence are tiny
+    kernels, so the host's work sets the pace, every traced operator of every micro-batch at
+    ``host_op_s``; full recomputation costs the host 577 / 248 of it (HOST_OP_EQUIVALENTS,
+    measured by benchmarks/host_ops.py). The CPU has no separate host: no wait there."""
+    h100 = load_cluster("dgx-h100", nodes=1, gpus_per_node=1)
+    host_op_s = default_calibration().device("h100-sxm").host_op_s
+    spec = load_model(HYBRID)
+    ops = sum(layer.fwd_ops + layer.bwd_ops for layer in spec.traced)
+    config = ParallelConfig(global_batch_size=8, micro_batch_size=1, seq_len=SEQ_LEN)
+    plain = estimate(spec, h100, config, framework="meshplan").time
+    assert plain.compute_s == pytest.approx(8 * ops * host_op_s, rel=REL)
+    assert plain.host_wait_s > 0.95 * plain.compute_s
+    full = estimate(spec, h100, dataclasses.replace(config, recompute="full"),
+                    framework="meshplan").time
+    assert full.compute_s == pytest.approx(8 * ops * host_op_s * 577 / 248, rel=REL)
+    cpu = estimate(spec, cluster(1), config, framework="meshplan").time
+    assert cpu.host_wait_s == 0.0
