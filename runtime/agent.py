@@ -137,9 +137,27 @@ def _run_forked(argv: list[str]) -> None:
                          f"launch.torchrun_command passes)")
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "forkserver"
-    record(elastic_launch(config=config, entrypoint=prefork.entry))(
-        args.training_script, *args.training_script_args)
+    try:
+        record(elastic_launch(config=config, entrypoint=prefork.entry))(
+            args.training_script, *args.training_script_args)
+    finally:
+        _stop_forkserver()
 
+
+def _stop_forkserver() -> None:
+    """Stop multiprocessing's fork server and wait for it. The server reaps the workers it
+    forked, so once waited for, their CPU time and its own (the preload's imports) count
+    among this agent's children (``RUSAGE_CHILDREN``) and so among ``meshplan run``'s:
+    ``meshplan validate`` subtracts that from the machine's busy time to tell other
+    processes' load (``workflows.validate.foreign_cores``). Left running, the server outlived
+    the agent unwaited, an orphan, and the run's own workers counted as other processes' load
+    (0.9 of this machine's 2 cores in every CPU ``validate``). Its resource tracker is left to
+    end with the agent, as multiprocessing's own exit handlers expect; it does no work."""
+    import multiprocessing.forkserver
+
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:  # CPython's (3.8-3.14) way to stop the server and wait for it
+        stop()
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

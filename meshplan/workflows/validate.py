@@ -1,9 +1,9 @@
 """``validate``: run plans, compare measured with predicted step time and per-rank peak memory,
 and optionally refit the calibration to the runs.
 
-Each plan runs through ``meshplan.runtime.launch`` (torchrun). On the CPU a plan runs twice:
-its median step without the live-tensor tracker, its per-rank peaks with it
-(``VALIDATE_MEMORY_STEPS``). Refit on one plan: one factor ``f`` slows every compute and
+Each plan runs once through ``meshplan.runtime.launch`` (torchrun). On the CPU the live-tensor
+tracker counts the per-rank peaks in the run's first ``RunOptions.memory_steps`` steps and the
+``steps`` after them are timed without it (the median step is theirs). Refit on one plan: one factor ``f`` slows every compute and
 communication cost (``fitting.scaled_calibration``, found by ``fitting.refit_step_scale``). On
 several plans: ``fitting.refit_plans`` fits the compute factor, the cost per GEMM call and the
 cost per collective call by least squares over them. ``meshplan validate`` is this function
@@ -29,10 +29,6 @@ from meshplan.planner.plan import Plan, read_plan
 from meshplan.runtime.report import RunReport
 from meshplan.workflows.files import check_folder, write_calibration, write_json
 
-VALIDATE_MEMORY_STEPS = 3
-"""Steps of the memory run. The CPU's live-tensor tracker costs dispatch time on every op (a
-tiny plan's step ran 3-4x slower with it), so step times come from a run without it and
-per-rank peaks from a short second run with it; the peak is reached within the first steps."""
 FOREIGN_CORES_WARNING = 0.25
 """Above this many cores kept busy on average by other processes during a timed run, the ranks
 wait for CPU time and for each other, and the step is not the plan's (on a 2-core machine one
@@ -78,9 +74,9 @@ class PlanMeasurement:
     """The plan file."""
     world_size: int
     measured_step_s: float
-    """Median step of the timed run (the warm-up left out)."""
+    """Median of the timed steps (``RunReport.step_s_median``: the warm-up left out)."""
     step_s: tuple[float, ...]
-    """Every step of the timed run."""
+    """The timed steps: on the CPU those after the live-tensor tracker's, on CUDA all."""
     predicted_step_s: float
     per_rank: tuple[RankPeak, ...]
     foreign_cpu_cores: float | None
@@ -183,47 +179,47 @@ def plan_estimate(plan: Plan, calibration: Calibration) -> Estimate:
 def measure_plan(path: str, plan: Plan, *, calibration: Calibration, steps: int,
                  timeout_s: float, nproc_per_node: int | None) -> PlanMeasurement:
     """Run the plan in ``path`` and set its measurements next to ``plan_estimate``."""
-    timed, tracked, foreign = _run_plan(path, steps=steps, timeout_s=timeout_s,
-                                        nproc_per_node=nproc_per_node)
+    report, foreign = _run_plan(path, steps=steps, timeout_s=timeout_s,
+                                nproc_per_node=nproc_per_node)
     est = plan_estimate(plan, calibration)
     stage_peak = {s.stage: s.peak_bytes for s in est.memory.per_stage}
     ranks = tuple(RankPeak(rank=r.rank, stage=r.stage, measured_peak_bytes=r.peak_bytes,
                            predicted_peak_bytes=stage_peak.get(r.stage))
-                  for r in tracked.per_rank)
-    return PlanMeasurement(plan=path, world_size=timed.world_size,
-                           measured_step_s=timed.step_s_median, step_s=timed.step_s,
+                  for r in report.per_rank)
+    tracked = set(report.tracked_steps)
+    timed = tuple(s for i, s in enumerate(report.step_s) if i not in tracked)
+    return PlanMeasurement(plan=path, world_size=report.world_size,
+                           measured_step_s=report.step_s_median, step_s=timed,
                            predicted_step_s=est.time.step_s, per_rank=ranks,
                            foreign_cpu_cores=foreign)
 
 
 def _run_plan(path: str, *, steps: int, timeout_s: float, nproc_per_node: int | None
-              ) -> tuple[RunReport, RunReport, float | None]:
-    """(timed run's report, memory run's report, cores other processes kept busy during the
-    timed run).
+              ) -> tuple[RunReport, float | None]:
+    """(the run's report, cores other processes kept busy during it).
 
-    On CUDA one run gives both (the allocator's counters cost nothing); on the CPU the timed
-    run goes without the live-tensor tracker and a short second run measures the peaks."""
+    One run gives both measurements. On CUDA it runs ``steps`` steps, every one counted by
+    the allocator's counters, which cost nothing. On the CPU the live-tensor tracker costs
+    dispatch time on every op (a tiny plan's step ran 2-4x slower with it): it counts the
+    first ``RunOptions.memory_steps`` steps (the warm-up, then one with the optimizer states
+    in place, where the peak is reached) and ``steps`` more run without it, timed."""
     import torch
 
     from meshplan.runtime import launch
     from meshplan.runtime.train import RunOptions
 
     where = launch.Launch(nproc_per_node=nproc_per_node, oversubscribe=True)  # as before the check
-    runs = ((steps, True),) if torch.cuda.is_available() else \
-        ((steps, False), (min(steps, VALIDATE_MEMORY_STEPS), True))
-    reports, foreign = [], None
-    for run_steps, track in runs:
-        before = cpu_counters()
-        try:
-            result = launch.run(path, options=RunOptions(steps=run_steps, timeout_s=timeout_s,
-                                                         track_memory=track), launch=where)
-        except launch.WorkerRefused as refused:  # a worker's one line (exit code 2)
-            raise ValueError(str(refused)) from None
-        if result.exit_code != 0 or result.report is None:
-            raise RunFailed(path, result.exit_code or 1)
-        foreign = foreign_cores(before, cpu_counters()) if foreign is None else foreign
-        reports.append(result.report)
-    return reports[0], reports[-1], foreign
+    options = RunOptions(steps=steps, timeout_s=timeout_s)
+    if not torch.cuda.is_available():
+        options = dataclasses.replace(options, steps=steps + options.memory_steps)
+    before = cpu_counters()
+    try:
+        result = launch.run(path, options=options, launch=where)
+    except launch.WorkerRefused as refused:  # a worker's one line (exit code 2)
+        raise ValueError(str(refused)) from None
+    if result.exit_code != 0 or result.report is None:
+        raise RunFailed(path, result.exit_code or 1)
+    return result.report, foreign_cores(before, cpu_counters())
 
 
 def cpu_counters() -> tuple[float, float, float] | None:
