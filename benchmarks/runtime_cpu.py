@@ -5,7 +5,9 @@ Runs a set of small plans of the ``tiny`` model on the ``cpu`` cluster (gloo, fp
 model's prediction for its stage (framework ``meshplan``), and the median step time with the
 predicted step. The first two steps run under the live-tensor tracker, which counts the peak;
 the median is of the steps after them, which run without its dispatch overhead
-(``RunOptions.memory_steps``). Plans of more processes than this machine has cores share them.
+(``RunOptions.memory_steps``). Plans of more processes than this machine has cores share them:
+their step ratio is against the prediction times the processes per core (``timeshare``,
+``RunReport.timeshared_step_s``).
 Writes ``runtime-cpu-tiny-<date>.{md,json,png}`` under ``benchmarks/results/``.
 
     python benchmarks/runtime_cpu.py [--steps 6] [--calibration FILE]
@@ -107,7 +109,8 @@ def rows(steps: int, calibration_path: str | None) -> list[dict]:
                         "peak_ratio": rank["peak_bytes"] / rank["predicted_peak_bytes"],
                         "measured_step_s": report["step_s_median"],
                         "predicted_step_s": report["predicted"]["step_s"],
-                        "step_ratio": report["step_s_median"] / report["predicted"]["step_s"]})
+                        "timeshare": report["timeshare"],
+                        "step_ratio": report["ratio"]["timeshared_step_s"]})
     return out
 
 

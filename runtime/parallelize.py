@@ -45,6 +45,7 @@ torch APIs: ``torch.distributed.tensor.parallel.parallelize_module`` with ``Colw
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -212,7 +213,16 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
             if all(owners[id(param)] == 1 for param in block.parameters())]
 
 
+FSDP_VIEW_OUTPUT_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
+"""The start of the warning FSDP2's root gives when a module returns a view: under tensor
+parallelism the LM head's ``use_local_output`` hands back the DTensor's local tensor, a view,
+and every worker of a TP x ZeRO run printed it. It warns of an in-place op on that view, and
+nothing in the runtime modifies the logits in place (the loss only reads them), so ``_fsdp``
+silences it."""
+
+
 def _fsdp(module: nn.Module, dp_mesh: DeviceMesh, choice: DataParallelChoice) -> nn.Module:
+    warnings.filterwarnings("ignore", message=FSDP_VIEW_OUTPUT_WARNING, category=UserWarning)
     reshard = choice.zero_stage == 3 and not choice.pipelined
     # pinned host shards on a GPU (DMA copies); pageable on the CPU, where pinning needs CUDA
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) \

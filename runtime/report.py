@@ -98,6 +98,18 @@ class RunReport:
     membership_changes: tuple[dict[str, Any], ...] = ()
     """An elastic run's membership records (``elastic.report_changes``), oldest first; the
     document has the key only when there was a change."""
+    timeshare: float = 1.0
+    """Processes per usable CPU core on node 0, when above 1: a CPU run under
+    ``--oversubscribe``. The plan's prediction is for one core per process (one CPU "device"
+    each); here each process got ``1 / timeshare`` of one (``timeshared_step_s``). 1 on GPUs
+    and when every process had its core."""
+
+    @property
+    def timeshared_step_s(self) -> float:
+        """The predicted step on the cores the run shared: ``predicted_step_s`` times
+        ``timeshare``, as if every process computed all the time (processes idle in a
+        pipeline bubble leave their share to the others, so a pipeline can run faster)."""
+        return self.predicted_step_s * self.timeshare
 
     @property
     def step_s_median(self) -> float:
@@ -126,9 +138,13 @@ class RunReport:
                 "losses": list(self.losses), "step_s_median": self.step_s_median,
                 "tokens_per_s": self.tokens_per_s,
                 "predicted": {"step_s": self.predicted_step_s,
-                              "peak_bytes": self.predicted_peak_bytes},
+                              "peak_bytes": self.predicted_peak_bytes,
+                              "timeshared_step_s": self.timeshared_step_s},
                 "ratio": {"step_s": _ratio(self.step_s_median, self.predicted_step_s),
-                          "peak_bytes": _ratio(self.peak_bytes, self.predicted_peak_bytes)},
+                          "peak_bytes": _ratio(self.peak_bytes, self.predicted_peak_bytes),
+                          "timeshared_step_s": _ratio(self.step_s_median,
+                                                      self.timeshared_step_s)},
+                "timeshare": self.timeshare,
                 "peak_bytes": self.peak_bytes, "step_s": list(self.step_s),
                 "per_rank": [r.to_dict() for r in self.per_rank],
                 "compute_dtype": self.compute_dtype,
@@ -163,7 +179,8 @@ REPORT_SCHEMA = schema_of(
            "predicted": Rule(kind="object", schema=_PREDICTED_SCHEMA),
            "step_s_median": Rule(kind="float", limit=POSITIVE),
            "tokens_per_s": Rule(kind="float", limit=POSITIVE)},
-    limits={"world_size": Limit(minimum=1), "step_s": POSITIVE},
+    limits={"world_size": Limit(minimum=1), "step_s": POSITIVE,
+            "timeshare": Limit(minimum=1)},
     required=("schema_version", "plan", "world_size", "backend", "losses", "step_s_median",
               "tokens_per_s", "predicted", "per_rank", "step_s"))
 """The document's keys: DESIGN.md's, the runtime's extras (optional, so reports of 0.1 read),
@@ -171,7 +188,7 @@ and unknown extras tolerated, as DESIGN.md lets the report grow. Derived keys (m
 tokens/s, ratios, the largest peak) are checked for type and recomputed, not read."""
 _RANK_FIELDS = tuple(f.name for f in dataclasses.fields(RankReport))
 _OPTIONAL_FIELDS = ("compute_dtype", "resumed_from_step", "restarts", "recipe",
-                    "worker_start")
+                    "worker_start", "timeshare")
 _OPTIONAL_SERIES = ("grad_norms", "lrs", "optimizer_s", "membership_changes", "tracked_steps")
 
 

@@ -46,6 +46,7 @@ from meshplan.runtime import materialize
 from meshplan.runtime import mesh as mesh_mod
 from meshplan.runtime import pipeline
 from meshplan.runtime import prefork
+from meshplan.runtime import preflight
 from meshplan.runtime import recipe as recipe_mod
 from meshplan.runtime.metrics import MetricsLog, StepMetrics, mfu
 from meshplan.runtime.recipe import Recipe
@@ -666,7 +667,17 @@ def _report(plan: Plan, backend: str, rank_model: RankModel, memory: PeakMemory,
                                optimizer_s=tuple(log.optimizer_s), recipe=log.recipe,
                                tracked_steps=tuple(log.tracked),
                                resumed_from_step=log.resumed_from,
-                               worker_start=prefork.started_as)
+                               worker_start=prefork.started_as,
+                               timeshare=node_timeshare(memory.device))
+
+
+def node_timeshare(device: torch.device) -> float:
+    """``RunReport.timeshare``: this node's processes (torchrun's ``LOCAL_WORLD_SIZE``) per
+    CPU core they may use, when above 1 on the CPU; 1 on GPUs (one GPU per process)."""
+    if device.type != "cpu":
+        return 1.0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1.0, local / preflight.usable_cores())
 
 
 def build_report(plan: Plan, *, backend: str, losses: list[float], times_s: list[float],

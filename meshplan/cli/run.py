@@ -210,6 +210,10 @@ def run_summary(report: RunReport) -> str:
              f"step time  measured {report.step_s_median:.4f} s   predicted "
              f"{report.predicted_step_s:.4f} s   ratio "
              f"{ratio(report.step_s_median, report.predicted_step_s)}"]
+    if report.timeshare > 1:
+        lines.append(f"           {report.timeshare:.2g} processes per CPU core here: predicted "
+                     f"x{report.timeshare:.2g} = {report.timeshared_step_s:.4f} s   ratio "
+                     f"{ratio(report.step_s_median, report.timeshared_step_s)}")
     if report.resumed_from_step is not None:
         lines.append(f"resumed from checkpoint step-{report.resumed_from_step} "
                      f"({report.restarts} torchrun restarts)")

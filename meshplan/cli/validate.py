@@ -68,8 +68,10 @@ def run(args: argparse.Namespace) -> int:
 def validate_summary(measurement: PlanMeasurement) -> str:
     """Measured against predicted step time and per-rank peak memory, with ratios."""
     m = measurement
+    shared = (f" x{m.timeshare:.2g} for {m.timeshare:.2g} processes per CPU core here = "
+              f"{m.predicted_step_s * m.timeshare:.4f} s" if m.timeshare > 1 else "")
     lines = [f"step time  measured {m.measured_step_s:.4f} s   predicted "
-             f"{m.predicted_step_s:.4f} s   ratio {m.step_ratio:.2f}x"]
+             f"{m.predicted_step_s:.4f} s{shared}   ratio {m.step_ratio:.2f}x"]
     if m.loaded:
         lines.append(f"warning: other processes kept {m.foreign_cpu_cores:.2f} cores busy "
                      f"during the timed run; its step time is not this plan's alone")
@@ -88,5 +90,5 @@ def refit_lines(refit: RefitSummary, plans: tuple[PlanMeasurement, ...]) -> str:
     for plan, predicted_s in zip(plans, refit.predicted_step_s):
         lines.append(f"           {plan.plan}: measured {plan.measured_step_s:.4f} s   "
                      f"predicted now {predicted_s:.4f} s   ratio "
-                     f"{plan.measured_step_s / predicted_s:.2f}x")
+                     f"{plan.one_core_step_s / predicted_s:.2f}x")
     return "\n".join(lines)

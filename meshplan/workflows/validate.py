@@ -80,12 +80,21 @@ class PlanMeasurement:
     predicted_step_s: float
     per_rank: tuple[RankPeak, ...]
     foreign_cpu_cores: float | None
+    timeshare: float = 1.0
+    """Processes per CPU core the run shared (``RunReport.timeshare``; 1: a core each)."""
     """Cores other processes kept busy on average during the timed run (None: not Linux)."""
 
     @property
     def step_ratio(self) -> float:
-        """measured / predicted step time."""
-        return self.measured_step_s / self.predicted_step_s
+        """measured / predicted step time, the prediction on the cores the run shared
+        (times ``timeshare``)."""
+        return self.measured_step_s / (self.predicted_step_s * self.timeshare)
+
+    @property
+    def one_core_step_s(self) -> float:
+        """The measured step as on one core per process, what the plan predicts (and a
+        refit fits): divided by ``timeshare``."""
+        return self.measured_step_s / self.timeshare
 
     @property
     def loaded(self) -> bool:
@@ -99,7 +108,7 @@ class PlanMeasurement:
                 "measured_step_s": self.measured_step_s, "step_s": list(self.step_s),
                 "predicted_step_s": self.predicted_step_s, "step_ratio": self.step_ratio,
                 "per_rank": [r.to_dict() for r in self.per_rank],
-                "foreign_cpu_cores": self.foreign_cpu_cores}
+                "foreign_cpu_cores": self.foreign_cpu_cores, "timeshare": self.timeshare}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +200,7 @@ def measure_plan(path: str, plan: Plan, *, calibration: Calibration, steps: int,
     return PlanMeasurement(plan=path, world_size=report.world_size,
                            measured_step_s=report.step_s_median, step_s=timed,
                            predicted_step_s=est.time.step_s, per_rank=ranks,
-                           foreign_cpu_cores=foreign)
+                           foreign_cpu_cores=foreign, timeshare=report.timeshare)
 
 
 def _run_plan(path: str, *, steps: int, timeout_s: float, nproc_per_node: int | None
@@ -261,7 +270,7 @@ def refit_calibration(plans: Sequence[Plan], measurements: Sequence[PlanMeasurem
     if len(keys) > 1:
         raise ValueError(f"--refit over several plans needs one device and framework, got "
                          f"{sorted(keys)}")
-    measured = [m.measured_step_s for m in measurements]
+    measured = [m.one_core_step_s for m in measurements]
     runs = "; ".join(f"{m.plan}: measured median step {m.measured_step_s:.4f} s"
                      for m in measurements)
     if len(plans) == 1:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,11 @@ class Runs:
             pytest.fail(f"{name}: no report; torchrun output:\n{self._output[batch]}")
         return self._reports[name]
 
+    def output(self, name: str) -> str:
+        """The exit code and output of the launch that ran ``name``."""
+        self.report(name)
+        return self._output[self.batch(name)]
+
     def _launch(self, names: tuple[str, ...]) -> None:
         size = self.world_size(names[0])
         plans = [self._plan_file(CASES[n].model, self._make_config(**CASES[n].config),
@@ -187,6 +193,7 @@ def test_report_has_the_design_schema(runs):
         assert key in report
     assert report["schema_version"] == 1 and report["world_size"] == 8
     assert report["backend"] == "gloo"
+    assert "Warning" not in runs.output("pp2_dp2_tp2_zero3")  # e.g. FSDP2's on the TP head
     assert report["plan"]["tp"] == 2 and report["plan"]["pp"] == 2 and report["plan"]["dp"] == 2
     assert report["step_s_median"] > 0
     # the optimizer phase of every step, inside that step's time
@@ -197,6 +204,11 @@ def test_report_has_the_design_schema(runs):
     assert report["tracked_steps"] == [0, 1] and len(report["step_s"]) == 3
     assert report["step_s_median"] == report["step_s"][2]
     assert report["predicted"]["step_s"] > 0 and report["predicted"]["peak_bytes"] > 0
+    # 8 processes on this machine's cores: each got cores / 8 of one
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert report["timeshare"] == max(1.0, 8 / cores)
+    assert report["predicted"]["timeshared_step_s"] == pytest.approx(
+        report["predicted"]["step_s"] * report["timeshare"])
     ranks = report["per_rank"]
     assert [r["rank"] for r in ranks] == list(range(8))
     # default mesh order tp-cp-dp-pp: ranks 0-3 are stage 0, 4-7 stage 1

@@ -327,6 +327,26 @@ def test_median_step_leaves_out_the_warm_up_and_the_tracked_steps():
     assert report((9.0,), (0,)).step_s_median == 9.0
 
 
+def test_a_run_on_shared_cores_is_compared_with_the_prediction_times_the_sharing():
+    from meshplan.cli.run import run_summary
+    from meshplan.runtime.report import report_from_dict
+
+    shared = RunReport(plan={"global_batch_size": 8, "seq_len": 64}, world_size=4,
+                       backend="gloo", losses=(5.0, 4.0, 3.0),
+                       step_s=(0.5, 0.3, 0.3), predicted_step_s=0.1, predicted_peak_bytes=1.0,
+                       per_rank=(), timeshare=2.0)
+    doc = shared.to_dict()
+    assert doc["timeshare"] == 2.0 and doc["predicted"]["timeshared_step_s"] == 0.2
+    assert doc["ratio"]["timeshared_step_s"] == pytest.approx(1.5)
+    assert doc["ratio"]["step_s"] == pytest.approx(3.0)
+    assert report_from_dict(doc, origin="r.json").timeshare == 2.0
+    assert run_summary(shared).splitlines()[2] == (
+        "           2 processes per CPU core here: predicted x2 = 0.2000 s   ratio 1.50x")
+    assert "per CPU core" not in run_summary(dataclasses.replace(shared, timeshare=1.0))
+    with pytest.raises(ValueError, match="timeshare"):
+        report_from_dict({**doc, "timeshare": 0.5}, origin="r.json")
+
+
 def test_plans_that_do_not_fit_the_model_are_refused():
     config = ParallelConfig(tp=4, global_batch_size=8, seq_len=64)  # tiny has 2 kv heads
     with pytest.raises(ValueError, match="kv heads"):

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from meshplan.cli.validate import refit_lines, validate_summary
-from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
-                                load_model)
+from meshplan.costmodel import (ParallelConfig, default_calibration, estimate,
+                                load_calibration, load_cluster, load_model)
 from meshplan.planner.plan import Plan, write_plan
 from meshplan.testing import usage_error
 from meshplan.workflows import validate as wf
@@ -47,7 +47,7 @@ def test_report_document_keeps_its_keys():
                                  "predicted_peak_bytes": 100_000_000, "peak_ratio": 1.5},
                                 {"rank": 1, "stage": 1, "measured_peak_bytes": None,
                                  "predicted_peak_bytes": 100_000_000, "peak_ratio": None}],
-                   "foreign_cpu_cores": 0.5}],
+                   "foreign_cpu_cores": 0.5, "timeshare": 1.0}],
         "refit": {"out": "r.json", "fitted": "every compute and comm cost scaled by 3.000",
                   "predicted_step_s": [0.029]}}
     assert "refit" not in wf.ValidationResult(calibration_name="x", steps=1, plans=()).to_dict()
@@ -66,6 +66,22 @@ def test_cli_text_of_one_plan_and_of_the_refit():
     assert refit_lines(refit, (_measurement(),)).splitlines() == [
         "refit      f; wrote r.json",
         "           a.json: measured 0.0300 s   predicted now 0.0250 s   ratio 1.20x"]
+
+
+def test_a_run_on_shared_cores_is_held_to_the_prediction_times_the_sharing(tmp_path):
+    """4 processes on 2 cores (``timeshare`` 2): each computes at half a core, so the step is
+    compared with twice the plan's one-core-per-process prediction, and a refit fits the
+    plan to half the measured step."""
+    shared = _measurement(timeshare=2.0, foreign_cpu_cores=0.0)
+    assert shared.step_ratio == pytest.approx(1.5) and shared.one_core_step_s == 0.015
+    assert validate_summary(shared).splitlines()[0] == (
+        "step time  measured 0.0300 s   predicted 0.0100 s x2 for 2 processes per CPU core "
+        "here = 0.0200 s   ratio 1.50x")
+    plan = _plan("cpu")
+    wf.refit_calibration([plan], [shared], default_calibration(),
+                         out=str(tmp_path / "r.json"), steps=3)
+    refitted = wf.plan_estimate(plan, load_calibration(str(tmp_path / "r.json")))
+    assert refitted.time.step_s == pytest.approx(0.015, rel=0.01)
 
 
 def test_refit_needs_one_device_and_framework(tmp_path):
