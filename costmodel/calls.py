@@ -187,9 +187,9 @@ def collective_calls_per_microbatch(model: ModelSpec, config: ParallelConfig, st
     reduce-scatters each one's gradient on its own (``_reduce_scatter_gradients``: one
     ``reduce_scatter`` per parameter, DeepSpeed 0.3.13). FSDP2 inside a pipeline stage issues
     none per micro-batch (``fsdp2_syncs_once_per_step``; ``timing.dp_step_s`` charges its
-    once-per-step calls). Not counted: ZeRO-1's per-parameter broadcasts
-    (``ZeroRedundancyOptimizer``, once per step) and ``replicate``'s gradient all-reduces
-    under TP; they need the parameter tensor count.
+    once-per-step calls). Not counted here: meshplan's ZeRO-1 per-parameter broadcasts
+    (``ZeroRedundancyOptimizer``, once per step, in the optimizer step:
+    ``timing.zero1_broadcast_s``) and ``replicate``'s gradient all-reduces under TP.
     """
     layer_range = stage_layer_range(model, config, stage)
     layers = len(layer_range)

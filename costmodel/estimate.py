@@ -16,9 +16,9 @@ from meshplan.costmodel.memory import (StageMemory, StageParams, host_bytes_per_
 from meshplan.costmodel.model import ModelSpec
 from meshplan.costmodel.timing import (BACKWARD_FACTOR, Links, StageTime, calibrated_links,
                                        dp_bucket_terms, dp_step_s, optimizer_step_s,
-                                       prefetch_contention,
-                                       stage_link_signature, stage_links,
-                                       stage_microbatch_time, te_weight_cast_s)
+                                       prefetch_contention, stage_link_signature, stage_links,
+                                       stage_microbatch_time, te_weight_cast_s,
+                                       zero1_broadcast_s)
 
 SCHEMA_VERSION = schema.ESTIMATE
 
@@ -220,6 +220,9 @@ def stage_once(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, s
                              contention=prefetch_contention(cluster, calibration, dp_link))
     opt, off = optimizer_step_s(config, cluster, calibration, params=params,
                                 framework=framework)
+    # meshplan's ZeRO-1 broadcasts the updated parameters inside its optimizer step
+    opt += zero1_broadcast_s(config, calibration, params=params, link=dp_link,
+                             framework=framework, gpu_key=cluster.gpu.key)
     if framework == "megatron" and config.float8:  # Transformer Engine's per-step weight casts
         opt += te_weight_cast_s(model, cluster, config, calibration, stage=stage)
     return comm, hidden, opt, off

@@ -145,7 +145,8 @@ def spec_from_graph(graph: LayerGraph, *, name: str, seq_len: int, micro_batch: 
         layers.append(TracedLayer(name=node, kind=kind, params=int(costs[0]),
                                   fwd_flop=float(costs[1]), bwd_flop=float(costs[2]),
                                   saved_bytes=float(costs[3]), output_bytes=float(costs[4]),
-                                  fwd_ops=float(costs[5]), bwd_ops=float(costs[6])))
+                                  fwd_ops=float(costs[5]), bwd_ops=float(costs[6]),
+                                  tensors=int(attrs.get("tensors", 0))))
     if not layers:
         raise ValueError(f"{name}: the trace found no layers (no submodule ran)")
     inner = [layer.output_bytes for layer in layers[:-1]] or [layers[-1].output_bytes]

@@ -54,6 +54,10 @@ class StageParams:
     head, and the word embedding itself when tied to the head on one stage)."""
     layers: int = 0
     """Transformer layers of the stage."""
+    tensors: int = 0
+    """Parameter tensors of the stage (a tied weight once): ZeRO-1 in meshplan's runtime
+    broadcasts each one on its own after the optimizer step (``timing.zero1_broadcast_s``).
+    0: not counted (a traced model's traced before meshplan counted them)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,9 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
         dense = float(sum(model.layer_params(i) for i in stage_layer_range(model, config, stage)))
         return StageParams(dense=dense, expert=0.0,
                            largest_layer=float(traced.largest_layer_params(model)),
-                           layers=len(stage_layer_range(model, config, stage)))
+                           layers=len(stage_layer_range(model, config, stage)),
+                           tensors=sum(model.traced[i].tensors
+                                       for i in stage_layer_range(model, config, stage)))
     layers = stage_layer_range(model, config, stage)
     key = (id(model), config.tp, config.ep, config.pp, stage == 0, stage == config.pp - 1,
            layers.start, layers.stop)
@@ -160,9 +166,47 @@ def _stage_params(model: ModelSpec, config: ParallelConfig, stage: int,
                 root += word
         largest = max(largest, word / t)
         head = model.head_params / t
+    tensors = plain * layer_param_tensors(model, moe=False) \
+        + moe * layer_param_tensors(model, moe=True) \
+        + root_param_tensors(model, first=stage == 0, last=stage == config.pp - 1)
     return StageParams(dense=dense / t, expert=expert / (t * config.ep), largest_layer=largest,
                        largest_block=block, head=head, root=root / t,
-                       root_grad_early=early / t, layers=len(layers))
+                       root_grad_early=early / t, layers=len(layers), tensors=tensors)
+
+
+def layer_param_tensors(model: ModelSpec, *, moe: bool) -> int:
+    """Parameter tensors of one decoder layer, as meshplan's runtime builds it
+    (``runtime/model.py``; the same count on every TP rank): the q, k, v and output
+    projections, the query and key norms (``qk_norm``), two norms (a LayerNorm's weight and
+    bias), the MLP's two or three (SwiGLU) projections, and biases where the model has them;
+    an MoE layer's router and each expert's MLP instead of the MLP."""
+    linears = 4 + (3 if model.activation == "swiglu" else 2)
+    biases = 0
+    if model.linear_bias:
+        biases = linears
+    elif model.qkv_bias:
+        biases = 3
+    norm = 2 if model.norm == "layernorm" else 1
+    qk_norms = 2 if model.qk_norm else 0
+    tensors = linears + biases + 2 * norm + qk_norms
+    if moe:
+        mlp = (3 if model.activation == "swiglu" else 2) * (2 if model.linear_bias else 1)
+        tensors += 1 + model.num_experts * mlp - mlp
+    return tensors
+
+
+def root_param_tensors(model: ModelSpec, *, first: bool, last: bool) -> int:
+    """Parameter tensors outside the decoder layers on a stage: the word embedding, learned
+    positions and embedding norm on the first, the final norm and LM head on the last (a head
+    tied to the embedding on the same stage is that tensor)."""
+    norm = 2 if model.norm == "layernorm" else 1
+    tensors = 0
+    if first:
+        tensors += 1 + int(model.position_embedding == "learned") \
+            + (norm if model.embedding_norm else 0)
+    if last:
+        tensors += norm + (0 if model.tied_embeddings and first else 1)
+    return tensors
 
 
 def persistent_layer_params(model: ModelSpec) -> int:

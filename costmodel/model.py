@@ -108,10 +108,13 @@ class TracedLayer:
     them."""
     bwd_ops: float = 0.0
     """ATen operators its backward dispatches."""
+    tensors: int = 0
+    """Parameter tensors the layer owns (a shared one counts once, in its first user); 0 in
+    traces made before meshplan counted them."""
 
     def __post_init__(self) -> None:
         for field in ("kind", "params", "fwd_flop", "bwd_flop", "saved_bytes", "output_bytes",
-                      "fwd_ops", "bwd_ops"):
+                      "fwd_ops", "bwd_ops", "tensors"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"traced layer {self.name!r}: {field} must be a number >= 0, "

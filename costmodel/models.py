@@ -44,7 +44,7 @@ GPT_FFN_MULTIPLIER = 4
 TRACED_LAYER_SCHEMA = schema_of(TracedLayer, limits={
     "kind": NON_NEGATIVE, "params": NON_NEGATIVE, "fwd_flop": NON_NEGATIVE,
     "bwd_flop": NON_NEGATIVE, "saved_bytes": NON_NEGATIVE, "output_bytes": NON_NEGATIVE,
-    "fwd_ops": NON_NEGATIVE, "bwd_ops": NON_NEGATIVE})
+    "fwd_ops": NON_NEGATIVE, "bwd_ops": NON_NEGATIVE, "tensors": NON_NEGATIVE})
 """One entry of a ModelSpec JSON's ``traced`` list: exactly the TracedLayer fields."""
 MODEL_SCHEMA = schema_of(
     ModelSpec, limits={**MODEL_LIMITS, "traced_dtype_bytes": Limit(choices=(1, 2, 4, 8)),

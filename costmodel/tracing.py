@@ -352,11 +352,12 @@ def _build_graph(model: nn.Module, layers: dict[str, nn.Module], containers: dic
     graph = nx.DiGraph()
     counted: set[int] = set()
     for index, name in enumerate(recorder.order):
-        params = 0
+        params = tensors = 0
         for p in layers[name].parameters():
             if id(p) not in counted:
                 counted.add(id(p))
                 params += p.numel()
+                tensors += 1
         key = f"{root}.{name}"
         fwd = _module_flop(fwd_counts, key)
         graph.add_node(name, order=index, params=params, fwd_flop=float(fwd),
@@ -365,7 +366,8 @@ def _build_graph(model: nn.Module, layers: dict[str, nn.Module], containers: dic
                        output_bytes=recorder.output_bytes.get(name, 0),
                        repeated=groups.get(name), module_type=type(layers[name]).__name__,
                        chained=recorder.chained.get(name, False),
-                       fwd_ops=ops.fwd.get(name, 0), bwd_ops=ops.bwd.get(name, 0))
+                       fwd_ops=ops.fwd.get(name, 0), bwd_ops=ops.bwd.get(name, 0),
+                       tensors=tensors)
         if index:
             graph.add_edge(recorder.order[index - 1], name, order=index - 1)
     total_fwd = _module_flop(fwd_counts, "Global")

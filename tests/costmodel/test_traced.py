@@ -84,6 +84,14 @@ def test_hybrid_has_the_real_layers_and_parameters(hybrid, real):
     assert [layer.name for layer in hybrid.traced] == [f"layers.{i}" for i in range(NUM_LAYERS)]
 
 
+def test_parameter_tensors_are_the_real_layers(hybrid, real):
+    """``TracedLayer.tensors`` (what meshplan's ZeRO-1 broadcasts one by one): each layer's
+    own parameter tensors in the real module."""
+    assert [layer.tensors for layer in hybrid.traced] == \
+        [len(list(layer.parameters())) for layer in real.layers]
+    assert all(layer.tensors for layer in hybrid.traced[:-1])
+
+
 def test_output_bytes_are_the_real_outputs_at_the_traced_dtype(hybrid, real):
     x = torch.zeros((1, SEQ_LEN), dtype=torch.long)
     with torch.no_grad():
