@@ -10,7 +10,7 @@ their step ratio is against the prediction times the processes per core (``times
 ``RunReport.timeshared_step_s``).
 Writes ``runtime-cpu-tiny-<date>.{md,json,png}`` under ``benchmarks/results/``.
 
-    python benchmarks/runtime_cpu.py [--steps 6] [--calibration FILE]
+    python benchmarks/runtime_cpu.py [--steps 12] [--calibration FILE]
 """
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def rows(steps: int, calibration_path: str | None) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6,
-                        help="steps per plan (default 6: two counted by the memory tracker, "
-                             "the median of the last four)")
+    parser.add_argument("--steps", type=int, default=12,
+                        help="steps per plan (default 12: two counted by the memory tracker, "
+                             "the median of the last ten)")
     parser.add_argument("--calibration", help="calibration JSON (default: built-in)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
