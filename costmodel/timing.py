@@ -900,6 +900,8 @@ def _layer_compute(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
     compute += sp_reorder_copies_s(model, cluster, config, calibration, recompute=mode,
                                    framework=framework)
     device = calibration.device(cluster.gpu.key)
+    compute += checkpoint_host_s(device.op_overhead_s, mode, framework=framework,
+                                 compiled=config.compile != "none")
     host_wait = 0.0
     if device.host_op_s and eager_kernels(framework):
         # the host issues the layer's kernels while the device runs earlier ones: the
@@ -915,6 +917,31 @@ def _held(cache: dict, key: tuple, owners: tuple):
     """The value ``_hold`` keeps under ``key`` (which holds the ids of ``owners``), or None."""
     hit = cache.get(key)
     return hit[1] if hit is not None and hit[0] == owners else None
+
+
+def checkpoint_host_s(op_overhead_s: float, mode: str, *, framework: str,
+                      compiled: bool) -> float:
+    """Host seconds the CPU device spends per layer and micro-batch in the selective-checkpoint
+    dispatch modes of an eager framework's per-op policy (``op``: torch runs Python for every
+    op of the forward and of its recomputation), beyond the operators it reruns.
+
+    The layer's plain operators are priced at ``op_overhead_s`` each
+    (``EAGER_OPS_PER_LAYER`` in the forward, ``BACKWARD_FACTOR`` times that in the backward,
+    and the recomputed forward's again: ``recompute.recompute_s``); ``HOST_OP_EQUIVALENTS``
+    gives the measured host work of ``op`` over ``none``'s on one CPU thread (4.57x,
+    ``benchmarks/host_ops.py``): what that leaves over the operators already priced is
+    charged here. On the CPU the host work is serial, so it adds; a GPU's host overlaps its
+    kernels instead (``DeviceCalibration.host_op_s``, ``_layer_compute``). Not charged for
+    ``full``: its measured 2.33x is mostly the recomputed operators, and the CPU's step
+    measurements disagree on the rest (the tiny model's one-process full-recompute step was
+    predicted 0.95x of its 2026-11-30 measurement, its dp 2 ZeRO-3 one 1.6-1.8x of today's,
+    where the plain plans ran 0.8x and 1.4x). 0 on GPUs (``op_overhead_s`` 0) and compiled."""
+    if not op_overhead_s or compiled or not eager_kernels(framework) or mode != "op":
+        return 0.0
+    plain = (1 + BACKWARD_FACTOR) * EAGER_OPS_PER_LAYER
+    measured = plain * HOST_OP_EQUIVALENTS["op"] / HOST_OP_EQUIVALENTS["none"]
+    priced = plain + EAGER_OPS_PER_LAYER  # the recomputed forward's operators
+    return max(0.0, measured - priced) * op_overhead_s
 
 
 def _hold(cache: dict, key: tuple, owners: tuple, value):
