@@ -159,5 +159,6 @@ def _stop_forkserver() -> None:
     if stop is not None:  # CPython's (3.8-3.14) way to stop the server and wait for it
         stop()
 
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -6,8 +6,8 @@ tracker counts the per-rank peaks in the run's first ``RunOptions.memory_steps``
 ``steps`` after them are timed without it (the median step is theirs). Refit on one plan: one
 factor ``f`` slows every compute and communication cost (``fitting.scaled_calibration``, found
 by ``fitting.refit_step_scale``). On several plans: ``fitting.refit_plans`` fits the compute
-factor, the cost per GEMM call and the cost per collective call by least squares over them. ``meshplan validate`` is this function
-plus printing; a notebook calls it directly::
+factor, the cost per GEMM call and the cost per collective call by least squares over them.
+``meshplan validate`` is this function plus printing; a notebook calls it directly::
 
     from meshplan.workflows.validate import validate
     result = validate(["plan.json"], steps=5)
