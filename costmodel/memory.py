@@ -107,14 +107,12 @@ def stage_params(model: ModelSpec, config: ParallelConfig, stage: int) -> StageP
     With tied embeddings and pp > 1 the last stage keeps its own copy of the word embedding for
     the LM head, as Megatron-LM does. Everything is split over tp; expert weights over tp * ep.
     """
-    if model.is_traced:  # every layer is in the graph; the largest is taken model-wide
-        dense = float(sum(model.layer_params(i) for i in stage_layer_range(model, config, stage)))
-        return StageParams(dense=dense, expert=0.0,
-                           largest_layer=float(traced.largest_layer_params(model)),
-                           layers=len(stage_layer_range(model, config, stage)),
-                           tensors=sum(model.traced[i].tensors
-                                       for i in stage_layer_range(model, config, stage)))
     layers = stage_layer_range(model, config, stage)
+    if model.is_traced:  # every layer is in the graph; the largest is taken model-wide
+        return StageParams(dense=float(sum(model.layer_params(i) for i in layers)), expert=0.0,
+                           largest_layer=float(traced.largest_layer_params(model)),
+                           layers=len(layers),
+                           tensors=sum(model.traced[i].tensors for i in layers))
     key = (id(model), config.tp, config.ep, config.pp, stage == 0, stage == config.pp - 1,
            layers.start, layers.stop)
     hit = _STAGE_PARAMS.get(key)

@@ -1449,16 +1449,15 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
     total_params = params.dense + params.expert
     if config.zero_stage == 0:
         comm = coll.all_reduce_s(link, total_params * grad_bytes, **effs)
-    elif ddp_zero1(framework, config):
-        # DDP's all-reduce of the full gradients, priced as the ring's reduce-scatter and
-        # all-gather of them (linear in the stage's parameters, as the planner's tables need;
-        # NCCL's tree would be quicker on small buckets); the parameters follow in the
-        # optimizer step (``zero1_broadcast_s``)
-        comm = (coll.reduce_scatter_s(link, total_params * grad_bytes, **effs)
-                + coll.all_gather_s(link, total_params * grad_bytes, **effs))
     elif config.zero_stage == 1:
+        # the reduce-scatter of the gradients, then the all-gather of the updated parameters;
+        # meshplan's DDP all-reduces the gradients instead (``ddp_zero1``), priced as the
+        # ring's reduce-scatter and all-gather of them (linear in the stage's parameters, as
+        # the planner's tables need; NCCL's tree would be quicker on small buckets), and its
+        # parameters follow in the optimizer step (``zero1_broadcast_s``)
+        gathered = grad_bytes if ddp_zero1(framework, config) else config.bytes_per_activation
         comm = (coll.reduce_scatter_s(link, total_params * grad_bytes, **effs)
-                + coll.all_gather_s(link, total_params * config.bytes_per_activation, **effs))
+                + coll.all_gather_s(link, total_params * gathered, **effs))
     elif config.zero_stage == 2:
         comm = coll.all_gather_s(link, total_params * config.bytes_per_activation, **effs)
     else:
