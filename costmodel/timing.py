@@ -380,6 +380,62 @@ def _tp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     return forward + again + backward
 
 
+RING_MERGE_BYTES = 10
+"""HBM bytes per element of a running fp32 accumulator that one ring-attention step merges
+another block's partial result into: read the accumulator (4), read the block's 16-bit result
+(2), write the accumulator (4). Forward: each step after the first rescales the output by its
+log-sum-exp and adds the block's output (torch's ``_templated_ring_attention`` with its
+``_SDPAMerger``; Transformer Engine's ``flash_attn_fwd_out_correction``; Liu et al. 2023, Ring
+Attention, arXiv:2310.01889). Backward: each step adds the block's query, key and value
+gradients into fp32 accumulators (``_templated_ring_attention_backward``)."""
+RING_ROTATE_BYTES = 8
+"""HBM bytes per element of the fp32 key and value gradients that a backward ring step copies
+into the buffer it sends on (read 4, write 4), beside the merge."""
+RING_CAST_BYTES = 6
+"""Per element, the cast of an fp32 accumulator back to 16 bits once the ring is done: read
+4, write 2 (the output after the forward; the three gradients after the backward)."""
+RING_BALANCED_SHARE = 0.75
+"""Share of a rank's queries (forward, and query gradients) or keys (key and value
+gradients) a merge touches per step under the causal ring's load balancing: each rank holds
+two half chunks, and each step after the first runs either every query against the first half
+of the received keys or the second half of the queries against all of them (torch's
+round-robin load balancer; Megatron-LM and Transformer Engine split the sequence alike), so
+averaged over the ring's ranks half the steps touch everything and half touch half."""
+
+
+def ring_attention_merge_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+                           calibration: Calibration, *, recompute: str, framework: str) -> float:
+    """Seconds per layer and micro-batch that ring context parallelism spends merging its
+    steps' partial results, beyond the attention FLOPs the layer already prices.
+
+    The ring runs ``cp - 1`` steps after the first per pass, each merging into fp32
+    accumulators (``RING_MERGE_BYTES``, over ``RING_BALANCED_SHARE`` of the rank's elements):
+    the forward the output (query width), the backward the query, key and value gradients,
+    whose key and value parts it also copies into the buffer it passes on
+    (``RING_ROTATE_BYTES``); each accumulator is cast back once (``RING_CAST_BYTES``). Full
+    recomputation runs the forward's merges again. The bytes scale with the rank's tokens times
+    ``cp - 1`` while the attention FLOPs scale with its tokens times the whole sequence, so the
+    merges are a few percent of a layer at 32K tokens per rank and above, and what makes a
+    ring of many short chunks slower than data parallelism (8K tokens over 8 ranks of an 8B
+    Llama: about 5 % of the step). Keys and values keep their own width
+    (``ModelSpec.kv_size``; torchtitan 0.2.2 calls SDPA with ``enable_gqa``). DeepSpeed's
+    context parallelism is Ulysses (all-to-alls around a full-sequence attention): none. Not
+    counted: the kernel launches of the steps, and the log-sum-exp's own traffic (one value
+    per token and head)."""
+    if config.cp == 1 or framework == "deepspeed" or not config.flash_attention:
+        return 0.0
+    tokens = act.tokens_per_microbatch(config)
+    q = tokens * model.q_size / config.tp
+    kv = tokens * model.kv_size / config.tp
+    steps = (config.cp - 1) * RING_BALANCED_SHARE
+    forward = steps * RING_MERGE_BYTES * q + RING_CAST_BYTES * q
+    backward = (steps * (RING_MERGE_BYTES * (q + 2 * kv) + RING_ROTATE_BYTES * 2 * kv)
+                + RING_CAST_BYTES * (q + 2 * kv))
+    passes = 2 if recompute == "full" else 1
+    bandwidth = cluster.gpu.hbm_bytes_per_s * calibration.device(cluster.gpu.key).memory_efficiency
+    return (passes * forward + backward) / bandwidth
+
+
 def sp_reorder_copies_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                         calibration: Calibration, *, recompute: str, framework: str) -> float:
     """Seconds of one layer's copies that DTensor's sequence parallelism adds on the compute
@@ -899,6 +955,8 @@ def _layer_compute(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
     # DTensor's sequence-parallel collectives re-lay the hidden state out on the compute stream
     compute += sp_reorder_copies_s(model, cluster, config, calibration, recompute=mode,
                                    framework=framework)
+    compute += ring_attention_merge_s(model, cluster, config, calibration, recompute=mode,
+                                      framework=framework)
     device = calibration.device(cluster.gpu.key)
     compute += checkpoint_host_s(device.op_overhead_s, mode, framework=framework,
                                  compiled=config.compile != "none")

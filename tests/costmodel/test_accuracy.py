@@ -20,9 +20,10 @@ KNOWN_SHORTFALLS = {
     "mosaicml-a100": (0.06, 0.30, 0.05),
     "mosaicml-h100": (0.06, 0.19, 0.05),
     # torchtitan's long-context table (8B, 32K-262K tokens, FSDP + CP, compiled, float8, full
-    # AC): CP 4 and 8 within 1.1 %, CP 1 and 2 predicted 16 % and 30 % slow, not monotonic in
-    # the CP degree (the CP 2 row is the fastest relative to the model); attention-bound steps
-    "torchtitan-cp": (0.13, 0.31, 0.12),
+    # AC): CP 4 and 8 within 2 %, CP 1 and 2 predicted 16 % and 31 % slow, not monotonic in
+    # the CP degree (the CP 2 row is the fastest relative to the model); attention-bound steps.
+    # The ring's fp32 merges (timing.ring_attention_merge_s) add about 1 % to the CP rows
+    "torchtitan-cp": (0.13, 0.32, 0.13),
     # torchtitan's 405B 3D table (async TP, PP 8, full AC stopping early): both rows 7-8 %
     # faster predicted than measured (6-7 % before SDPA's efficiency was fitted apart from
     # the MosaicML rows' Triton kernel). Both schedules' steps (1F1B 15 t, interleaved 11.5 t)
