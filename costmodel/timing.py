@@ -289,7 +289,8 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     causal = config.flash_attention  # fused kernels skip the masked half of the scores
     attention_flop = tokens * attention_flop_per_token(model, seq_len=config.seq_len,
                                                        causal=causal) / t
-    efficiency = (device.fused_attention_efficiency(eager_kernels(framework), config.seq_len,
+    efficiency = (device.fused_attention_efficiency(eager_kernels(framework),
+                                                    attention_keys_per_call(config, framework),
                                                     config.attention_kernel)
                   if config.flash_attention else device.attention_efficiency)
     core = _gemm_s(attention_flop, 2, peak=peak, efficiency=efficiency,
@@ -313,6 +314,19 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
     last = recompute.last_mm_fraction(model, moe=moe)
     return LayerForward(gemm_s=gemm, core_s=core, rest_s=elementwise + host_ops,
                         recomputed_mm_fraction=fraction, last_mm_fraction=last)
+
+
+def attention_keys_per_call(config: ParallelConfig, framework: str) -> float:
+    """The sequence length one fused-attention kernel call runs over, which sets its
+    efficiency where the device has a length curve (``DeviceCalibration.
+    eager_flash_attention_half_seq``): the whole sequence, but under ring context parallelism
+    one rank's chunk, ``s / cp``: each ring step calls the kernel on the rank's queries against
+    one chunk's keys (the first step causal over its own chunk; under load balancing half the
+    queries or half the keys, the work of a causal call over the chunk). DeepSpeed's Ulysses
+    attends over the whole sequence with a share of the heads."""
+    if config.cp > 1 and framework != "deepspeed":
+        return config.seq_len / config.cp
+    return config.seq_len
 
 
 def _memory_bound_gemm_s(model: ModelSpec, config: ParallelConfig, tokens: float, *,

@@ -83,3 +83,27 @@ def test_planner_ranks_rings_below_data_parallelism_at_short_sequences():
     assert rings, "no ring among the runners-up"
     assert all(step > 1.01 * best.step_s for _, step in rings)
     assert [step for _, step in sorted(rings)] == sorted(step for _, step in rings)
+
+
+def test_ring_calls_run_at_the_chunks_kernel_efficiency():
+    """On a device with a measured length curve (the H200's SDPA flash kernel, efficiency
+    a s / (s + h)), each ring step's kernel call covers one chunk, s / cp: the attention of
+    8K tokens over cp 8 runs at the 1K-token point of the curve, the same call shape Ulysses
+    (DeepSpeed) avoids."""
+    cluster = load_cluster("dgx-h200", nodes=1)
+    half = CAL.device("h200").eager_flash_attention_half_seq
+    assert half, "the H200's calibration lost its measured length curve"
+
+    def core_per_token(cp: int, framework: str = "torchtitan") -> float:
+        config = _config(seq_len=8192, cp=cp, dp=8 // cp, global_batch_size=8 // cp)
+        parts = timing.layer_forward(MODEL, cluster, config, CAL, moe=False, framework=framework)
+        fixed = 2 * CAL.device("h200").matmul_overhead_s  # the two score / value GEMM calls
+        return (parts.core_s - fixed) / (config.micro_batch_size * config.seq_len / cp)
+
+    curve = lambda s: s / (s + half)  # noqa: E731
+    # same attention FLOPs per token at every cp (8K keys a query, causal): the time per token
+    # follows the curve at the chunk's length
+    assert core_per_token(8) / core_per_token(1) == pytest.approx(curve(8192) / curve(1024),
+                                                                  rel=1e-6)
+    assert core_per_token(8, "deepspeed") == pytest.approx(core_per_token(1, "deepspeed"),
+                                                           rel=1e-6)
