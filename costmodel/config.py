@@ -31,6 +31,9 @@ the blocks and the loss."""
 ATTENTION_KERNELS = ("auto", "triton")
 """Fused attention kernels a configuration can name (``ParallelConfig.attention_kernel``): the
 framework's own, or the Triton flash-attention kernel llm-foundry's ``attn_impl: triton`` runs."""
+CP_COMM_TYPES = ("auto", "p2p", "all_gather", "a2a")
+"""How context parallelism exchanges keys and values (``ParallelConfig.cp_comm_type``), as
+Megatron-LM's ``--cp-comm-type`` names them; ``auto`` is the framework's own."""
 GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 """Dtypes a sharded data-parallel gradient reduction runs in
 (``ParallelConfig.grad_reduce_dtype``)."""
@@ -48,13 +51,14 @@ def default_dtype(device_key: str) -> str:
 def check_run_settings(*, compile_mode: str, float8: bool, float8_head: bool, async_tp: bool,
                        dtype: str, float8_recipe: str = "tensorwise",
                        grad_reduce_dtype: str = "fp32", attention_kernel: str = "auto",
-                       flash_attention: bool = True) -> None:
+                       flash_attention: bool = True, cp_comm_type: str = "auto") -> None:
     """Raise ValueError (one line) for run settings that cannot go together: an unknown
     torch.compile mode, float8 outside bf16, a float8 head without float8 blocks, async TP
     without torch.compile, a gradient reduction in a 16-bit dtype other than the compute one,
-    an unknown attention kernel or a fused one without flash attention (``ParallelConfig`` and
-    the planner's ``SearchSpace`` both check)."""
+    an unknown attention kernel or a fused one without flash attention, an unknown context-
+    parallel exchange (``ParallelConfig`` and the planner's ``SearchSpace`` both check)."""
     for name, value, choices in (("attention_kernel", attention_kernel, ATTENTION_KERNELS),
+                                 ("cp_comm_type", cp_comm_type, CP_COMM_TYPES),
                                  ("grad_reduce_dtype", grad_reduce_dtype, GRAD_REDUCE_DTYPES),
                                  ("compile", compile_mode, COMPILE_MODES),
                                  ("float8_recipe", float8_recipe, FLOAT8_RECIPES)):
@@ -196,6 +200,16 @@ class ParallelConfig:
     False: Megatron-LM as it ran before megatron-core (the 2021-2022 papers' runs), the
     reduction after the backward and blocking pipeline sends. Other frameworks overlap by
     their own rules and ignore it."""
+    cp_comm_type: str = "auto"
+    """How context parallelism (cp > 1) exchanges keys and values, as Megatron-LM's
+    ``--cp-comm-type`` names it: ``p2p``, a ring: each step attends the rank's queries to one
+    received chunk while the next one moves, and merges the partial results (torch's
+    context_parallel under torchtitan; Transformer Engine's default under Megatron-LM);
+    ``all_gather``, K and V all-gathered, then one attention per local query chunk over the
+    whole sequence, the gather exposed (Megatron-LM; Llama 3's context parallelism);
+    ``a2a``, all-to-alls from a sequence split to a head split and back around a
+    full-sequence attention (DeepSpeed-Ulysses; Megatron-LM); ``auto``, the framework's own:
+    ``a2a`` under DeepSpeed, ``p2p`` under the others."""
     micro_batch_size: int = 1
     """Sequences per micro-batch per data-parallel replica (b)."""
     global_batch_size: int = 1
@@ -264,7 +278,8 @@ class ParallelConfig:
                            dtype=self.dtype, float8_recipe=self.float8_recipe,
                            grad_reduce_dtype=self.grad_reduce_dtype,
                            attention_kernel=self.attention_kernel,
-                           flash_attention=self.flash_attention)
+                           flash_attention=self.flash_attention,
+                           cp_comm_type=self.cp_comm_type)
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: configurations key the planner's caches, which

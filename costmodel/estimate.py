@@ -108,6 +108,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, *,
                             tp_comm_overlap=config.tp_comm_overlap,
                             cross_entropy_fusion=config.cross_entropy_fusion,
                             attention_kernel=config.attention_kernel,
+                            cp_comm_type=config.cp_comm_type,
                             float8_recipe=config.float8_recipe,
                             grad_reduce_dtype=config.grad_reduce_dtype,
                             peak_flop_per_s=cluster.gpu.peak_flop_per_s, gpu_key=cluster.gpu.key)
@@ -307,7 +308,7 @@ def _why_not(memory: MemoryEstimate, cluster: ClusterSpec, config: ParallelConfi
 
 OPTIONAL_PLAN_KEYS = ("selective_ac", "recompute_early_stop", "compile", "float8",
                       "float8_recipe", "float8_head", "async_tp", "tp_comm_overlap",
-                      "cross_entropy_fusion", "attention_kernel", "overlap_comm",
+                      "cross_entropy_fusion", "attention_kernel", "overlap_comm", "cp_comm_type",
                       "grad_reduce_dtype")
 """Settings the ``plan`` object holds only when they differ from their default (torchtitan's
 selective policy, early-stopping recomputation, torch.compile, float8 training), so that the

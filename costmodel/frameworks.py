@@ -708,6 +708,28 @@ for the rest: ``eager.te_float8_cast_bytes``). MoE experts are priced in bf16 un
 (TE's grouped expert linears run float8 too: not modelled)."""
 
 
+CP_COMM_TYPES_BY_FRAMEWORK = {
+    "megatron": ("auto", "p2p", "all_gather", "a2a"),
+    "torchtitan": ("auto", "p2p"),
+    "deepspeed": ("auto", "a2a"),
+    "meshplan": ("auto", "p2p"),
+}
+"""The context-parallel exchanges (``ParallelConfig.cp_comm_type``) each framework runs:
+Megatron-LM all of its ``--cp-comm-type`` values (but the hierarchical ``a2a+p2p``);
+torchtitan torch's ring (``context_parallel``; its ``allgather`` and ``alltoall`` rotate
+methods move the chunks differently but still attend and merge chunk by chunk); DeepSpeed its
+Ulysses all-to-alls; meshplan's runtime no context parallelism (``layout``), ``p2p`` being
+what a plan for it names."""
+
+
+def cp_exchange(framework: str, cp_comm_type: str) -> str:
+    """The exchange a configuration's context parallelism runs: ``cp_comm_type``, or for
+    ``auto`` the framework's own (DeepSpeed: ``a2a``; the others: ``p2p``)."""
+    if cp_comm_type != "auto":
+        return cp_comm_type
+    return "a2a" if framework == "deepspeed" else "p2p"
+
+
 def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                             peak_flop_per_s: dict[str, float], gpu_key: str,
                             async_tp: bool = False, float8_head: bool = False,
@@ -715,15 +737,21 @@ def check_framework_options(framework: str, *, compile_mode: str, float8: bool,
                             cross_entropy_fusion: bool = False,
                             float8_recipe: str = "tensorwise",
                             grad_reduce_dtype: str = "fp32",
-                            attention_kernel: str = "auto") -> None:
+                            attention_kernel: str = "auto",
+                            cp_comm_type: str = "auto") -> None:
     """Raise ValueError (one line) when the plan asks for what the framework's model does not
     cover: torch.compile, async TP and a float8 LM head are modelled as torchtitan runs them,
     Transformer Engine's TP overlap as Megatron-LM runs it, a fused cross entropy as
     Megatron-LM runs it and as FSDP trainers' fused kernels run it (torchtitan),
     float8 training of the blocks as torchtitan and Megatron-LM run it
     (``FLOAT8_FRAMEWORKS``), the Triton attention kernel as the FSDP trainers that call it run
-    it (llm-foundry; torchtitan stands for them), and float8 needs float8 tensor cores (an
+    it (llm-foundry; torchtitan stands for them), each framework's own context-parallel
+    exchanges (``CP_COMM_TYPES_BY_FRAMEWORK``), and float8 needs float8 tensor cores (an
     ``fp8`` peak in the GPU catalog: H100 and later)."""
+    runs = CP_COMM_TYPES_BY_FRAMEWORK.get(framework, ("auto",))
+    if cp_comm_type not in runs:
+        raise ValueError(f"--cp-comm-type {cp_comm_type} is not an exchange --framework "
+                         f"{framework} runs (it runs: {', '.join(runs)})")
     asked = [flag for flag, on in (("--compile", compile_mode != "none"),
                                    ("--float8-head", float8_head), ("--async-tp", async_tp),
                                    (f"--attention-kernel {attention_kernel}",

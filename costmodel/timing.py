@@ -38,7 +38,7 @@ from meshplan.costmodel.calls import (DDP_BUCKET_BYTES, LOSS_REDUCTION_CALLS, bu
                                       gradient_bucketing, latency_steps, zero3_fetch_batches,
                                       zero3_gather_passes, zero_call_latency_s)
 from meshplan.costmodel.config import CPU_DEVICE_KEY, ParallelConfig
-from meshplan.costmodel.frameworks import DTENSOR_TP_FRAMEWORKS, eager_kernels
+from meshplan.costmodel.frameworks import DTENSOR_TP_FRAMEWORKS, cp_exchange, eager_kernels
 from meshplan.costmodel.layout import ep_group, order_strides, rank_of, strides
 from meshplan.costmodel.flops import attention_flop_per_token, lm_head_flop_per_token
 from meshplan.costmodel.hardware import ClusterSpec
@@ -322,9 +322,10 @@ def attention_keys_per_call(config: ParallelConfig, framework: str) -> float:
     eager_flash_attention_half_seq``): the whole sequence, but under ring context parallelism
     one rank's chunk, ``s / cp``: each ring step calls the kernel on the rank's queries against
     one chunk's keys (the first step causal over its own chunk; under load balancing half the
-    queries or half the keys, the work of a causal call over the chunk). DeepSpeed's Ulysses
-    attends over the whole sequence with a share of the heads."""
-    if config.cp > 1 and framework != "deepspeed":
+    queries or half the keys, the work of a causal call over the chunk). The all-gather
+    exchange attends each local query chunk to the gathered sequence, and the all-to-all one
+    (Ulysses) the whole sequence with a share of the heads (``ParallelConfig.cp_comm_type``)."""
+    if config.cp > 1 and cp_exchange(framework, config.cp_comm_type) == "p2p":
         return config.seq_len / config.cp
     return config.seq_len
 
@@ -432,11 +433,12 @@ def ring_attention_merge_s(model: ModelSpec, cluster: ClusterSpec, config: Paral
     Llama on 8 H100s (torchtitan) spends 1 % of its step on them at 256K tokens over cp 8,
     and 6 % at 8K over cp 8, which makes a ring of short chunks slower than data parallelism
     (without them the two tied). Keys and values keep their own width
-    (``ModelSpec.kv_size``; torchtitan 0.2.2 calls SDPA with ``enable_gqa``). DeepSpeed's
-    context parallelism is Ulysses (all-to-alls around a full-sequence attention): none. Not
+    (``ModelSpec.kv_size``; torchtitan 0.2.2 calls SDPA with ``enable_gqa``). The all-gather
+    and all-to-all exchanges run one attention over the whole sequence: none. Not
     counted: the kernel launches of the steps, and the log-sum-exp's own traffic (one value
-    per token and head)."""
-    if config.cp == 1 or framework == "deepspeed" or not config.flash_attention:
+    per token and head). Only the ring merges (``ParallelConfig.cp_comm_type`` ``p2p``)."""
+    if config.cp == 1 or cp_exchange(framework, config.cp_comm_type) != "p2p" \
+            or not config.flash_attention:
         return 0.0
     tokens = act.tokens_per_microbatch(config)
     q = tokens * model.q_size / config.tp
@@ -671,19 +673,25 @@ def _megatron_overlapped_tp_s(model: ModelSpec, config: ParallelConfig, link: co
 def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
                          calibration: Calibration, *, attention_fwd_s: float,
                          framework: str = "megatron", recompute: str = "none") -> float:
-    """Context parallelism's exposed traffic per layer: DeepSpeed's all-to-alls
-    (``ulysses_per_layer_s``), the others' ring exchange of K and V chunks (forward) and of
-    K, V, dK, dV (backward).
+    """Context parallelism's exposed traffic per layer, by its exchange
+    (``frameworks.cp_exchange``): all-to-alls (``ulysses_per_layer_s``: DeepSpeed's, or
+    Megatron-LM's ``a2a``), an all-gather of K and V (``cp_all_gather_per_layer_s``), or the
+    ring's exchange of K and V chunks (forward) and of K, V, dK, dV (backward).
 
     Each of the cp - 1 ring steps passes this rank's K and V chunk to its ring neighbour and
     overlaps with that step's attention block (Liu et al. 2023, Ring Attention).
     """
     if config.cp == 1:
         return 0.0
-    if framework == "deepspeed":
-        return ulysses_per_layer_s(model, config, link, calibration, recompute=recompute)
+    exchange = cp_exchange(framework, config.cp_comm_type)
+    if exchange == "a2a":
+        return ulysses_per_layer_s(model, config, link, calibration, recompute=recompute,
+                                   repeated_kv=framework == "deepspeed")
     chunk = (config.bytes_per_activation * act.tokens_per_microbatch(config) * 2 * model.kv_size
              / config.tp)
+    if exchange == "all_gather":
+        return cp_all_gather_per_layer_s(config, link, calibration, chunk_bytes=chunk,
+                                         recompute=recompute)
     bandwidth = coll.effective_bytes_per_s(link, intra_eff=calibration.nvlink_efficiency,
                                            inter_eff=calibration.network_efficiency)
     step = chunk / bandwidth + link.latency_s
@@ -701,7 +709,8 @@ runs the same four on the gradients."""
 
 
 def ulysses_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
-                        calibration: Calibration, *, recompute: str = "none") -> float:
+                        calibration: Calibration, *, recompute: str = "none",
+                        repeated_kv: bool = True) -> float:
     """Seconds per layer and micro-batch of DeepSpeed-Ulysses, the sequence parallelism that
     DeepSpeed runs for cp > 1 (``sequence_parallel_size``): ``ULYSSES_FORWARD_ALL_TO_ALLS``
     forward and as many backward, each over the cp group on a tensor of the rank's tokens
@@ -711,13 +720,38 @@ def ulysses_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gro
     for each (its overlap needs an ``sp_stream`` that Megatron-DeepSpeed does not pass), so
     all of it is exposed. Selective recomputation recomputes no attention under Ulysses
     (Megatron-DeepSpeed checkpoints the core attention only without it), so only full adds
-    traffic."""
-    size = (config.bytes_per_activation * act.tokens_per_microbatch(config) * model.q_size
-            / config.tp)
-    one = coll.all_to_all_s(link, size, intra_eff=calibration.nvlink_efficiency,
-                            inter_eff=calibration.network_efficiency)
+    traffic. Megatron-LM's ``--cp-comm-type a2a`` (Transformer Engine) moves k and v at their
+    own width (``repeated_kv`` False: grouped-query k and v are not repeated first)."""
+    per_width = config.bytes_per_activation * act.tokens_per_microbatch(config) / config.tp
+
+    def one(width: float) -> float:
+        return coll.all_to_all_s(link, per_width * width, intra_eff=calibration.nvlink_efficiency,
+                                 inter_eff=calibration.network_efficiency)
+
+    kv = model.q_size if repeated_kv else model.kv_size
     passes = 3 if recompute == "full" else 2
-    return passes * ULYSSES_FORWARD_ALL_TO_ALLS * one
+    # q and the attention output at the query width, k and v at theirs
+    return passes * (2 * one(model.q_size)
+                     + (ULYSSES_FORWARD_ALL_TO_ALLS - 2) * one(kv))
+
+
+def cp_all_gather_per_layer_s(config: ParallelConfig, link: coll.GroupLink,
+                              calibration: Calibration, *, chunk_bytes: float,
+                              recompute: str = "none") -> float:
+    """Seconds per layer and micro-batch of the all-gather exchange (``cp_comm_type``
+    ``all_gather``: Megatron-LM's ``--cp-comm-type all_gather``; the context parallelism of
+    Llama 3, Dubey et al. 2024, Sec. 3.3.2): the forward all-gathers every rank's K and V
+    chunk (``chunk_bytes`` a rank) before its attention, the backward gathers them again and
+    reduce-scatters their gradients, and full recomputation gathers once more. The gather
+    precedes the attention that reads it, so the traffic is exposed (the paper's own account:
+    small under grouped-query attention, whose K and V are a fraction of Q)."""
+    effs = dict(intra_eff=calibration.nvlink_efficiency,
+                inter_eff=calibration.network_efficiency)
+    gathered = config.cp * chunk_bytes
+    gather = coll.all_gather_s(link, gathered, **effs)
+    scatter = coll.reduce_scatter_s(link, gathered, **effs)
+    gathers = 3 if recompute == "full" else 2
+    return gathers * gather + scatter
 
 
 def _ep_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink,
@@ -931,7 +965,7 @@ class _StageCosts:
 
 
 LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop", "float8_recipe",
-                        "attention_kernel")
+                        "attention_kernel", "cp_comm_type")
 """The ``ParallelConfig`` fields one layer's compute (``_layer_compute``) depends on: its
 activations' (``memory.LAYER_FIELDS``), the expert split of its weight gradients, whether
 full recomputation stops early and which fused attention kernel runs

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 from meshplan.costmodel import ModelSpec, ParallelConfig
 from meshplan.costmodel.config import CPU_DEVICE_KEY, MESH_AXES, RECOMPUTE_MODES
+from meshplan.costmodel.frameworks import cp_exchange
 from meshplan.costmodel.layout import (FRAMEWORK_MESH_ORDERS, deepspeed_partition_method,
                                        framework_layout_error)
 from meshplan.planner.plan import Plan
@@ -310,6 +311,8 @@ def _megatron_parallel(plan: Plan) -> list[str]:
     args = ["--tensor-model-parallel-size", str(config.tp),
             "--pipeline-model-parallel-size", str(config.pp),
             "--context-parallel-size", str(config.cp)]
+    if config.cp > 1:  # the exchange the plan was priced with (frameworks.cp_exchange)
+        args += ["--cp-comm-type", cp_exchange("megatron", config.cp_comm_type)]
     if plan.model.is_moe:
         args += ["--expert-model-parallel-size", str(config.ep)]
     if config.sp and config.tp > 1:  # Megatron turns sequence parallelism off at tp 1

@@ -143,7 +143,8 @@ def _header(est: Estimate) -> str:
 
 def settings_text(cfg: ParallelConfig) -> str:
     """torch.compile, float8 training, async TP, Megatron-LM's TP overlap, fused cross
-    entropy and an attention kernel other than the framework's where the plan sets them, as
+    entropy, an attention kernel other than the framework's and a context-parallel exchange
+    other than its own where the plan sets them, as
     ``, ...`` parts."""
     float8 = "float8 linears and LM head" if cfg.float8_head else "float8 linears"
     parts = [f"torch.compile {cfg.compile}" if cfg.compile != "none" else "",
@@ -151,7 +152,9 @@ def settings_text(cfg: ParallelConfig) -> str:
              "async TP" if cfg.async_tp and cfg.tp > 1 and cfg.sp else "",
              "TP overlap" if cfg.tp_comm_overlap and cfg.tp > 1 and cfg.sp else "",
              "fused cross entropy" if cfg.cross_entropy_fusion else "",
-             f"{cfg.attention_kernel} attention" if cfg.attention_kernel != "auto" else ""]
+             f"{cfg.attention_kernel} attention" if cfg.attention_kernel != "auto" else "",
+             f"cp exchange {cfg.cp_comm_type}" if cfg.cp_comm_type != "auto" and cfg.cp > 1
+             else ""]
     return "".join(f", {part}" for part in parts if part)
 
 

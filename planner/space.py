@@ -131,6 +131,10 @@ class SearchSpace:
     overlap_comm: bool = True
     """Megatron-LM's data-parallel and pipeline overlap (``ParallelConfig.overlap_comm``; a
     setting, on unless --no-overlap-comm)."""
+    cp_comm_type: str = "auto"
+    """How context parallelism exchanges keys and values wherever a configuration has cp > 1
+    (``ParallelConfig.cp_comm_type``; a setting, not searched: the framework's own unless
+    pinned)."""
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -149,7 +153,8 @@ class SearchSpace:
                            dtype=self.dtype, float8_recipe=self.float8_recipe,
                            grad_reduce_dtype=self.grad_reduce_dtype,
                            attention_kernel=self.attention_kernel,
-                           flash_attention=self.flash_attention)
+                           flash_attention=self.flash_attention,
+                           cp_comm_type=self.cp_comm_type)
 
 
 PIN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
@@ -172,7 +177,7 @@ def pins_of(space: SearchSpace) -> dict:
 
 SETTING_FIELDS = ("selective_ac", "recompute_early_stop", "compile", "float8", "float8_recipe",
                   "float8_head", "async_tp", "tp_comm_overlap", "cross_entropy_fusion",
-                  "attention_kernel", "overlap_comm", "grad_reduce_dtype")
+                  "attention_kernel", "overlap_comm", "grad_reduce_dtype", "cp_comm_type")
 """Run settings every configuration of the space carries (recorded when not the default);
 each is a ``ParallelConfig`` field of the same name."""
 

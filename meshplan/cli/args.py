@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshplan.costmodel.config import (ATTENTION_KERNELS, COMPILE_MODES, DTYPES,
+from meshplan.costmodel.config import (ATTENTION_KERNELS, COMPILE_MODES, CP_COMM_TYPES, DTYPES,
                                        FLOAT8_RECIPES, FRAMEWORKS,
                                        GRAD_REDUCE_DTYPES, MESH_AXES, OFFLOAD_DEVICES,
                                        OFFLOAD_MODES, RECOMPUTE_MODES, ParallelConfig)
@@ -171,6 +171,7 @@ CONFIG_FLAGS: dict[str, FlagSpec] = {
     "float8_recipe": FlagSpec(choices=FLOAT8_RECIPES),
     "grad_reduce_dtype": FlagSpec(choices=GRAD_REDUCE_DTYPES),
     "attention_kernel": FlagSpec(choices=ATTENTION_KERNELS),
+    "cp_comm_type": FlagSpec(choices=CP_COMM_TYPES),
     "micro_batch_size": FlagSpec(flag="--micro-batch", metavar="B"),
     "global_batch_size": FlagSpec(flag="--global-batch", metavar="G", required=True),
     "vpp": FlagSpec(metavar="V"),

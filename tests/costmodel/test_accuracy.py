@@ -36,6 +36,10 @@ KNOWN_SHORTFALLS = {
     # and the loss compiled, 25 % faster measured) 13-16 % slow: the model gives that change
     # 11 %
     "olmo-core-h100": (0.09, 0.16, 0.07),
+    # Llama 3 405B: the 8K rows within 1.3 %; the 131K-token CP 16 row, its all-gather
+    # exchange exposed as the paper describes it, +15.9 % with the recomputation the tuner
+    # must pick (none is unpublished and puts the row 2.6 % over the GPU, -11.8 %)
+    "llama3": (0.06, 0.16, 0.06),
 }
 KNOWN_OUTLIERS = {
     # runs at the edge of device memory (predicted reserved peak 89-97 % of the GPU): the
@@ -54,6 +58,8 @@ KNOWN_OUTLIERS = {
     "torchtitan-llama3.1-8b-fsdp8-cp1-s32768-h100", "torchtitan-llama3.1-8b-fsdp4-cp2-s65536-h100",
     # OLMo-core's 1B at micro-batch 8 with the loss compiled: see KNOWN_SHORTFALLS
     "olmo-core-1b-bf16-g8-mb8",
+    # Llama 3's 131K-token row: see KNOWN_SHORTFALLS
+    "llama3-405b-16k-gpus-cp16",
 }
 """Runs allowed beyond the 15 % bound (every other run must stay within it)."""
 

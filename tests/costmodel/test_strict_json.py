@@ -391,7 +391,7 @@ PLAN_CASES = {
                     "recompute_early_stop, compile, float8, float8_recipe, grad_reduce_dtype, "
                     "float8_head, async_tp, "
                     "tp_comm_overlap, attention_kernel, cross_entropy_fusion, overlap_comm, "
-                    "micro_batch_size, "
+                    "cp_comm_type, micro_batch_size, "
                     "global_batch_size, vpp, seq_len, layers_per_stage, mesh_order, "
                     "flash_attention, dtype, grad_accum_steps, schema_version, framework, model, "
                     "cluster, predicted, provenance"),

@@ -25,7 +25,7 @@ FLAGS = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp", "ep": "--ep", "
          "grad_reduce_dtype": "--grad-reduce-dtype", "float8_head": "--float8-head",
          "async_tp": "--async-tp",
          "tp_comm_overlap": "--tp-comm-overlap", "cross_entropy_fusion": "--cross-entropy-fusion",
-         "attention_kernel": "--attention-kernel",
+         "attention_kernel": "--attention-kernel", "cp_comm_type": "--cp-comm-type",
          "overlap_comm": "--no-overlap-comm",
          "micro_batch_size": "--micro-batch",
          "global_batch_size": "--global-batch", "vpp": "--vpp", "seq_len": "--seq-len",

@@ -260,6 +260,20 @@ def test_megatron_fused_cross_entropy_is_written_when_the_plan_prices_it(megatro
     assert "--cross-entropy-loss-fusion" not in quietly(export.to_megatron, plain)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # megatron-core's "TE not installed"
+@pytest.mark.parametrize("exchange,written", [("auto", "p2p"), ("all_gather", "all_gather"),
+                                              ("a2a", "a2a")])
+def test_megatron_context_parallel_exchange_follows_the_plan(megatron, exchange, written):
+    plan = for_target(make_plan(**{**PLAN_3D, "dp": 1, "cp": 2}, cp_comm_type=exchange,
+                                framework="megatron"), "megatron")
+    args = quietly(export.to_megatron, plan)
+    assert flag_values(args)["--cp-comm-type"] == written
+    assert megatron(args, world_size=8)["transformer"].cp_comm_type == written
+    # without context parallelism the flag is left to Megatron-LM's default
+    plain = for_target(make_plan(**PLAN_3D, framework="megatron"), "megatron")
+    assert "--cp-comm-type" not in quietly(export.to_megatron, plain)
+
+
 def test_megatron_zero3_cpu_optimizer_offload():
     plan = for_target(make_plan(**PLAN_ZERO3_OPTIMIZER_OFFLOAD), "megatron")
     args = quietly(export.to_megatron, plan)
@@ -768,6 +782,8 @@ def parse_megatron_args(args: list[str]) -> argparse.Namespace:
                         choices=("tensorwise", "delayed", "mxfp8", "blockwise"))
     parser.add_argument("--moe-layer-freq", type=lambda text: eval(text, {"__builtins__": {}}))
     parser.add_argument("--pipeline-model-parallel-layout", type=str)
+    # _add_distributed_args: one exchange for every layer, or one per layer
+    parser.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
     namespace, unknown = parser.parse_known_args(args)
     assert unknown == [], f"arguments Megatron-LM does not declare: {unknown}"
     return namespace
@@ -796,6 +812,7 @@ def build_megatron_configs(args: list[str], *, world_size: int) -> dict[str, obj
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=a.context_parallel_size,
+        cp_comm_type=a.cp_comm_type[0] if len(a.cp_comm_type) == 1 else a.cp_comm_type,
         expert_model_parallel_size=a.expert_model_parallel_size or 1,
         sequence_parallel=a.sequence_parallel, tp_comm_overlap=a.tp_comm_overlap,
         cross_entropy_loss_fusion=a.cross_entropy_loss_fusion,
