@@ -254,6 +254,13 @@ def framework_layout_error(framework: str, config: ParallelConfig,
         return (f"{name} cannot offload to NVMe (offload {offload!r}, device nvme); use "
                 f"offload device cpu, or export to deepspeed (ZeRO-Infinity)")
     if framework == "megatron":
+        if config.cp > 1 and config.cp_comm_type == "a2a":
+            heads, groups = model.num_heads // config.tp, max(1, model.kv_heads // config.tp)
+            if heads % config.cp or groups % config.cp:
+                return (f"Megatron-LM's all-to-all context parallelism (--cp-comm-type a2a) "
+                        f"splits the attention heads: cp {config.cp} must divide the {heads} "
+                        f"query and {groups} key/value heads of each of the {config.tp} "
+                        f"tensor-parallel ranks; use a cp that does, or --cp-comm-type p2p")
         if config.cp > 1 and config.seq_len % (2 * config.cp):
             return (f"Megatron-LM's context parallelism splits each sequence into 2 x cp chunks "
                     f"(load-balanced causal attention): seq_len {config.seq_len} must be a "

@@ -105,3 +105,15 @@ def test_llama_3s_long_context_row_runs_its_all_gather():
     rows = {run.id: run.config.cp_comm_type for run in reference_runs() if run.config.cp > 1}
     assert rows.pop("llama3-405b-16k-gpus-cp16") == "all_gather"
     assert rows and set(rows.values()) == {"auto"}
+
+
+def test_megatrons_all_to_alls_need_heads_the_ring_divides():
+    """Transformer Engine's a2a splits the query and the key / value heads of a TP rank over
+    the cp ranks: Llama 3 8B at tp 2 has 16 and 4 of them, so cp 8 cannot run a2a (the ring
+    can); the planner keeps only what the framework runs, and the export refuses it."""
+    from meshplan.costmodel.layout import framework_layout_error
+    config = _config(cp=8, dp=1, global_batch_size=8)
+    assert framework_layout_error("megatron", config.replace(cp_comm_type="p2p"), MODEL) is None
+    refusal = framework_layout_error("megatron", config.replace(cp_comm_type="a2a"), MODEL)
+    assert "must divide the 16 query and 4 key/value heads" in refusal
+    assert framework_layout_error("megatron", _config(cp=4, cp_comm_type="a2a"), MODEL) is None
