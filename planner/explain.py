@@ -19,7 +19,9 @@ from typing import Any
 
 from meshplan.costmodel import Calibration, ParallelConfig, estimate
 from meshplan.costmodel.estimate import Estimate
-from meshplan.costmodel.frameworks import FLOAT8_FRAMEWORKS
+from meshplan.costmodel.frameworks import (CP_COMM_TYPES_BY_FRAMEWORK, FLOAT8_FRAMEWORKS,
+                                           cp_exchange)
+from meshplan.costmodel.layout import framework_layout_error
 from meshplan.planner.elasticity import Elasticity, FailureModel, IntervalCost, failure_cost
 from meshplan.planner.plan import Plan
 from meshplan.planner.report import settings_text
@@ -259,9 +261,11 @@ def setting_changes(plan: Plan, est: Estimate,
     and the loss, float8 linears (bf16 plans on GPUs with float8 tensor cores) and, with
     them, a float8 LM head (an untied one), and async TP (compiled plans with
     sequence-parallel TP); under Megatron-LM, float8 linears and TP overlap (Transformer
-    Engine; plans with sequence-parallel TP) and the fused cross entropy.
+    Engine; plans with sequence-parallel TP), the fused cross entropy, and the context-parallel
+    exchanges other than the plan's that its layout runs (plans with cp > 1).
     Settings, not searched, because they are the user's call: compilation time, float8's
-    numerics and async TP's symmetric memory."""
+    numerics and async TP's symmetric memory (and the exchange, a Megatron-LM flag the plan
+    names)."""
     if plan.framework not in FLOAT8_FRAMEWORKS:
         return []
     config = plan.config
@@ -283,6 +287,13 @@ def setting_changes(plan: Plan, est: Estimate,
         changes.append(("--tp-comm-overlap", config.replace(tp_comm_overlap=True)))
     if plan.framework == "megatron" and not config.cross_entropy_fusion:
         changes.append(("--cross-entropy-fusion", config.replace(cross_entropy_fusion=True)))
+    if config.cp > 1:
+        own = cp_exchange(plan.framework, config.cp_comm_type)
+        for exchange in CP_COMM_TYPES_BY_FRAMEWORK[plan.framework]:
+            changed = config.replace(cp_comm_type=exchange)
+            if exchange not in ("auto", own) \
+                    and framework_layout_error(plan.framework, changed, plan.model) is None:
+                changes.append((f"--cp-comm-type {exchange}", changed))
     return [SamePlanChange(change=name, base=est,
                            estimate=estimate(plan.model, plan.cluster, changed,
                                              framework=plan.framework,
