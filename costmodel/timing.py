@@ -968,7 +968,8 @@ LAYER_COMPUTE_FIELDS = (*LAYER_FIELDS, "ep", "recompute_early_stop", "float8_rec
                         "attention_kernel", "cp_comm_type")
 """The ``ParallelConfig`` fields one layer's compute (``_layer_compute``) depends on: its
 activations' (``memory.LAYER_FIELDS``), the expert split of its weight gradients, whether
-full recomputation stops early and which fused attention kernel runs
+full recomputation stops early, which fused attention kernel runs and how context parallelism
+exchanges keys and values (a ring merges, and calls the kernel on one chunk)
 (tests/costmodel/test_stage_costs_cache.py checks that no other field changes it)."""
 _layer_compute_fields = operator.itemgetter(*LAYER_COMPUTE_FIELDS)
 _LAYER_COMPUTE: dict[tuple, tuple[tuple, tuple[float, float, float]]] = {}
