@@ -172,10 +172,11 @@ def to_deepspeed(plan: Plan) -> dict[str, Any]:
         data["tensor_parallel"] = {"autotp_size": config.tp}
     if config.cp > 1:
         data["sequence_parallel_size"] = config.cp
-        if plan.framework != "deepspeed":
+        exchange = cp_exchange(plan.framework, config.cp_comm_type)
+        if exchange != "a2a":
             _warn(f"DeepSpeed splits the sequence with Ulysses all-to-all (sequence_parallel_"
-                  f"size {config.cp}), not the ring exchange the plan's cp {config.cp} was "
-                  f"timed with under framework {plan.framework!r}")
+                  f"size {config.cp}), not the {exchange} exchange the plan's cp {config.cp} "
+                  f"was timed with under framework {plan.framework!r}")
     if config.ep > 1:
         _warn(f"DeepSpeed takes the expert-parallel degree in the model code, not the config: "
               f"build the MoE layers with deepspeed.moe.layer.MoE(..., ep_size={config.ep})")
@@ -674,6 +675,11 @@ def torchtitan_sections(plan: Plan) -> dict[str, dict[str, Any]]:
                          "capability 8.9 or later (its Float8LinearConverter; on other devices "
                          "only emulated, without compile); the plan is for the CPU: plan "
                          "without --float8")
+    exchange = cp_exchange(plan.framework, config.cp_comm_type)
+    if config.cp > 1 and exchange != "p2p":
+        raise ValueError(f"torchtitan's context parallelism is torch's ring (context_parallel, "
+                         f"p2p); the plan was priced with the {exchange} exchange: plan with "
+                         f"--cp-comm-type p2p, or export to megatron")
     if config.grad_reduce_dtype != "fp32":
         raise ValueError(f"torchtitan 0.2.2 reduces gradients in float32 only "
                          f"(training.mixed_precision_reduce); the plan reduces in "

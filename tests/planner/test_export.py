@@ -465,6 +465,23 @@ def test_torchtitan_rejects_fp16_and_nvme():
         export.to_torchtitan(for_target(plan, "torchtitan"))
 
 
+def test_exports_refuse_or_warn_about_an_exchange_they_do_not_run():
+    """torchtitan's context parallelism is torch's ring: a plan priced with another exchange
+    is refused; DeepSpeed's is Ulysses: a plan priced with another one exports with a
+    warning (its sequence_parallel_size), one priced with the all-to-alls without."""
+    cp = {**PLAN_2D_ZERO3, "tp": 1, "sp": False, "dp": 2, "cp": 4}
+    gathered = make_plan(**cp, cp_comm_type="all_gather", framework="megatron")
+    with pytest.raises(ValueError, match="priced with the all_gather exchange"):
+        export.to_torchtitan(for_target(gathered, "torchtitan"))
+    quietly(export.to_torchtitan, for_target(make_plan(**cp, framework="torchtitan"),
+                                             "torchtitan"))
+    with pytest.warns(ExportWarning, match="not the all_gather exchange"):
+        export.to_deepspeed(for_target(gathered, "deepspeed"))
+    a2a = make_plan(**cp, cp_comm_type="a2a", framework="megatron")
+    assert quietly(export.to_deepspeed, for_target(a2a, "deepspeed"))[
+        "sequence_parallel_size"] == 4
+
+
 def test_torchtitan_toml_strings_are_escaped():
     plan = for_target(make_plan(dp=8, global_batch_size=64), "torchtitan")
     name = 'my "llama" \\ v2 \u00e9'
