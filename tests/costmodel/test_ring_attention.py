@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshplan.costmodel import (ParallelConfig, default_calibration, estimate, load_cluster,
-                                load_model)
+from meshplan.costmodel import ParallelConfig, default_calibration, load_cluster, load_model
 from meshplan.costmodel import timing
 from meshplan.planner.search import search
 from meshplan.planner.space import SearchSpace
