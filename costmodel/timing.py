@@ -243,6 +243,18 @@ def fresh_pages_s(cluster: ClusterSpec, calibration: Calibration, nbytes: float)
     return nbytes / rate if rate else 0.0
 
 
+def link_effs(calibration: Calibration) -> dict[str, float]:
+    """The calibrated link efficiencies the collectives' functions take (in-node NVLink,
+    network) as keyword arguments."""
+    return dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+
+
+def hbm_bytes_per_s(cluster: ClusterSpec, calibration: Calibration) -> float:
+    """The HBM bandwidth memory-bound kernels reach on the cluster's GPU: its peak times the
+    device's calibrated ``memory_efficiency``."""
+    return cluster.gpu.hbm_bytes_per_s * calibration.device(cluster.gpu.key).memory_efficiency
+
+
 def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                   calibration: Calibration, *, moe: bool,
                   framework: str = "megatron") -> LayerForward:
@@ -448,7 +460,7 @@ def ring_attention_merge_s(model: ModelSpec, cluster: ClusterSpec, config: Paral
     backward = (steps * (RING_MERGE_BYTES * (q + 2 * kv) + RING_ROTATE_BYTES * 2 * kv)
                 + RING_CAST_BYTES * (q + 2 * kv))
     passes = 2 if recompute == "full" else 1
-    bandwidth = cluster.gpu.hbm_bytes_per_s * calibration.device(cluster.gpu.key).memory_efficiency
+    bandwidth = hbm_bytes_per_s(cluster, calibration)
     return (passes * forward + backward) / bandwidth
 
 
@@ -524,7 +536,7 @@ def _sp_collectives_s(model: ModelSpec, config: ParallelConfig, link: coll.Group
     gathered, size = _sp_state_bytes(model, config)
     if not float8_gathers:
         gathered = size
-    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    effs = link_effs(calibration)
     return coll.all_gather_s(link, gathered, **effs), coll.reduce_scatter_s(link, size, **effs)
 
 
@@ -617,7 +629,7 @@ def tp_comm_parts_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLi
     if config.tp == 1 or link is None:
         return 0.0, 0.0
     size = act.hidden_state_bytes(model, config)
-    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    effs = link_effs(calibration)
     if framework == "megatron" and config.tp_comm_overlap and config.sp:
         return _megatron_overlapped_tp_s(model, config, link, calibration, gemm_s=gemm_s)
     if framework not in DTENSOR_TP_FRAMEWORKS:
@@ -725,8 +737,7 @@ def ulysses_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gro
     per_width = config.bytes_per_activation * act.tokens_per_microbatch(config) / config.tp
 
     def one(width: float) -> float:
-        return coll.all_to_all_s(link, per_width * width, intra_eff=calibration.nvlink_efficiency,
-                                 inter_eff=calibration.network_efficiency)
+        return coll.all_to_all_s(link, per_width * width, **link_effs(calibration))
 
     kv = model.q_size if repeated_kv else model.kv_size
     passes = 3 if recompute == "full" else 2
@@ -745,8 +756,7 @@ def cp_all_gather_per_layer_s(config: ParallelConfig, link: coll.GroupLink,
     reduce-scatters their gradients, and full recomputation gathers once more. The gather
     precedes the attention that reads it, so the traffic is exposed (the paper's own account:
     small under grouped-query attention, whose K and V are a fraction of Q)."""
-    effs = dict(intra_eff=calibration.nvlink_efficiency,
-                inter_eff=calibration.network_efficiency)
+    effs = link_effs(calibration)
     gathered = config.cp * chunk_bytes
     gather = coll.all_gather_s(link, gathered, **effs)
     scatter = coll.reduce_scatter_s(link, gathered, **effs)
@@ -1331,7 +1341,7 @@ def _zero_per_microbatch_s(config: ParallelConfig, calibration: Calibration, *,
     if (config.zero_stage < 2 or link.size == 1
             or fsdp2_syncs_once_per_step(framework, config)):
         return 0.0
-    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    effs = link_effs(calibration)
     total = params.dense + params.expert
     comm = _bandwidth_s("reduce_scatter", link,
                         total * grad_comm_bytes(framework, config.dtype,
@@ -1384,7 +1394,7 @@ def deepspeed_zero3_traffic(model: ModelSpec, config: ParallelConfig, calibratio
     own path, ``e * bytes / zero3_path_bytes_per_s + k n zero3_path_rank_s``
     (``Calibration``). Every term is linear in the stage's layers (layers alike), as the
     planner's tables need."""
-    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    effs = link_effs(calibration)
     rate = calibration.zero3_path_bytes_per_s.get("deepspeed")
     rank_s = calibration.zero3_path_rank_s.get("deepspeed", 0.0)
 
@@ -1548,7 +1558,7 @@ def dp_step_s(config: ParallelConfig, calibration: Calibration, *, params: Stage
     """
     if link.size == 1:
         return 0.0, 0.0
-    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    effs = link_effs(calibration)
     if fsdp2_syncs_once_per_step(framework, config):
         return _pipelined_fsdp2_step_s(config, calibration, params=params, link=link,
                                        framework=framework, gpu_key=gpu_key, effs=effs)
@@ -1615,7 +1625,7 @@ def zero1_broadcast_s(config: ParallelConfig, calibration: Calibration, *,
     0.25 ms each, where one all-reduce of the same 0.87 MB took 3.2 ms."""
     if not ddp_zero1(framework, config) or link.size == 1:
         return 0.0
-    effs = dict(intra_eff=calibration.nvlink_efficiency, inter_eff=calibration.network_efficiency)
+    effs = link_effs(calibration)
     calls = max(1, params.tensors)
     bytes_s = coll.all_gather_s(link, (params.dense + params.expert) * ZERO1_PARAM_BYTES,
                                 **effs)
@@ -1663,7 +1673,7 @@ def fsdp2_accumulate_s(config: ParallelConfig, cluster: ClusterSpec, calibration
         return 0.0
     m = config.grad_accum_steps
     per_param = (FSDP2_FIRST_ACCUMULATE_BYTES + (m - 1) * FSDP2_ACCUMULATE_BYTES) / m
-    bandwidth = cluster.gpu.hbm_bytes_per_s * calibration.device(cluster.gpu.key).memory_efficiency
+    bandwidth = hbm_bytes_per_s(cluster, calibration)
     return per_param * (params.dense + params.expert) / bandwidth
 
 
