@@ -37,7 +37,8 @@ a recompute mode outside it, or the planner finds no plan where brute force foun
 these exits 1 and prints VIOLATION.
 
 Why it is independent: the brute force uses only ``costmodel.estimate`` (the authoritative
-numbers) and ``space.candidates`` (what the space is); none of the planner's search, bounds,
+numbers) and ``space.candidates`` (what the space is: of each space ``search.exchange_spaces``
+names, one per context-parallel exchange the framework runs); none of the planner's search, bounds,
 pruning, integer tables, CP-SAT model or greedy splits. What it cannot see: a configuration
 that ``candidates`` itself leaves out, and splits/mixes it does not try (where the planner may
 be faster; ratios above 1 are expected for pipelined plans, since the planner optimises the
@@ -74,7 +75,8 @@ from meshplan.costmodel import (ClusterSpec, ModelSpec, ParallelConfig, default_
                                 estimate, load_cluster, load_model)
 from meshplan.costmodel.frameworks import per_stage_recompute
 from meshplan.costmodel.layout import framework_layout_error
-from meshplan.planner.search import NoPlanFits, SearchTimeout, framework_space, search
+from meshplan.planner.search import (NoPlanFits, SearchTimeout, exchange_spaces, framework_space,
+                                     search)
 from meshplan.planner.space import SearchSpace, candidates, pins_of
 from common import print_table
 
@@ -274,7 +276,8 @@ def brute_force(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, f
         return step, peak
 
     space = framework_space(space, framework)  # what search itself searches
-    configs = candidates(model, cluster, space, framework=framework)
+    configs = [c for sub in exchange_spaces(space, framework)  # each context-parallel exchange
+               for c in candidates(model, cluster, sub, framework=framework)]
     out.candidates = len(configs)
     out.configs = set(configs)
     rows = []
@@ -446,7 +449,8 @@ def main() -> int:
         for i, sc in chosen:
             model, cluster, space = sc.build()
             space = framework_space(space, sc.framework)
-            configs = candidates(model, cluster, space, framework=sc.framework)
+            configs = [c for sub in exchange_spaces(space, sc.framework)
+                       for c in candidates(model, cluster, sub, framework=sc.framework)]
             uniform = len(configs) * len(space.recompute_modes)
             print(f"{i:2d} {sc.model:13s} {cluster.num_gpus:4d} GPUs {sc.framework:10s} "
                   f"B{sc.batch} s{sc.seq}  candidates {len(configs):7d}  uniform estimates "

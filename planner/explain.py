@@ -264,8 +264,9 @@ def setting_changes(plan: Plan, est: Estimate,
     Engine; plans with sequence-parallel TP), the fused cross entropy, and the context-parallel
     exchanges other than the plan's that its layout runs (plans with cp > 1).
     Settings, not searched, because they are the user's call: compilation time, float8's
-    numerics and async TP's symmetric memory (and the exchange, a Megatron-LM flag the plan
-    names)."""
+    numerics and async TP's symmetric memory. The exchange is searched unless pinned
+    (``search.searched_exchanges``): its entries say what the plan's own saves over the
+    others."""
     if plan.framework not in FLOAT8_FRAMEWORKS:
         return []
     config = plan.config

@@ -223,15 +223,20 @@ def _offload_cell(config) -> str:
 def plans_report(result, *, model: ModelSpec, cluster: ClusterSpec, objective: str,
                  memory_margin: float = 0.0, seq_source: str | None = None) -> str:
     """Ranked plans of ``meshplan plan`` as a table, with the solver's status."""
+    from meshplan.costmodel.frameworks import cp_exchange
+
     rows = []
+    exchanges = any(plan.config.cp > 1 for plan in result.plans)
     for plan in result.plans:
         c, predicted = plan.config, plan.prediction
         recompute = c.recompute if isinstance(c.recompute, str) else ",".join(c.recompute)
         row = {"rank": plan.provenance.get("rank")}
         if objective == "cost":  # plans of several node counts
             row["gpus"] = c.world_size
-        row |= {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp, "ep": c.ep,
-                "sp": "on" if c.sp else "off", "zero": c.zero_stage,
+        row |= {"tp": c.tp, "pp": c.pp, "dp": c.dp, "cp": c.cp}
+        if exchanges:  # how context parallelism exchanges keys and values (--cp-comm-type)
+            row["exchange"] = cp_exchange(plan.framework, c.cp_comm_type) if c.cp > 1 else "-"
+        row |= {"ep": c.ep, "sp": "on" if c.sp else "off", "zero": c.zero_stage,
                 "offload": _offload_cell(c),
                 "recompute": recompute, "mb": c.micro_batch_size, "vpp": c.vpp,
                 "layers": layers_summary(c.stage_layers(plan.model.num_layers)),
@@ -284,8 +289,8 @@ def layers_summary(layers) -> str:
     return " + ".join(parts)
 
 
-_IDENTITY = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "offload", "recompute", "mb", "vpp",
-             "layers", "mesh")
+_IDENTITY = ("tp", "pp", "dp", "cp", "exchange", "ep", "sp", "zero", "offload", "recompute",
+             "mb", "vpp", "layers", "mesh")
 
 
 def _mark_differences(rows: list[dict]) -> None:

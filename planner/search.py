@@ -29,7 +29,8 @@ from typing import Any
 from meshplan.costmodel import Calibration, ClusterSpec, ModelSpec, ParallelConfig, estimate
 from meshplan.costmodel import composition
 from meshplan.costmodel.estimate import Estimate, stage_once, stage_terms
-from meshplan.costmodel.frameworks import min_micro_batches, per_stage_recompute
+from meshplan.costmodel.frameworks import (CP_COMM_TYPES_BY_FRAMEWORK, cp_exchange,
+                                            min_micro_batches, per_stage_recompute)
 from meshplan.costmodel.layout import (FRAMEWORK_MESH_ORDERS, FRAMEWORK_NAMES,
                                        framework_layout_error, framework_splits)
 from meshplan.costmodel.memory import host_bytes_per_node, stage_memory
@@ -546,9 +547,120 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     ``NoPlanFits`` says so when no plan is faster.
     """
     with _collector_paused():
+        exchanges = searched_exchanges(space, framework)
+        if len(exchanges) > 1:
+            return _search_exchanges(model, cluster, space, exchanges, framework=framework,
+                                     calibration=calibration, top_k=top_k,
+                                     time_limit_s=time_limit_s, seed=seed, workers=workers,
+                                     deterministic=deterministic, max_nodes=max_nodes,
+                                     ceiling_s=ceiling_s)
         return _search(model, cluster, space, framework=framework, calibration=calibration,
                        top_k=top_k, time_limit_s=time_limit_s, seed=seed, workers=workers,
                        deterministic=deterministic, max_nodes=max_nodes, ceiling_s=ceiling_s)
+
+
+def searched_exchanges(space: SearchSpace, framework: str) -> tuple[str, ...]:
+    """The context-parallel exchanges (``ParallelConfig.cp_comm_type``) ``search`` searches:
+    the space's own, and where that is ``auto`` and the space has cp > 1, every other
+    exchange the framework runs (``frameworks.CP_COMM_TYPES_BY_FRAMEWORK``; Megatron-LM's
+    ``all_gather`` and ``a2a`` beside its ring). The exchange changes the attention's traffic,
+    what of it is exposed and the ring's merges, and no numerics: a layout choice, which
+    exchange is fastest depends on the sequence, the degrees and the network."""
+    if space.cp_comm_type != "auto" or (space.cp is not None and max(space.cp) < 2):
+        return (space.cp_comm_type,)
+    own = cp_exchange(framework, "auto")
+    return ("auto",) + tuple(x for x in CP_COMM_TYPES_BY_FRAMEWORK.get(framework, ())
+                             if x not in ("auto", own))
+
+
+def exchange_spaces(space: SearchSpace, framework: str) -> list[SearchSpace]:
+    """The spaces ``search`` searches, one per exchange of ``searched_exchanges``: ``space``
+    itself (every configuration, with its own exchange), then one per other exchange over
+    cp > 1 only (``SearchSpace.min_cp``: cp 1 exchanges nothing). Their candidates together
+    are the configurations the planner considers."""
+    exchanges = searched_exchanges(space, framework)
+    return [space] + [dataclasses.replace(space, cp_comm_type=x, min_cp=max(2, space.min_cp))
+                      for x in exchanges[1:]]
+
+
+EXCHANGE_TIME_SHARE = 0.5
+"""Of a wall-clock limit, the share the framework's own exchange's search gets when
+``search`` searches several (``searched_exchanges``); its space holds every configuration,
+the others' only cp > 1. Time one leaves passes to the next."""
+
+
+def _search_exchanges(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace,
+                      exchanges: tuple[str, ...], *, framework: str, calibration: Calibration,
+                      top_k: int, time_limit_s: float, seed: int, workers: int,
+                      deterministic: bool, max_nodes: int | None, ceiling_s: float | None
+                      ) -> SearchResult:
+    """``_search`` of the space with each exchange of ``exchanges`` (the first ``auto``, over
+    the whole space; the others over cp > 1 only, ``SearchSpace.min_cp``), merged. Each
+    search after the first only wants plans faster than the k-th best so far (its
+    ``ceiling_s``), so the merged top k is the top k of the union. Optimal when every search
+    completed; errors only when every search failed (then the first search's error). The
+    budget holds for all of them: a deterministic one's nodes go to each search in turn, and
+    what one leaves to the next (none left: the rest are not searched, and the result is
+    ``FEASIBLE``); a wall-clock one is shared (``EXCHANGE_TIME_SHARE``)."""
+    start = time.perf_counter()
+    results: list[SearchResult] = []
+    errors: list[Exception] = []
+    incomplete = False
+    nodes_total = DETERMINISTIC_NODES if max_nodes is None else max_nodes
+    searched: list[str] = []
+    unsearched: list[SearchSpace] = []
+    for i, (exchange, sub) in enumerate(zip(exchanges, exchange_spaces(space, framework))):
+        ceiling = ceiling_s
+        ranked = distinct(s for r in results for s in r.ranked)
+        if len(ranked) >= top_k:
+            kth = ranked[top_k - 1].step_s
+            ceiling = kth if ceiling is None else min(ceiling, kth)
+        left = max(0.0, time_limit_s - (time.perf_counter() - start))
+        share = EXCHANGE_TIME_SHARE if i == 0 else 1.0 / (len(exchanges) - i)
+        nodes = nodes_total - sum(r.stats["nodes"] for r in results)
+        if i > 0 and deterministic and nodes <= 0:
+            incomplete = True  # the budget went to the searches before: bound what is left
+            unsearched.append(sub)
+            continue
+        try:
+            results.append(_search(model, cluster, sub, framework=framework,
+                                   calibration=calibration, top_k=top_k,
+                                   time_limit_s=left * share, seed=seed, workers=workers,
+                                   deterministic=deterministic,
+                                   max_nodes=nodes if deterministic else max_nodes,
+                                   ceiling_s=ceiling))
+            searched.append(exchange)
+        except (NoPlanFits, SearchTimeout, ValueError) as err:  # EmptySpace is a ValueError
+            # a ValueError: pins the exchange cannot run (e.g. heads its a2a cannot split)
+            if isinstance(err, SearchTimeout):
+                incomplete = True
+                unsearched.append(sub)
+            errors.append(err)
+    if not results:
+        raise errors[0]
+    plans = [s for r in results for s in r.ranked]
+    incomplete = incomplete or any(r.status != "OPTIMAL" for r in results)
+    first = results[0]
+    top = min(s.step_s for s in plans)
+    gaps = [r.stats.get("gap", 0.0) for r in results]
+    for sub in unsearched:  # what no search covered: its roots' bounds hold for all of it
+        refiner = _Refiner(model, cluster, sub, framework=framework, calibration=calibration)
+        floor = min((node.bound for node in refiner.roots()), default=math.inf)
+        gaps.append(max(0.0, (top - floor) / top))
+    return SearchResult(
+        ranked=tuple(distinct(plans)[:top_k]),
+        explored=tuple(s for r in results for s in r.explored),
+        status="FEASIBLE" if incomplete else "OPTIMAL",
+        wall_s=time.perf_counter() - start,
+        candidates=sum(r.candidates for r in results), solves=sum(r.solves for r in results),
+        infeasible=sum(r.infeasible for r in results), pruned=sum(r.pruned for r in results),
+        stats={"gap": max(gaps),
+               "first_plan_s": first.stats["first_plan_s"],
+               "core_candidates": sum(r.stats["core_candidates"] for r in results),
+               "nodes": sum(r.stats["nodes"] for r in results),
+               "nodes_by_exchange": {x: r.stats["nodes"] for x, r in zip(searched, results)},
+               "evaluated": sum(r.stats["evaluated"] for r in results),
+               "exchanges": searched})
 
 
 @contextlib.contextmanager

@@ -9,7 +9,9 @@ Choices a user pins (``meshplan plan --tp 8``) restrict the space. Without pins 
 every configuration ``meshplan estimate`` accepts, except where noted:
 
 * tp: divisors of the GPU count that divide the heads and kv heads (across nodes too);
-* cp: every divisor of what is left that divides the sequence;
+* cp: every divisor of what is left that divides the sequence; with cp > 1, each context-parallel
+  exchange the framework runs (``search.searched_exchanges``: Megatron-LM's ring, all-gather and
+  all-to-all) unless one is pinned (``--cp-comm-type``);
 * pp: divisors of what is left, at most the layer count; dp: the rest, dividing the batch;
 * ep (MoE): divisors of the expert count that divide dp * cp;
 * sp: on whenever tp > 1 (``SP_DOMINATES``: the cost model gives sequence parallelism the same
@@ -38,7 +40,8 @@ pinned choice the framework cannot run at all is refused with that rule's reason
 
 Run settings (``SETTING_FIELDS``: torchtitan's selective policy, early-stopping recomputation,
 torch.compile, float8 training, async TP) are not searched: every configuration carries the
-user's.
+user's. The context-parallel exchange is one of them here, and ``search.search`` searches it
+over spaces that differ only in it (``search.searched_exchanges``).
 
 Search bounds (``search.py``) then discard candidates no split can make competitive; they
 never remove the optimum (tests/planner/test_brute_force.py checks that claim).
@@ -133,14 +136,21 @@ class SearchSpace:
     setting, on unless --no-overlap-comm)."""
     cp_comm_type: str = "auto"
     """How context parallelism exchanges keys and values wherever a configuration has cp > 1
-    (``ParallelConfig.cp_comm_type``; a setting, not searched: the framework's own unless
-    pinned)."""
+    (``ParallelConfig.cp_comm_type``). The space's configurations carry it; ``auto`` (the
+    framework's own) also tells ``search.search`` to search the framework's other exchanges
+    (``search.searched_exchanges``), each in a space of its own; any other value pins it."""
+    min_cp: int = 1
+    """The smallest context-parallel degree of the space (``search.searched_exchanges``
+    searches the other exchanges from 2: cp 1 runs none, and the framework's own exchange's
+    space already holds it)."""
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.global_batch_size <= 0 or self.seq_len <= 0:
             raise ValueError(f"global batch and sequence length must be positive, got "
                              f"{self.global_batch_size} and {self.seq_len}")
+        if self.min_cp < 1:
+            raise ValueError(f"min_cp must be at least 1, got {self.min_cp}")
         if not 0 <= self.memory_margin < 1:
             raise ValueError(f"memory margin must be in [0, 1), got {self.memory_margin}")
         bad = [m for m in self.recompute_modes if m not in RECOMPUTE_MODES]
@@ -222,7 +232,7 @@ def degree_tuples(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *,
     if core and space.tp is None:
         tps = [t for t in tps if t <= cluster.gpus_per_node]
     for tp in pick(space.tp, tps):
-        cps = [c for c in divisors(n // tp) if space.seq_len % c == 0]
+        cps = [c for c in divisors(n // tp) if space.seq_len % c == 0 and c >= space.min_cp]
         if core and space.cp is None:
             cps = [c for c in cps if c == 1 or (c <= CORE_MAX_CP and c & (c - 1) == 0
                                                 and space.seq_len >= core_cp_seq_len)]
