@@ -12,7 +12,7 @@ call is timed (CPU seconds of that process). Timing the cases one after another 
 measured up to 1.3x more: the caches of the earlier cases stay alive, and the heap the
 interpreter manages grows with them.
 
-    python benchmarks/planner_scaling.py [--runs 1] [--time-limit 60]
+    python benchmarks/planner_scaling.py [--runs 1] [--time-limit 60] [--cp-comm-type p2p]
 """
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ CASES = (  # model, cluster, nodes, global batch (sequences), sequence length, f
 
 
 def _timed_search(model_name: str, cluster_name: str, nodes: int, batch: int, seq: int,
-                  framework: str, time_limit_s: float) -> tuple[float, dict]:
+                  framework: str, time_limit_s: float,
+                  cp_comm_type: str = "auto") -> tuple[float, dict]:
     """One search, in the process it is called in: (CPU seconds, what the table reports)."""
     model, cluster = load_model(model_name), load_cluster(cluster_name, nodes=nodes)
-    space = SearchSpace(global_batch_size=batch, seq_len=seq)
+    space = SearchSpace(global_batch_size=batch, seq_len=seq, cp_comm_type=cp_comm_type)
     calibration = default_calibration()
     start = time.process_time()
     result = search(model, cluster, space, framework=framework, calibration=calibration,
@@ -82,11 +83,11 @@ def _fresh_process(*args) -> tuple[float, dict]:
 
 
 def time_case(model_name: str, cluster_name: str, nodes: int, batch: int, seq: int,
-              framework: str, runs: int, time_limit_s: float) -> dict:
+              framework: str, runs: int, time_limit_s: float, cp_comm_type: str = "auto") -> dict:
     case = (model_name, cluster_name, nodes, batch, seq, framework)
-    timed = [_fresh_process(*case, time_limit_s) for _ in range(runs)]
+    timed = [_fresh_process(*case, time_limit_s, cp_comm_type) for _ in range(runs)]
     cpu_s, result = statistics.median(t for t, _ in timed), timed[-1][1]
-    quick_cpu, quick = _fresh_process(*case, 1.0)
+    quick_cpu, quick = _fresh_process(*case, 1.0, cp_comm_type)
     return {"model": model_name, "gpus": result["gpus"], "gpu": result["gpu"],
             "solves": result["solves"], "status": result["status"], "gap": result["gap"],
             "cpu_s": cpu_s, "first_plan_s": result["first_plan_s"],
@@ -102,16 +103,21 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--only", type=int, nargs="*", help="case indices to run")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--cp-comm-type", default="auto",
+                        help="the context-parallel exchange (default auto: the planner "
+                             "searches each one the framework runs; p2p: the ring only)")
+    parser.add_argument("--tag", default="", help="appended to the output files' names")
     args = parser.parse_args()
     runs = args.runs
     cases = [c for i, c in enumerate(CASES) if args.only is None or i in args.only]
-    table = pd.DataFrame([time_case(*case, runs=runs, time_limit_s=args.time_limit)
+    table = pd.DataFrame([time_case(*case, runs=runs, time_limit_s=args.time_limit,
+                                    cp_comm_type=args.cp_comm_type)
                           for case in cases])
     print_table(table, {"cpu_s": "{:.2f}", "first_plan_s": "{:.2f}", "gap": "{:.1%}",
                         "limit1_cpu_s": "{:.2f}", "limit1_vs_best": "{:.4f}",
                         "best_step_s": "{:.3f}"})
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"planner-scaling-a100-h100-{dt.date.today().isoformat()}"
+    stem = f"planner-scaling-a100-h100-{dt.date.today().isoformat()}{args.tag}"
     (args.out / f"{stem}.md").write_text(
         f"# Planner CPU time (median of {runs} searches, each in a fresh process, 1 CP-SAT "
         f"worker, time limit {args.time_limit:g} s)\n\n"

@@ -209,7 +209,8 @@ class ParallelConfig:
     whole sequence, the gather exposed (Megatron-LM; Llama 3's context parallelism);
     ``a2a``, all-to-alls from a sequence split to a head split and back around a
     full-sequence attention (DeepSpeed-Ulysses; Megatron-LM); ``auto``, the framework's own:
-    ``a2a`` under DeepSpeed, ``p2p`` under the others."""
+    ``a2a`` under DeepSpeed, ``p2p`` under the others (``meshplan plan`` then searches every
+    exchange the framework runs; a named one pins it)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch per data-parallel replica (b)."""
     global_batch_size: int = 1
