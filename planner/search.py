@@ -547,6 +547,11 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     ``ceiling_s``: plans slower than this are not wanted (the cost objective's bound from the
     plans of other node counts, or a deadline); nodes whose bound reaches it are pruned, and
     ``NoPlanFits`` says so when no plan is faster.
+
+    Where the framework runs several context-parallel exchanges and the space does not pin
+    one (``searched_exchanges``), each exchange's space is searched in turn and the results
+    merged (``_search_exchanges``); ``stats["exchanges"]`` and ``stats["nodes_by_exchange"]``
+    say which were searched and at what cost.
     """
     with _collector_paused():
         exchanges = searched_exchanges(space, framework)
