@@ -551,8 +551,7 @@ def _hidden_all_reduce_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
                          calibration: Calibration) -> float:
     """Seconds of one all-reduce of the layer's hidden state (TP without SP)."""
     return coll.all_reduce_s(link, act.hidden_state_bytes(model, config),
-                             intra_eff=calibration.nvlink_efficiency,
-                             inter_eff=calibration.network_efficiency)
+                             **link_effs(calibration))
 
 
 def _last_tp_collective_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | None,
@@ -704,8 +703,7 @@ def _cp_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
     if exchange == "all_gather":
         return cp_all_gather_per_layer_s(config, link, calibration, chunk_bytes=chunk,
                                          recompute=recompute)
-    bandwidth = coll.effective_bytes_per_s(link, intra_eff=calibration.nvlink_efficiency,
-                                           inter_eff=calibration.network_efficiency)
+    bandwidth = coll.effective_bytes_per_s(link, **link_effs(calibration))
     step = chunk / bandwidth + link.latency_s
     fwd = (config.cp - 1) * step
     bwd = 2 * fwd
@@ -735,9 +733,10 @@ def ulysses_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gro
     traffic. Megatron-LM's ``--cp-comm-type a2a`` (Transformer Engine) moves k and v at their
     own width (``repeated_kv`` False: grouped-query k and v are not repeated first)."""
     per_width = config.bytes_per_activation * act.tokens_per_microbatch(config) / config.tp
+    effs = link_effs(calibration)
 
     def one(width: float) -> float:
-        return coll.all_to_all_s(link, per_width * width, **link_effs(calibration))
+        return coll.all_to_all_s(link, per_width * width, **effs)
 
     kv = model.q_size if repeated_kv else model.kv_size
     passes = 3 if recompute == "full" else 2
@@ -771,8 +770,7 @@ def _ep_comm_per_layer_s(model: ModelSpec, config: ParallelConfig, link: coll.Gr
         return 0.0
     size = (config.bytes_per_activation * act.tokens_per_microbatch(config) * model.moe_top_k
             * model.hidden_size / config.tp)
-    one = coll.all_to_all_s(link, size, intra_eff=calibration.nvlink_efficiency,
-                            inter_eff=calibration.network_efficiency)
+    one = coll.all_to_all_s(link, size, **link_effs(calibration))
     return 4 * one
 
 
@@ -795,8 +793,7 @@ def _pp_comm_s(model: ModelSpec, config: ParallelConfig, link: coll.GroupLink | 
     chunks = 1 if framework == "megatron" and config.overlap_comm else config.vpp
     size = (config.bytes_per_activation * act.tokens_per_microbatch(config) * model.hidden_size
             / config.tp)
-    one = coll.send_recv_s(link, size, intra_eff=calibration.nvlink_efficiency,
-                           inter_eff=calibration.network_efficiency)
+    one = coll.send_recv_s(link, size, **link_effs(calibration))
     return 2 * chunks * one * (1 - calibration.pp_overlap)
 
 
@@ -1189,8 +1186,7 @@ def prefetch_contention(cluster: ClusterSpec, calibration: Calibration,
     device = calibration.device(cluster.gpu.key)
     if device.prefetch_contention_bytes is None or link.size < 2:
         return device.prefetch_contention
-    bus = coll.effective_bytes_per_s(link, intra_eff=calibration.nvlink_efficiency,
-                                     inter_eff=calibration.network_efficiency)
+    bus = coll.effective_bytes_per_s(link, **link_effs(calibration))
     hbm = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
     return min(1.0, device.prefetch_contention_bytes * bus / hbm)
 
@@ -1236,8 +1232,7 @@ def _traced_microbatch_time(model: ModelSpec, cluster: ClusterSpec, config: Para
     pp = 0.0
     if pp_link is not None:
         one = coll.send_recv_s(pp_link, traced.boundary_bytes(model, config),
-                               intra_eff=calibration.nvlink_efficiency,
-                               inter_eff=calibration.network_efficiency)
+                               **link_effs(calibration))
         pp = 2 * one * (1 - calibration.pp_overlap)
     return _stage_time(model, cluster, config, calibration, stage, params=params, links=links,
                        framework=framework, compute=compute, tp=0.0, cp=0.0, ep=0.0, pp=pp,

@@ -554,9 +554,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     say which were searched and at what cost.
     """
     with _collector_paused():
-        exchanges = searched_exchanges(space, framework)
-        if len(exchanges) > 1:
-            return _search_exchanges(model, cluster, space, exchanges, framework=framework,
+        spaces = exchange_spaces(space, framework)
+        if len(spaces) > 1:
+            return _search_exchanges(model, cluster, spaces, framework=framework,
                                      calibration=calibration, top_k=top_k,
                                      time_limit_s=time_limit_s, seed=seed, workers=workers,
                                      deterministic=deterministic, max_nodes=max_nodes,
@@ -600,13 +600,13 @@ took plans at a 1 s limit from within 2 % of the 60 s optimum to 1.15-1.38x of i
 the fourteen ``benchmarks/planner_scaling.py`` cases."""
 
 
-def _search_exchanges(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace,
-                      exchanges: tuple[str, ...], *, framework: str, calibration: Calibration,
+def _search_exchanges(model: ModelSpec, cluster: ClusterSpec, spaces: list[SearchSpace], *,
+                      framework: str, calibration: Calibration,
                       top_k: int, time_limit_s: float, seed: int, workers: int,
                       deterministic: bool, max_nodes: int | None, ceiling_s: float | None
                       ) -> SearchResult:
-    """``_search`` of the space with each exchange of ``exchanges`` (the first ``auto``, over
-    the whole space; the others over cp > 1 only, ``SearchSpace.min_cp``), merged. Each
+    """``_search`` of each space of ``exchange_spaces`` (the first with the framework's own
+    exchange, over the whole space; the others over cp > 1 only), merged. Each
     search after the first only wants plans faster than the k-th best so far (its
     ``ceiling_s``), so the merged top k is the top k of the union. Optimal when every search
     completed; errors only when every search failed (then the first search's error). The
@@ -620,7 +620,7 @@ def _search_exchanges(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace
     nodes_total = DETERMINISTIC_NODES if max_nodes is None else max_nodes
     searched: list[str] = []
     unsearched: list[SearchSpace] = []
-    for i, (exchange, sub) in enumerate(zip(exchanges, exchange_spaces(space, framework))):
+    for i, sub in enumerate(spaces):
         ceiling = ceiling_s
         ranked = distinct(s for r in results for s in r.ranked)
         if len(ranked) >= top_k:
@@ -640,7 +640,7 @@ def _search_exchanges(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace
                                    deterministic=deterministic,
                                    max_nodes=nodes if deterministic else max_nodes,
                                    ceiling_s=ceiling, insist=i == 0))
-            searched.append(exchange)
+            searched.append(sub.cp_comm_type)
         except (NoPlanFits, SearchTimeout, ValueError) as err:  # EmptySpace is a ValueError
             # a ValueError: pins the exchange cannot run (e.g. heads its a2a cannot split)
             if isinstance(err, SearchTimeout) or getattr(err, "stopped", False):
