@@ -4,13 +4,20 @@ The cost model composes float seconds (``estimate.compose_step``, ``timing.Stage
 planner its integer-nanosecond tables (``planner.tables``), its CP-SAT model linear
 expressions over solver variables (``planner.solver``) and its lower bounds floats
 (``planner.search``), all with these functions, so the four cannot drift apart. Each function
-uses only ``+``, ``-``, multiplication by integers and the ``exposed`` operation it is given;
-maxima over stages are taken by the caller (``max`` on numbers, an upper-bound variable in
-CP-SAT, the mean as a lower bound in the search), and the composed quantity is passed in.
+uses only ``+``, ``-``, multiplication by integers and the ``exposed`` and ``largest``
+operations it is given; maxima over stages are taken by the caller (``max`` on numbers, an
+upper-bound variable in CP-SAT, the mean as a lower bound in the search), and the composed
+quantity is passed in.
 
 Per stage and micro-batch (``micro_total``): the terms that add up without overlap, plus the
-exposed part of the ZeRO-2/3 and of the parameter-offload traffic, ``max(0, raw - hidden)``
-where compute can hide up to ``hidden`` of it.
+larger of the exposed ZeRO-2/3 traffic and the exposed parameter-offload traffic, each
+``max(0, raw - hidden)`` where compute can hide up to ``hidden`` of it. The two run beside
+each other, not one after the other: a block's parameters cross PCIe on their own stream
+before its all-gather, and both are issued ahead of the compute (FSDP2's copy-in and
+all-gather streams; DeepSpeed's parameter prefetch), so the stage waits for the slower chain.
+Adding their exposed parts instead let the same compute hide both, and a step could get
+faster as its compute grew (full recomputation beating none under ZeRO-3 with parameter
+offload, found by a randomised check of the estimator, 2026-12-07).
 
 Per step (Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2): with per-micro-batch stage
 times ``t_i``, ``m`` micro-batches and ``v`` virtual chunks,
@@ -37,14 +44,16 @@ def exposed(raw: N, hidden: N) -> N:
 
 
 def micro_total(*, linear: N, zero_comm: N, zero_hidden: N, offload_raw: N, offload_hidden: N,
-                exposed: Callable[[N, N], N] = exposed) -> N:
+                exposed: Callable[[N, N], N] = exposed,
+                largest: Callable[[N, N], N] = max) -> N:
     """One stage's time per micro-batch: ``linear`` (compute, TP/CP/EP/PP communication)
-    plus the exposed ZeRO-2/3 traffic and the exposed parameter-offload traffic.
+    plus the larger of the exposed ZeRO-2/3 traffic and the exposed parameter-offload traffic
+    (module docstring): never less when the compute grows.
 
-    ``exposed`` builds ``max(0, raw - hidden)``; a CP-SAT caller passes one that returns a
-    variable bounded below by both.
+    ``exposed`` builds ``max(0, raw - hidden)`` and ``largest`` the larger of two values; a
+    CP-SAT caller passes ones that return a variable bounded below by both arguments.
     """
-    return linear + exposed(zero_comm, zero_hidden) + exposed(offload_raw, offload_hidden)
+    return linear + largest(exposed(zero_comm, zero_hidden), exposed(offload_raw, offload_hidden))
 
 
 def once_per_step(*, dp_exposed: N, optimizer: N, offload_step: N) -> N:

@@ -132,8 +132,11 @@ class StageTime:
 
     @property
     def offload_s(self) -> float:
-        """Exposed parameter-offload traffic (``composition.exposed``)."""
-        return composition.exposed(self.offload_raw_s, self.offload_hidden_s)
+        """Exposed parameter-offload traffic (``composition.exposed``) beyond the exposed
+        ZeRO-2/3 traffic: the stage waits for the slower of the two (``composition.
+        micro_total``), so the breakdown's terms still add up to ``total_s``."""
+        zero = composition.exposed(self.zero_comm_s, self.zero_hidden_s)
+        return max(zero, composition.exposed(self.offload_raw_s, self.offload_hidden_s)) - zero
 
     @property
     def linear_s(self) -> float:
@@ -279,7 +282,7 @@ def layer_forward(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig
         mlp_flop = 2 * tokens * mats * h * model.ffn_hidden_size / t
     gemm_efficiency = (device.gemm_efficiency(eager_kernels(framework))
                        * device.row_efficiency(tokens))
-    bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    bandwidth = hbm_bytes_per_s(cluster, calibration)
     if config.float8:
         # float8 GEMMs at the float8 peak and the same efficiency (torchao's float8 roofline
         # takes one achievable fraction for both), plus their casts' HBM traffic
@@ -499,8 +502,7 @@ def sp_reorder_copies_s(model: ModelSpec, cluster: ClusterSpec, config: Parallel
         again = 2 * gather_copy
     else:
         again = 0.0
-    device = calibration.device(cluster.gpu.key)
-    return (forward + backward + again) / (cluster.gpu.hbm_bytes_per_s * device.memory_efficiency)
+    return (forward + backward + again) / hbm_bytes_per_s(cluster, calibration)
 
 
 def _fused_exposed_s(comm_s: float, gemm_s: float, tp: int) -> float:
@@ -1187,7 +1189,7 @@ def prefetch_contention(cluster: ClusterSpec, calibration: Calibration,
     if device.prefetch_contention_bytes is None or link.size < 2:
         return device.prefetch_contention
     bus = coll.effective_bytes_per_s(link, **link_effs(calibration))
-    hbm = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    hbm = hbm_bytes_per_s(cluster, calibration)
     return min(1.0, device.prefetch_contention_bytes * bus / hbm)
 
 
@@ -1203,7 +1205,7 @@ def traced_layer_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfi
     device = calibration.device(cluster.gpu.key)
     peak = cluster.gpu.peak(config.dtype)
     fwd_flop, bwd_flop = traced.layer_flop(model, config, index)
-    bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    bandwidth = hbm_bytes_per_s(cluster, calibration)
     elementwise = (calibration.elementwise_traffic_factor
                    * traced.layer_saved_bytes(model, config, index, "none") / bandwidth)
     layer = model.traced[index]
@@ -1279,7 +1281,7 @@ def _lm_head_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
                                * device.row_efficiency(tokens)),
                    overhead_s=device.matmul_overhead_s)
     logits = tokens * model.vocab_rows / config.tp
-    bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+    bandwidth = hbm_bytes_per_s(cluster, calibration)
     if config.float8_head:
         gemm += eager.float8_head_cast_bytes(model, config, tokens=tokens) / bandwidth
     host_ops = (1 + BACKWARD_FACTOR) * EAGER_OPS_HEAD * device.op_overhead_s
@@ -1730,11 +1732,9 @@ def te_weight_cast_s(model: ModelSpec, cluster: ClusterSpec, config: ParallelCon
     the max-abs pass under delayed scaling), once per step whatever the number of
     micro-batches."""
     elements = stage_float8_weight_elements(model, config, stage)
-    device = calibration.device(cluster.gpu.key)
     per_element = eager.FLOAT8_WEIGHT_BYTES - (eager.FLOAT8_AMAX_BYTES
                                                if config.float8_recipe == "delayed" else 0)
-    return (per_element * elements
-            / (cluster.gpu.hbm_bytes_per_s * device.memory_efficiency))
+    return per_element * elements / hbm_bytes_per_s(cluster, calibration)
 
 
 def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: Calibration,
@@ -1760,7 +1760,7 @@ def optimizer_step_s(config: ParallelConfig, cluster: ClusterSpec, calibration: 
     if config.offload == "none":
         if device.optimizer_params_per_s is not None:
             return local / device.optimizer_params_per_s + loss_s, 0.0
-        bandwidth = cluster.gpu.hbm_bytes_per_s * device.memory_efficiency
+        bandwidth = hbm_bytes_per_s(cluster, calibration)
         return local * OPTIMIZER_BYTES_PER_PARAM / bandwidth + loss_s, 0.0
     per_node = local * min(cluster.gpus_per_node, cluster.num_gpus)
     rate = calibration.host_copy_rate(cluster.pcie_bytes_per_s,

@@ -235,11 +235,11 @@ def fastest_mode_fits(model: ModelSpec, memory_config: ParallelConfig, most_laye
 
 
 def micro_pieces(linear, zero_comm, zero_hidden, offload_raw, offload_hidden) -> tuple:
-    """A stage's time per micro-batch (``composition.micro_total``) as the largest of four
-    values: linear work plus each subset of the exposed terms' ``raw - hidden`` (works on
-    numbers and on (base, slope) pairs alike, term by term)."""
+    """A stage's time per micro-batch (``composition.micro_total``) as the largest of three
+    values: linear work, plus the ZeRO traffic's ``raw - hidden``, plus the offload
+    traffic's (works on numbers and on (base, slope) pairs alike, term by term)."""
     zero, offload = zero_comm - zero_hidden, offload_raw - offload_hidden
-    return (linear, linear + zero, linear + offload, linear + zero + offload)
+    return (linear, linear + zero, linear + offload)
 
 
 def _micro_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int,

@@ -21,7 +21,8 @@ Constraints (one family each):
   sum_i sum_r n[i][r] = L                                        every layer on one stage
   memory_i(n, y) <= capacity                                     memory cap per stage
   e[i] >= 0, e[i] >= comm_i - hidden_i (same for g[i], d[i])     exposed = max(0, raw - hidden)
-  t[i] = linear_i + e[i] + g[i]
+  u[i] >= e[i], u[i] >= g[i]                                     the slower transfer chain
+  t[i] = linear_i + u[i]
   T >= t[i], D >= d[i], O >= optimizer_i, F >= offload_i
   y[i][r] = w[r], sum_r w[r] = 1                                 one mode for every stage, where
                                                                  the framework takes one
@@ -263,8 +264,9 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
 def _stage_time(model: cp_model.CpModel, terms: StageTerms, bound: int, i: int):
     """Stage ``i``'s per-micro-batch time t, its exposed data-parallel traffic d, and its
     optimizer and offload-step terms, composed by ``costmodel.composition`` with
-    ``max(0, raw - hidden)`` as a variable e >= raw - hidden, e >= 0 (tight at the optimum);
-    ``terms`` holds the stage's expression for every time term."""
+    ``max(0, raw - hidden)`` as a variable e >= raw - hidden, e >= 0 and the larger of two
+    as a variable bounded below by both (tight at the optimum); ``terms`` holds the stage's
+    expression for every time term."""
     made: list[cp_model.IntVar] = []
 
     def exposed(raw, hidden):
@@ -274,9 +276,16 @@ def _stage_time(model: cp_model.CpModel, terms: StageTerms, bound: int, i: int):
         made.append(var)
         return var
 
+    def largest(a, b):
+        var = model.NewIntVar(0, bound, f"transfer_exposed{i}")
+        model.Add(var >= a)
+        model.Add(var >= b)
+        return var
+
     micro = composition.micro_total(
         linear=terms.linear, zero_comm=terms.zero_comm, zero_hidden=terms.zero_hidden,
-        offload_raw=terms.offload_raw, offload_hidden=terms.offload_hidden, exposed=exposed)
+        offload_raw=terms.offload_raw, offload_hidden=terms.offload_hidden, exposed=exposed,
+        largest=largest)
     d = exposed(terms.dp_comm, terms.dp_hidden)
     t = model.NewIntVar(0, 3 * bound, f"t{i}")
     model.Add(t == micro)

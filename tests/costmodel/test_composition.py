@@ -24,6 +24,22 @@ def test_micro_total_adds_linear_work_and_the_exposed_traffic():
                                    offload_hidden=3) == 13
 
 
+def test_micro_total_waits_for_the_slower_transfer_chain():
+    # ZeRO traffic and parameter offload run beside each other: 10 + max(4 - 1, 6 - 1), not
+    # 10 + 3 + 5
+    assert composition.micro_total(linear=10, zero_comm=4, zero_hidden=1, offload_raw=6,
+                                   offload_hidden=1) == 15
+
+
+def test_micro_total_never_falls_as_the_compute_grows():
+    """More compute (recomputation) hides more of both transfers, but the stage never gets
+    faster: compute c, FSDP-style prefetch hiding c, offload hiding c / 2, both exposed."""
+    totals = [composition.micro_total(linear=c + 1.0, zero_comm=4.0, zero_hidden=c,
+                                      offload_raw=6.0, offload_hidden=c / 2)
+              for c in (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 8.0)]
+    assert totals == sorted(totals), totals
+
+
 def test_four_stage_interleaved_step_by_hand():
     stage_s = [1.0, 2.0, 3.0, 2.0]
     m, v = 4, 2
