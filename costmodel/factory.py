@@ -8,10 +8,12 @@ mypkg.models:build``). The callable takes no arguments and returns the module; i
 under ``torch.device("meta")``, so no weights are allocated. Example inputs come from, in order:
 
 * a ``meshplan_inputs(batch_size, seq_len)`` method of the module returning a tuple of tensors
-  (called inside the fake mode, so ``torch.zeros`` is free), and optionally
-  ``meshplan_loss(output)`` returning the scalar to backpropagate;
-* for a module with a ``config.vocab_size`` (a HuggingFace causal LM): token ids of shape
-  ``(batch_size, seq_len)``.
+  or a mapping of keyword inputs (called inside the fake mode, so ``torch.zeros`` is free),
+  and optionally ``meshplan_loss(output)`` returning the scalar to backpropagate (a
+  HuggingFace config, ``hf-config:PATH``, gets both: ``hf.training_inputs`` and the model's
+  own loss, as ``hf.trace_hf`` traces it);
+* for a module with a ``config.vocab_size`` (a HuggingFace causal LM a user's factory
+  returns): token ids of shape ``(batch_size, seq_len)``.
 
 ``seq_len`` is the sequence length the costs hold for: given by the caller, else the module's
 ``meshplan_seq_len`` attribute. One sequence is traced (micro-batch 1); every sequence of a
@@ -24,7 +26,7 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +73,7 @@ def load_factory(ref: str) -> Callable[[], nn.Module]:
 
 def _hf_config_factory(ref: str) -> Callable[[], nn.Module]:
     try:
-        from meshplan.costmodel.hf import hf_config, hf_factory
+        from meshplan.costmodel.hf import causal_lm_loss, hf_config, hf_factory, training_inputs
         config = hf_config(ref[len(HF_CONFIG_REF):])
     except (ImportError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"--model {ref!r}: {str(err).splitlines()[0] if str(err) else err!r}"
@@ -83,6 +85,10 @@ def _hf_config_factory(ref: str) -> Callable[[], nn.Module]:
         module = build_model()
         if isinstance(length, int) and length > 0:
             module.meshplan_seq_len = length
+        # traced as ``hf.trace_hf`` traces it: a training step's inputs and the model's own
+        # loss (its fp32 log-softmax kept for backward), not token ids and a sum of logits
+        module.meshplan_inputs = training_inputs
+        module.meshplan_loss = causal_lm_loss
         return module
 
     return build
@@ -102,11 +108,13 @@ def build_meta(factory: Callable[[], nn.Module], *, ref: str) -> nn.Module:
 
 
 def example_inputs(module: nn.Module, *, batch_size: int, seq_len: int,
-                   ref: str) -> Callable[[], tuple[torch.Tensor, ...]]:
+                   ref: str) -> Callable[[], tuple[torch.Tensor, ...] | dict[str, Any]]:
     """The input factory for ``module`` (see the module docstring)."""
     if hasattr(module, "meshplan_inputs"):
-        def make() -> tuple[torch.Tensor, ...]:
+        def make() -> tuple[torch.Tensor, ...] | dict[str, Any]:
             inputs = module.meshplan_inputs(batch_size, seq_len)
+            if isinstance(inputs, Mapping):  # keyword inputs
+                return dict(inputs)
             return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         return make
     config = getattr(module, "config", None)

@@ -136,7 +136,18 @@ def hf_factory(config: transformers.PretrainedConfig) -> Callable[[], nn.Module]
     return build
 
 
-def _causal_lm_loss(output: Any) -> torch.Tensor:
+def training_inputs(batch_size: int, seq_len: int) -> dict[str, Any]:
+    """Keyword inputs of one training micro-batch of a HF causal LM: integer token ids as both
+    ``input_ids`` and ``labels``, so the model computes its own shifted cross-entropy (whose
+    fp32 log-softmax is what a training step keeps for the loss's backward), and
+    ``use_cache=False``, as training runs (no key/value cache is built: hybrid models such as
+    Qwen3-Next and Jamba cannot build one in a training forward)."""
+    ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def causal_lm_loss(output: Any) -> torch.Tensor:
+    """The loss a HF causal LM computed from ``training_inputs``' labels."""
     return output.loss
 
 
@@ -159,11 +170,8 @@ def trace_hf(config: transformers.PretrainedConfig | Mapping[str, Any] | str
     if not isinstance(config, transformers.PretrainedConfig):
         config = hf_config(config)
 
-    def inputs() -> dict[str, Any]:
-        ids = torch.zeros((micro_batch, seq_len), dtype=torch.long)
-        return {"input_ids": ids, "labels": ids, "use_cache": False}
-
     logger.debug("tracing %s with %d x %d tokens in %s", type(config).__name__, micro_batch,
                  seq_len, dtype)
-    return trace_module(hf_factory(config), example_inputs=inputs, dtype=dtype,
-                          loss_fn=_causal_lm_loss)
+    return trace_module(hf_factory(config),
+                        example_inputs=lambda: training_inputs(micro_batch, seq_len),
+                        dtype=dtype, loss_fn=causal_lm_loss)
