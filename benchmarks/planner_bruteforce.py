@@ -53,8 +53,12 @@ scenario), well under 40.
 Prints a table and writes ``planner-bruteforce-<date>.{md,json}`` under
 ``benchmarks/results/`` (``planner-bruteforce-quick-<date>`` with ``--quick``).
 
+``--random N [--seed S]`` runs N small random scenarios instead (``random_scenarios``: many
+shapes of cluster and memory pressure, a few seconds each), written as
+``planner-bruteforce-randomN-seedS-<date>``.
+
     python benchmarks/planner_bruteforce.py [--quick] [--only 0 3 ...] [--list]
-        [--time-limit S | --max-nodes N] [--alt-budget N]
+        [--time-limit S | --max-nodes N] [--alt-budget N] [--random N [--seed S]]
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -165,6 +170,38 @@ SCENARIOS = (
     Scenario("gpt3-13b", "dgx-a100-80gb", 2, 512, 2048, "torchtitan",
              pins={"vpp": (1, 2, 4, 5)}, quick=True),
 )
+
+
+RANDOM_MODELS = ("gpt3-125m", "llama3.2-1b", "llama2-7b", "llama3-8b", "gpt3-1.3b",
+                 "megatron-1.7b", "mixtral-8x7b", "llama2-13b")
+RANDOM_CLUSTERS = ("dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "dgx-h200", "grand-teton-h100",
+                   "h100-800gbps", "dgx-b200")
+RANDOM_ALT_BUDGET = 3000
+
+
+def random_scenarios(count: int, seed: int) -> list[Scenario]:
+    """``count`` small scenarios drawn with ``seed`` (``--random``): a catalog model up to 47B
+    on 1-4 nodes of a catalog cluster, or 1-4 nodes of 1, 2 or 4 GPUs, with or without a
+    host-memory limit (64 or 256 GiB), any framework, global batch 1-16 sequences per GPU,
+    1,024-8,192 tokens; vpp pinned to 1 or 2 (and the micro-batch to 1-4 from 8 GPUs on) so
+    each enumerates in seconds. Where the fixed set covers a few large cases in depth, these
+    cover many shapes of cluster and memory pressure thinly."""
+    rng = random.Random(seed)
+    drawn = []
+    for _ in range(count):
+        per_node = rng.choice([None, None, 1, 2, 4])
+        nodes = rng.choice([1, 1, 2, 4] if per_node is None else [1, 2, 4])
+        gpus = (per_node or 8) * nodes
+        pins = {"vpp": (1, 2)}
+        if gpus >= 8:
+            pins["micro_batch_size"] = (1, 2, 4)
+        drawn.append(Scenario(rng.choice(RANDOM_MODELS), rng.choice(RANDOM_CLUSTERS), nodes,
+                              gpus * rng.choice([1, 2, 4, 8, 16]),
+                              rng.choice([1024, 2048, 4096, 8192]),
+                              rng.choice(["meshplan", "megatron", "deepspeed", "torchtitan"]),
+                              gpus_per_node=per_node, host_gib=rng.choice([None, None, 64, 256]),
+                              pins=pins, alt_budget=RANDOM_ALT_BUDGET))
+    return drawn
 
 
 # ----- brute force -------------------------------------------------------------------------------
@@ -441,9 +478,15 @@ def main() -> int:
     parser.add_argument("--alt-budget", type=int, default=None,
                         help="estimate calls for alternative splits/mixes per scenario "
                              "(default: the scenario's)")
+    parser.add_argument("--random", type=int, default=None, metavar="N",
+                        help="instead of the fixed set, N small random scenarios "
+                             "(random_scenarios)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    chosen = [(i, sc) for i, sc in enumerate(SCENARIOS)
+    scenarios = (SCENARIOS if args.random is None
+                 else tuple(random_scenarios(args.random, args.seed)))
+    chosen = [(i, sc) for i, sc in enumerate(scenarios)
               if (args.only is None or i in args.only) and (not args.quick or sc.quick)]
     if args.list:
         for i, sc in chosen:
@@ -482,12 +525,15 @@ def main() -> int:
     if bad.empty:
         print("no violation: brute force never beat the planner")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"planner-bruteforce{'-quick' if args.quick else ''}-{dt.date.today().isoformat()}"
+    kind = ("-quick" if args.quick else "") + (f"-random{args.random}-seed{args.seed}"
+                                                 if args.random is not None else "")
+    stem = f"planner-bruteforce{kind}-{dt.date.today().isoformat()}"
     planner_budget = (f"wall-clock limit {args.time_limit:g} s" if args.time_limit
                       else "deterministic budget"
                       + (f", {args.max_nodes} nodes" if args.max_nodes else ""))
     header = (f"# Planner vs brute force over the cost model\n\n"
               f"{len(rows)} scenarios ({'--quick' if args.quick else 'all'}"
+              f"{f', --random {args.random} --seed {args.seed}' if args.random is not None else ''}"
               f"{', --only ' + ' '.join(map(str, args.only)) if args.only else ''}), "
               f"planner: top_k 1, 1 CP-SAT worker, {planner_budget}; memory margin "
               f"{MEMORY_MARGIN:g}; {total_s:.0f} s wall. ratio = brute-force best step / "
