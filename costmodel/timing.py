@@ -911,7 +911,7 @@ class _LayerCost:
     compute_s: float
     """Forward, backward and recomputation of one layer (before ``compute_factor``)."""
     cp_s: float
-    """Its exposed context-parallel ring exchange."""
+    """Its exposed context-parallel ring exchange, beyond the device's wait for the host."""
     host_wait_s: float = 0.0
     """Part of ``compute_s``: waiting for the host to issue the kernels."""
 
@@ -965,10 +965,16 @@ class _StageCosts:
         moe, layer_mode = key
         compute, host_wait, core = _layer_compute(model, cluster, config, calibration,
                                                   framework, moe, layer_mode)
+        ring = _cp_comm_per_layer_s(model, config, self.links.cp, calibration,
+                                    attention_fwd_s=core, framework=framework,
+                                    recompute=layer_mode)
+        # two paths run side by side: the host issuing the layer's kernels, and the device
+        # running them and stalling where the ring's exchange is late; the layer takes the
+        # longer, max(host, kernels + stall) = kernels + wait + max(0, stall - wait): the
+        # device's wait for the host absorbs the stall (in the scaled time of ``compute``)
+        wait = host_wait * calibration.compute_factor(framework)
         cost = _LayerCost(compute_s=compute, host_wait_s=host_wait,
-                          cp_s=_cp_comm_per_layer_s(model, config, self.links.cp, calibration,
-                                                    attention_fwd_s=core, framework=framework,
-                                                    recompute=layer_mode))
+                          cp_s=max(0.0, ring - wait))
         self._layers[key] = cost
         return cost
 

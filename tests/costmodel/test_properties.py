@@ -276,14 +276,9 @@ def test_slower_nvlink_under_fsdp_counterexample(framework):
 @given(run=_runs(), part=st.sampled_from(["peak", "hbm"]), factor=st.floats(1.0, 8.0),
        framework=st.sampled_from(FRAMEWORKS))
 def test_step_time_never_grows_on_a_faster_gpu(run, part, factor, framework):
-    """More FLOP/s or more HBM bandwidth never slows a step. Context parallelism is left
-    out: where a layer is bound by the host issuing its kernels, the ring's exchange is hidden
-    behind the attention kernels' device time, which a faster GPU shortens while the layer's
-    time stays the host's (a known overstatement of the exposed ring traffic, under 0.5 % of
-    the step in the cases a randomised check found: TP 8 x CP 2 on 2,048-token sequences)."""
+    """More FLOP/s or more HBM bandwidth never slows a step, context parallelism included
+    (``test_host_bound_ring_counterexample``)."""
     model, cluster, config = run
-    if config.cp > 1:
-        reject()
     gpu = (dataclasses.replace(cluster.gpu, peak_flop_per_s={
         k: v * factor for k, v in cluster.gpu.peak_flop_per_s.items()}) if part == "peak"
         else dataclasses.replace(cluster.gpu,
@@ -291,6 +286,26 @@ def test_step_time_never_grows_on_a_faster_gpu(run, part, factor, framework):
     slow = estimate(model, cluster, config, framework=framework)
     fast = estimate(model, dataclasses.replace(cluster, gpu=gpu), config, framework=framework)
     assert _at_most(fast.time.step_s, slow.time.step_s), (slow.time, fast.time)
+
+
+def test_host_bound_ring_counterexample():
+    """Llama 2 7B on 2 DGX A100, TP 8 x CP 2, micro-batch 2 of 2,048 tokens, full
+    recomputation, meshplan's runtime: the layer waits on the host issuing its kernels. The
+    ring's exchange had been hidden behind the attention kernels' device time alone, so a GPU
+    with 8x the FLOP/s exposed more of it (21 -> 27 ms) and the step got 0.8 % slower
+    (0.590 -> 0.594 s). The device's wait for the host covers the stall too: with 91 ms of
+    wait against 21 ms of exchange, none of it is exposed."""
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-a100-80gb", nodes=2)
+    config = ParallelConfig(tp=8, cp=2, micro_batch_size=2, global_batch_size=4,
+                            seq_len=2048, recompute="full")
+    gpu = dataclasses.replace(cluster.gpu, peak_flop_per_s={
+        k: v * 8 for k, v in cluster.gpu.peak_flop_per_s.items()})
+    slow = estimate(model, cluster, config, framework="meshplan").time
+    fast = estimate(model, dataclasses.replace(cluster, gpu=gpu), config,
+                    framework="meshplan").time
+    assert slow.host_wait_s > 0 and fast.host_wait_s > slow.host_wait_s
+    assert slow.cp_comm_s == 0.0 and fast.cp_comm_s == 0.0
+    assert _at_most(fast.step_s, slow.step_s), (slow, fast)
 
 
 # ----- step time and recomputation ------------------------------------------------------------
