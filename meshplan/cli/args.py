@@ -57,18 +57,13 @@ def _number(text: str, *, accept: Callable[[float], bool], rule: str) -> float:
 
 
 def positive_float(text: str) -> float:
-    return _number(text, accept=lambda v: v > 0, rule="> 0")
-
-
-def nonnegative_float(text: str) -> float:
-    return _number(text, accept=lambda v: v >= 0, rule=">= 0")
-
-
-def finite_positive_float(text: str) -> float:
+    """A finite number > 0 (``inf`` is refused: no flag means "unlimited" by it, and sizes,
+    rates and timeouts are converted to integers or timedeltas, which it overflows)."""
     return _number(text, accept=lambda v: 0 < v < math.inf, rule="a finite number > 0")
 
 
-def finite_nonnegative_float(text: str) -> float:
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (see ``positive_float``)."""
     return _number(text, accept=lambda v: 0 <= v < math.inf, rule="a finite number >= 0")
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshplan.cli.args import (finite_nonnegative_float, finite_positive_float, positive_float,
-                               positive_int)
+from meshplan.cli.args import nonnegative_float, positive_float, positive_int
 from meshplan.cli.errors import EXIT_OK, UsageError
 from meshplan.cli.inputs import load_calibration_flag
 from meshplan.cli.output import print_json
@@ -33,15 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     group = parser.add_argument_group(
         "elasticity (what node failures cost; the other flags need --node-mtbf-hours)")
-    group.add_argument("--node-mtbf-hours", type=finite_positive_float, metavar="H",
+    group.add_argument("--node-mtbf-hours", type=positive_float, metavar="H",
                        help="mean time between failures of one node, hours; adds the section")
-    group.add_argument("--restart-s", type=finite_nonnegative_float, metavar="S",
+    group.add_argument("--restart-s", type=nonnegative_float, metavar="S",
                        help="failure detection, restart, rendezvous and worker start per "
                             f"failure (default {DEFAULT_RESTART_S:g})")
-    group.add_argument("--replan-s", type=finite_nonnegative_float, metavar="S",
+    group.add_argument("--replan-s", type=nonnegative_float, metavar="S",
                        help=f"the planner's time per failure (default {DEFAULT_REPLAN_S:g})")
     for way in ("read", "write"):
-        group.add_argument(f"--checkpoint-{way}-gb-per-s", type=finite_positive_float, metavar="GB",
+        group.add_argument(f"--checkpoint-{way}-gb-per-s", type=positive_float, metavar="GB",
                            help=f"checkpoint storage {way} bandwidth of one node, GB/s "
                                 f"(default {DEFAULT_STORAGE_BYTES_PER_S / BYTES_PER_GB:g})")
     group.add_argument("--checkpoint-every", type=positive_int, metavar="N",

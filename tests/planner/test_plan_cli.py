@@ -398,6 +398,9 @@ ONE_NODE = ["plan", *SMALL, "--nodes", "1"]
     ([*ONE_NODE, "--recompute", "sometimes"], ["sometimes"]),
     ([*ONE_NODE, "--objective", "money"], ["--objective"]),
     ([*ONE_NODE, "--train-tokens", "-5"], ["--train-tokens"]),
+    ([*ONE_NODE, "--host-memory-gib", "inf"], ["--host-memory-gib", "finite"]),
+    ([*ONE_NODE, "--nvme-gib", "inf"], ["--nvme-gib", "finite"]),
+    ([*ONE_NODE, "--time-limit", "inf"], ["--time-limit", "finite"]),
     ([*ONE_NODE, "--model", "no-such-model"], ["no-such-model"]),
     (["plan", "--model", "megatron-1.7b", *A100, "--nodes", "1"], ["--global-batch"]),
 ], ids=["split-vs-pp", "recompute-vs-pp", "recompute-vs-split", "split-sum",
@@ -405,7 +408,8 @@ ONE_NODE = ["plan", *SMALL, "--nodes", "1"]
         "batch-vs-pinned-tp-pp", "batch-no-dp-divides", "tp3", "nodes-0", "nodes-negative",
         "gpus-per-node-0", "gpus-per-node-negative", "time-limit-0", "time-limit-negative",
         "margin-1.5", "margin-1", "margin-negative", "top-0", "recompute-mode",
-        "objective", "train-tokens-negative", "model", "no-global-batch"])
+        "objective", "train-tokens-negative", "host-memory-inf", "nvme-inf", "time-limit-inf",
+        "model", "no-global-batch"])
 def test_bad_input_is_a_one_line_user_error(argv, words):
     line = usage_error(*argv)
     for word in words:
