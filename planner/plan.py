@@ -34,6 +34,7 @@ from meshplan.costmodel.jsonio import (Limit, Rule, check_object, count, load_js
 from meshplan.costmodel.model import MAX_LAYERS, MAX_SEQ_LEN
 from meshplan.costmodel.models import spec_from_dict
 from meshplan.costmodel.prediction import Prediction, prediction_from_dict
+from meshplan.planner.space import check_pins
 
 SCHEMA_VERSION = schema.PLAN_FILE
 CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero_stage", "offload", "offload_device",
@@ -162,6 +163,12 @@ def plan_from_dict(data: dict[str, Any], *, origin: str = "plan") -> Plan:
     if config.grad_accum_steps != data["grad_accum_steps"]:
         raise ValueError(f"{origin}: grad_accum_steps {data['grad_accum_steps']} does not equal "
                          f"global batch / (dp x micro-batch) = {config.grad_accum_steps}")
+    if "pinned" in data["provenance"]:  # the search's pins, which explain and replanning reuse
+        try:
+            check_pins(data["provenance"]["pinned"], global_batch_size=config.global_batch_size,
+                       seq_len=config.seq_len)
+        except ValueError as err:
+            raise ValueError(f"{origin}: provenance: {err}") from None
     prediction = prediction_from_dict(data["predicted"], origin=origin, path="predicted")
     plan = Plan(config=config, model=model, cluster=cluster, framework=data["framework"],
                 prediction=prediction, provenance=data["provenance"])

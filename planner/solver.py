@@ -55,6 +55,24 @@ class Infeasible(Exception):
     """No split and recompute choice fits in memory (proved by the solver)."""
 
 
+class BeyondRange(Infeasible):
+    """The candidate's step times overflow the solver's 64-bit nanoseconds (a step of
+    centuries, from rates off by orders of magnitude): it can never be the best plan, and
+    ``search`` skips it as it skips one that does not fit."""
+
+
+INT_RANGE = 2 ** 62
+"""What the model's largest linear expression may reach (CP-SAT's integers are 64-bit)."""
+
+
+def _check_range(bound: int, tables) -> None:
+    """BeyondRange unless a stage's time bound ``bound`` (ns), scaled as the objective scales
+    it (``_step_objective``; ``_build_counts``'s maxima allow 10 x bound + 1e12), fits."""
+    weight = tables.micro_batches * tables.vpp + len(tables.allowed) + 3 * tables.vpp
+    if (10 * bound + 10 ** 12) * weight >= INT_RANGE:
+        raise BeyondRange(f"a stage's time bound of {bound / 1e9:.3g} s overflows the solver")
+
+
 class NoSolutionInTime(Exception):
     """The time limit passed before any feasible split was found."""
 
@@ -236,6 +254,7 @@ def _build_per_stage(model: cp_model.CpModel, tables: CandidateTables) -> _Decod
                 extra += term.cost * k
                 bound += term.cost * most
             terms = dataclasses.replace(terms, dp_comm=terms.dp_comm + extra)
+        _check_range(bound, tables)
         big = max(big, bound)
         stages.append(_stage_time(model, terms, bound, i))
         y_all.append(y)
@@ -380,6 +399,7 @@ def _build_counts(model: cp_model.CpModel, tables: CandidateTables,
     model.Add(layers_used == tables.num_layers)
     bound = max([t.micro_total for t in terms.values()] + [
         t.micro_total for stage in ends for t in ends[stage][1].values()] + [0])
+    _check_range(bound, tables)
     tops = {name: model.NewIntVar(0, 10 * bound + 10**12, name)
             for name in ("micro_total", "dp_exposed", "optimizer", "offload_step")}
     middle_count = sum(len(g) for g in groups)
@@ -530,6 +550,7 @@ def solve_traced(tables: TracedTables, *, time_limit_s: float, seed: int = 0, wo
                 bound += term.cost * most
         if extra:
             terms = dataclasses.replace(terms, dp_comm=terms.dp_comm + sum(extra))
+        _check_range(bound, tables)
         big = max(big, bound)
         stages.append(_stage_time(model, terms, bound, i))
         y_all.append(y)

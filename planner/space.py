@@ -53,7 +53,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from meshplan.costmodel import ClusterSpec, ModelSpec, ParallelConfig
-from meshplan.costmodel.config import OFFLOAD_DEVICES, RECOMPUTE_MODES, check_run_settings
+from meshplan.costmodel.config import (MESH_AXES, OFFLOAD_DEVICES, OFFLOAD_MODES, RECOMPUTE_MODES,
+                                       check_run_settings)
 from meshplan.costmodel.layout import framework_layout_error
 
 MESH_ORDERS = (("tp", "cp", "dp", "pp"), ("tp", "cp", "pp", "dp"))
@@ -209,6 +210,54 @@ def space_with_pins(pins: dict, **fixed) -> SearchSpace:
     """A SearchSpace with ``pins`` (as ``pins_of`` writes them) and the ``fixed`` fields."""
     known = set(PIN_FIELDS) | set(SETTING_FIELDS) | {"recompute_modes", "memory_margin"}
     return SearchSpace(**fixed, **{k: _tupled(v) for k, v in pins.items() if k in known})
+
+
+def _is_int(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+_PIN_ITEMS = {
+    **{name: (lambda v: _is_int(v, 1), "positive integers")
+       for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch_size", "vpp", "layers_per_stage")},
+    "sp": (lambda v: isinstance(v, bool), "true or false"),
+    "zero_stage": (lambda v: _is_int(v, 0) and v <= 3, "ZeRO stages 0-3"),
+    "offload": (lambda v: v in OFFLOAD_MODES, f"among {', '.join(OFFLOAD_MODES)}"),
+    "offload_device": (lambda v: v in OFFLOAD_DEVICES, f"among {', '.join(OFFLOAD_DEVICES)}"),
+    "mesh_order": (lambda v: isinstance(v, list) and sorted(map(str, v)) == sorted(MESH_AXES)
+                   and all(isinstance(a, str) for a in v),
+                   f"orders of {', '.join(MESH_AXES)}"),
+    "recompute_pinned": (lambda v: v in RECOMPUTE_MODES, f"among {', '.join(RECOMPUTE_MODES)}"),
+    "recompute_modes": (lambda v: v in RECOMPUTE_MODES, f"among {', '.join(RECOMPUTE_MODES)}"),
+}
+"""What each list of ``pins_of`` may hold."""
+
+
+def check_pins(pins, *, global_batch_size: int, seq_len: int) -> None:
+    """Raise ValueError, naming the first bad entry, unless ``pins`` is what ``pins_of`` writes
+    (a plan file's ``provenance.pinned``, read back by ``explain`` and elastic replanning)."""
+    if not isinstance(pins, dict):
+        raise ValueError(f"pinned must be an object, got {pins!r}")
+    for name, value in pins.items():
+        if name in _PIN_ITEMS:
+            accept, what = _PIN_ITEMS[name]
+            if not isinstance(value, list) or not value or not all(
+                    isinstance(v, (int, str, list)) and accept(v) for v in value):
+                raise ValueError(f"pinned {name} must be a non-empty list of {what}, "
+                                 f"got {value!r}")
+        elif name == "memory_margin":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"pinned memory_margin must be a number, got {value!r}")
+        elif name in SETTING_FIELDS:
+            default = getattr(SearchSpace, name)
+            if type(value) is not type(default):
+                raise ValueError(f"pinned {name} must be {type(default).__name__}, "
+                                 f"got {value!r}")
+        else:
+            raise ValueError(f"pinned has an unknown choice {name!r}")
+    try:
+        space_with_pins(pins, global_batch_size=global_batch_size, seq_len=seq_len)
+    except ValueError as err:
+        raise ValueError(f"pinned: {err}") from None
 
 
 def pick(pinned: tuple | None, default: list) -> list:

@@ -166,6 +166,11 @@ def _edit(data: dict, **changes) -> dict:
     return {**json.loads(json.dumps(data)), **changes}
 
 
+def _pins(data: dict, pinned) -> dict:
+    """``data`` with ``provenance.pinned`` (the search's pins, which explain reuses) replaced."""
+    return _edit(data, provenance={**data["provenance"], "pinned": pinned})
+
+
 BAD_FILES = {
     "unknown-key": (lambda d: _edit(d, learning_rate=3e-4), ["unknown", "learning_rate"]),
     "missing-key": (lambda d: {k: v for k, v in d.items() if k != "zero_stage"},
@@ -176,6 +181,13 @@ BAD_FILES = {
     "model-not-object": (lambda d: _edit(d, model="megatron-1.7b"), ["model"]),
     "predicted-not-object": (lambda d: _edit(d, predicted=[]), ["predicted"]),
     "tp-string": (lambda d: _edit(d, tp="1"), ["tp"]),
+    # found by mutating plan files at random: explain fed these to its searches unchecked
+    "pins-not-object": (lambda d: _pins(d, ["tp"]), ["provenance", "pinned"]),
+    "pins-cp-nested": (lambda d: _pins(d, {"cp": [[]]}), ["pinned cp", "positive integers"]),
+    "pins-device-number": (lambda d: _pins(d, {"offload_device": 1.5}),
+                           ["pinned offload_device", "cpu"]),
+    "pins-unknown": (lambda d: _pins(d, {"learning_rate": [1]}), ["learning_rate"]),
+    "pins-setting-type": (lambda d: _pins(d, {"float8": "yes"}), ["pinned float8", "bool"]),
 }
 
 

@@ -211,6 +211,25 @@ def test_four_stages_infeasible_in_both_formulations(monkeypatch):
         solver.solve(four_stage(9), time_limit_s=10, deterministic_s=DETERMINISTIC_S)
 
 
+@pytest.mark.parametrize("per_layer_ns", [10 ** 17, 3 * 10 ** 19])
+def test_times_beyond_64_bits_are_skipped_as_no_plan(monkeypatch, per_layer_ns):
+    """A layer of 1e8 s or 3e10 s (a cluster file whose HBM rate is 1 byte/s): the objective
+    would overflow CP-SAT's 64-bit integers. The first came back as "no split within the time
+    limit" (CP-SAT refused the model), the second as a TypeError from ortools, which ended
+    ``meshplan explain`` in a traceback. The candidate is now refused as one that does not fit,
+    in both formulations."""
+    def huge(capacity):
+        tables = four_stage(capacity)
+        slow = [{mode: time_forms(linear=Linear(per_layer_ns, per_layer_ns)) for mode in stage}
+                for stage in tables.time_ns]
+        return dataclasses.replace(tables, time_ns=tuple(slow))
+    with pytest.raises(solver.BeyondRange):
+        solver.solve(huge(1000), time_limit_s=10, deterministic_s=DETERMINISTIC_S)
+    with per_stage_formulation(monkeypatch), pytest.raises(solver.BeyondRange):
+        solver.solve(huge(1000), time_limit_s=10, deterministic_s=DETERMINISTIC_S)
+    assert issubclass(solver.BeyondRange, solver.Infeasible)
+
+
 # ----- random integer tables: CP-SAT = enumeration, both formulations --------------------------
 ACT_BYTES = {"none": 34, "selective": 22, "full": 2}
 """Stored activation bytes per layer and micro-batch by mode (scaled below)."""
