@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,9 +197,32 @@ def stage_terms(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, 
     links = stage_links(cluster, config, stage)
     micro = stage_microbatch_time(model, cluster, config, calibration, stage, params=params,
                                   links=links, framework=framework)
-    return StageTerms(micro, *stage_once(model, cluster, config, stage, framework=framework,
-                                         calibration=calibration, compute_s=micro.compute_s,
-                                         params=params, links=links))
+    terms = StageTerms(micro, *stage_once(model, cluster, config, stage, framework=framework,
+                                          calibration=calibration, compute_s=micro.compute_s,
+                                          params=params, links=links))
+    _check_finite(terms, stage)
+    return terms
+
+
+MAX_TERM_S = 1e12
+"""The longest time term a prediction may hold (about 31,700 years): rates of 1e-300 bytes/s
+or latencies of 1e300 s are valid JSON numbers, but the times they give are infinite (no JSON
+document holds them) or too large for the planner's nanosecond integers, and no real machine
+gives them: a unit slip does."""
+
+
+def _check_finite(terms: StageTerms, stage: int) -> None:
+    """ValueError unless every time term of ``stage`` is finite and at most ``MAX_TERM_S``."""
+    values = {**{f"micro-batch {name}": value for name, value in vars(terms.micro).items()
+                 if isinstance(value, float)},
+              "dp_comm_s": terms.dp_comm_s, "dp_hidden_s": terms.dp_hidden_s,
+              "optimizer_s": terms.optimizer_s, "offload_s": terms.offload_s}
+    for name, value in values.items():
+        if not math.isfinite(value) or abs(value) > MAX_TERM_S:
+            raise ValueError(f"stage {stage}'s predicted {name} is {value:.3g} s, beyond "
+                             f"{MAX_TERM_S:.0e} s: a rate or efficiency of the cluster or "
+                             f"calibration is too small, or a latency too large (rates are "
+                             f"per second, latencies in seconds)")
 
 
 def stage_once(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig, stage: int, *,

@@ -285,6 +285,30 @@ def test_bad_cluster_file(tmp_path, case):
     assert usage_error(*estimate_args(cluster=path)) == f"meshplan: error: {path}: {message}"
 
 
+DP_ACROSS = ("--dp", "4", "--zero", "3")
+PP_ACROSS = ("--pp", "2", "--dp", "2")
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+@pytest.mark.parametrize("field, value, layout, term", [
+    ("nic_bytes_per_s", 1e-300, DP_ACROSS, "zero_comm_s"),  # infinite
+    ("nic_bytes_per_s", 1e-6, DP_ACROSS, "zero_comm_s"),  # 5e16 s: finite, absurd
+    ("nic_latency_s", 1e300, PP_ACROSS, "pp_comm_s"),  # finite, but not in nanoseconds
+    ("gpu", edited(GPU, peak_flop_per_s={"bf16": 1e-300}), DP_ACROSS, "compute_s")],
+    ids=["nic-rate-inf", "nic-rate-absurd", "nic-latency", "flops"])
+def test_rates_that_give_absurd_times_are_a_user_error(tmp_path, command, field, value, layout,
+                                                       term):
+    """Numbers the schema accepts (> 0, finite) that make a time infinite or absurd:
+    ``estimate --json`` printed ``Infinity`` (not JSON) and ``plan`` ended in an OverflowError
+    traceback. Now one line names the stage, the term and the limit (MAX_TERM_S, 1e12 s).
+    Llama 2 7B on 2 nodes of 2 GPUs, with data parallelism or the pipeline across the NIC
+    (collectives take the calibration's latencies, pipeline sends the cluster's)."""
+    path = write(tmp_path / "cluster.json", {**CLUSTER, "gpu": GPU, "nodes": 2, field: value})
+    line = usage_error(command, "--model", "llama2-7b", "--cluster", path, "--global-batch",
+                       "8", "--seq-len", "64", *layout)
+    assert "stage 0's predicted" in line and term in line and "beyond 1e+12 s" in line, line
+
+
 @pytest.mark.timeout(30)
 def test_absurd_node_count_fails_fast(tmp_path):
     path = write(tmp_path / "cluster.json", edited(CLUSTER, nodes=ABSURD))
