@@ -40,7 +40,7 @@ from meshplan.planner import solver as cpsat
 from meshplan.planner.bounds import (capacity_bound, micro_pieces, split_bound, stage_classes,
                                      stage_micro_terms, uniform_layers)
 from meshplan.planner.space import (CORE_MIN_CP_SEQ_LEN, MESH_ORDERS, SearchSpace, candidates,
-                                    degree_tuples, framework_refusal, layout_error,
+                                    degree_tuples, divisors, framework_refusal, layout_error,
                                     micro_batch_choices, offload_choices, pick, settings_of,
                                     vpp_choices, zero_choices)
 from meshplan.planner.tables import (CandidateTables, TracedTables, build_tables,
@@ -553,6 +553,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
     merged (``_search_exchanges``); ``stats["exchanges"]`` and ``stats["nodes_by_exchange"]``
     say which were searched and at what cost.
     """
+    refusal = vpp_refusal(model, cluster, space)
+    if refusal is not None:
+        raise ValueError(refusal)
     with _collector_paused():
         spaces = exchange_spaces(space, framework)
         if len(spaces) > 1:
@@ -564,6 +567,25 @@ def search(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, *, framew
         return _search(model, cluster, space, framework=framework, calibration=calibration,
                        top_k=top_k, time_limit_s=time_limit_s, seed=seed, workers=workers,
                        deterministic=deterministic, max_nodes=max_nodes, ceiling_s=ceiling_s)
+
+
+def vpp_refusal(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace) -> str | None:
+    """Why a pinned ``--vpp`` admits no configuration, or None: interleaving (v > 1) needs
+    pp >= 2 stages of v chunks each, so pp x v <= the model's layers, and a pinned v of 1
+    always has one. Without this the search finds nothing and the "no plan fits" diagnosis,
+    which samples layouts before their vpp, blamed memory."""
+    if space.vpp is None or 1 in space.vpp:
+        return None
+    stages = [p for p in (space.pp or divisors(cluster.num_gpus)) if p > 1]
+    fits = [(p, v) for p in stages for v in space.vpp if p * v <= model.num_layers]
+    if fits:
+        return None
+    most = max((model.num_layers // p for p in stages), default=0)
+    limit = (f"at most {most} with pp {min(stages)}" if most >= 2
+             else "no interleaving fits these stages")
+    return (f"--vpp {','.join(map(str, space.vpp))}: interleaving needs pp >= 2 stages of "
+            f"vpp chunks each, pp x vpp <= the model's {model.num_layers} layers: {limit}"
+            + ("" if stages else f" (no pp >= 2 divides the {cluster.num_gpus} GPUs)"))
 
 
 def searched_exchanges(space: SearchSpace, framework: str) -> tuple[str, ...]:

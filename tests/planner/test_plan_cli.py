@@ -401,6 +401,9 @@ ONE_NODE = ["plan", *SMALL, "--nodes", "1"]
     ([*ONE_NODE, "--host-memory-gib", "inf"], ["--host-memory-gib", "finite"]),
     ([*ONE_NODE, "--nvme-gib", "inf"], ["--nvme-gib", "finite"]),
     ([*ONE_NODE, "--time-limit", "inf"], ["--time-limit", "finite"]),
+    # no pp x vpp fits the 24 layers: the search found nothing and blamed host memory
+    ([*ONE_NODE, "--vpp", "13"], ["--vpp 13", "24 layers", "at most 12 with pp 2"]),
+    ([*ONE_NODE, "--pp", "4", "--vpp", "7"], ["--vpp 7", "at most 6 with pp 4"]),
     ([*ONE_NODE, "--model", "no-such-model"], ["no-such-model"]),
     (["plan", "--model", "megatron-1.7b", *A100, "--nodes", "1"], ["--global-batch"]),
 ], ids=["split-vs-pp", "recompute-vs-pp", "recompute-vs-split", "split-sum",
@@ -408,7 +411,7 @@ ONE_NODE = ["plan", *SMALL, "--nodes", "1"]
         "batch-vs-pinned-tp-pp", "batch-no-dp-divides", "tp3", "nodes-0", "nodes-negative",
         "gpus-per-node-0", "gpus-per-node-negative", "time-limit-0", "time-limit-negative",
         "margin-1.5", "margin-1", "margin-negative", "top-0", "recompute-mode",
-        "objective", "train-tokens-negative", "host-memory-inf", "nvme-inf", "time-limit-inf",
+        "objective", "train-tokens-negative", "host-memory-inf", "nvme-inf", "time-limit-inf", "vpp-13", "vpp-7-pp4",
         "model", "no-global-batch"])
 def test_bad_input_is_a_one_line_user_error(argv, words):
     line = usage_error(*argv)
