@@ -411,7 +411,8 @@ ONE_NODE = ["plan", *SMALL, "--nodes", "1"]
         "batch-vs-pinned-tp-pp", "batch-no-dp-divides", "tp3", "nodes-0", "nodes-negative",
         "gpus-per-node-0", "gpus-per-node-negative", "time-limit-0", "time-limit-negative",
         "margin-1.5", "margin-1", "margin-negative", "top-0", "recompute-mode",
-        "objective", "train-tokens-negative", "host-memory-inf", "nvme-inf", "time-limit-inf", "vpp-13", "vpp-7-pp4",
+        "objective", "train-tokens-negative", "host-memory-inf", "nvme-inf", "time-limit-inf",
+        "vpp-13", "vpp-7-pp4",
         "model", "no-global-batch"])
 def test_bad_input_is_a_one_line_user_error(argv, words):
     line = usage_error(*argv)
