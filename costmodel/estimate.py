@@ -212,8 +212,14 @@ gives them: a unit slip does."""
 
 
 def _check_finite(terms: StageTerms, stage: int) -> None:
-    """ValueError unless every time term of ``stage`` is finite and at most ``MAX_TERM_S``."""
-    values = {**{f"micro-batch {name}": value for name, value in vars(terms.micro).items()
+    """ValueError unless every time term of ``stage`` is finite and at most ``MAX_TERM_S``
+    (on the planner's hot path: the names are built only for a term that fails)."""
+    micro = vars(terms.micro)
+    once = (terms.dp_comm_s, terms.dp_hidden_s, terms.optimizer_s, terms.offload_s)
+    if all(abs(v) <= MAX_TERM_S for v in once) and all(
+            abs(v) <= MAX_TERM_S for v in micro.values() if isinstance(v, float)):
+        return  # NaN and infinity fail the comparison
+    values = {**{f"micro-batch {name}": value for name, value in micro.items()
                  if isinstance(value, float)},
               "dp_comm_s": terms.dp_comm_s, "dp_hidden_s": terms.dp_hidden_s,
               "optimizer_s": terms.optimizer_s, "offload_s": terms.offload_s}
